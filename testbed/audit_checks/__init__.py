@@ -1,0 +1,13 @@
+"""Independent re-derivation of result rows, one module per analysis.
+
+Like :mod:`testbed.audit`, these modules import only the standard library and numpy (never the
+testbed's quantizers, attention or metrics): they decode the stored packed arrays with their own
+code and recompute every reported number in float64. ``CHECKS`` maps an analysis name to a
+function ``check(row, ctx) -> None`` that reports problems through ``ctx.fail``.
+"""
+
+from . import residual_window
+
+CHECKS = {"residual_window": residual_window.check}
+
+__all__ = ["CHECKS"]

@@ -1,0 +1,136 @@
+"""The `Case`: the one currency between sources and analyses.
+
+A Case holds the post-RoPE queries, keys and values of one attention call together with the
+layout of the key axis (named contiguous regions in physical order, e.g. ``sink | middle |
+recent | current``), the key-axis position of every query (for the causal mask) and free-form
+metadata. Nothing downstream knows whether it came from the synthetic generator or a capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Region", "Case", "validate_tensor"]
+
+
+def validate_tensor(x: Any, name: str, *, rank: int | None = None, min_rank: int | None = None) -> torch.Tensor:
+    """Refuse anything that is not a finite, non-empty floating tensor of the expected rank.
+
+    The error names the tensor and, for NaN/Inf, the first offending index, so a researcher can
+    find the bad value without a debugger.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if rank is not None and x.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank}, got shape {tuple(x.shape)}")
+    if min_rank is not None and x.dim() < min_rank:
+        raise ValueError(f"{name}: expected at least rank {min_rank}, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name}: tensor is empty (shape {tuple(x.shape)})")
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite, as_tuple=False)[0].tolist()
+        value = x[tuple(bad)].item()
+        raise ValueError(f"{name}: non-finite value {value} at index {tuple(bad)}")
+    return x
+
+
+@dataclass(frozen=True)
+class Region:
+    """A named contiguous span ``[start, stop)`` of the key axis."""
+
+    name: str
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "start": self.start, "stop": self.stop}
+
+
+@dataclass
+class Case:
+    """One attention call: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` with ``H % H_kv == 0`` (GQA).
+
+    ``query_positions[i]`` is the key-axis index of query ``i``; with ``causal=True`` query ``i``
+    sees keys ``0 .. query_positions[i]``. ``layout`` covers ``[0, Tk)`` with contiguous regions.
+    """
+
+    id: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_positions: torch.Tensor
+    causal: bool
+    layout: tuple[Region, ...]
+    tokens_per_frame: int | None = None
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.id or "/" in self.id or ".." in self.id:
+            raise ValueError(f"case id {self.id!r} must be a non-empty name without '/' or '..'")
+        validate_tensor(self.q, f"{self.id}.q", rank=3)
+        validate_tensor(self.k, f"{self.id}.k", rank=3)
+        validate_tensor(self.v, f"{self.id}.v", rank=3)
+        h, tq, d = self.q.shape
+        hkv, tk, dk = self.k.shape
+        if self.v.shape != self.k.shape:
+            raise ValueError(f"{self.id}: k {tuple(self.k.shape)} and v {tuple(self.v.shape)} differ in shape")
+        if dk != d:
+            raise ValueError(f"{self.id}: head dim of q ({d}) and k ({dk}) differ")
+        if h % hkv != 0:
+            raise ValueError(f"{self.id}: {h} query heads are not a multiple of {hkv} KV heads")
+        qp = self.query_positions
+        if not isinstance(qp, torch.Tensor) or qp.dim() != 1 or qp.numel() != tq or qp.is_floating_point():
+            raise ValueError(f"{self.id}: query_positions must be an integer tensor of shape [{tq}]")
+        if int(qp.min()) < 0 or int(qp.max()) >= tk:
+            raise ValueError(f"{self.id}: query_positions must lie in [0, {tk})")
+        self.layout = tuple(self.layout)
+        pos = 0
+        names = set()
+        for r in self.layout:
+            if r.start != pos or r.stop < r.start:
+                raise ValueError(f"{self.id}: layout is not contiguous at region {r.name!r} ({r.start}..{r.stop}, expected start {pos})")
+            if r.name in names:
+                raise ValueError(f"{self.id}: region {r.name!r} appears twice in the layout")
+            names.add(r.name)
+            pos = r.stop
+        if pos != tk:
+            raise ValueError(f"{self.id}: layout covers [0, {pos}) but the key axis has {tk} keys")
+        if self.tokens_per_frame is not None and (self.tokens_per_frame <= 0 or tk % self.tokens_per_frame):
+            raise ValueError(f"{self.id}: tokens_per_frame={self.tokens_per_frame} does not divide {tk} keys")
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def keys(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def head_map(self) -> list[int]:
+        """KV head used by each query head (GQA: consecutive query heads share a KV head)."""
+        group = self.heads // self.kv_heads
+        return [h // group for h in range(self.heads)]
+
+    def region(self, name: str) -> Region | None:
+        for r in self.layout:
+            if r.name == name:
+                return r
+        return None
+
+    def layout_json(self) -> list[dict]:
+        return [r.to_json() for r in self.layout]

@@ -1,0 +1,127 @@
+"""The evidence store: every array saved as ``.npy`` with its nbytes, dtype, shape and SHA-256.
+
+Layout of one run (DESIGN.md)::
+
+    manifest.json  protocol(s) + sha256, source hashes (LF-normalized), environment,
+                   arrays {relpath: {sha256, nbytes, dtype, shape}}, files {relpath: sha256},
+                   gates, excluded
+    protocols/NAME.json   each frozen protocol, byte for byte
+    results.json   {"cases": {...}, "rows": [...]}
+    timings.json   raw per-call timings
+    report.md      tables
+    arrays/...     .npy only
+
+The SHA-256 of an array is the hash of its ``.npy`` file as written (header included), so the
+audit can check the file before parsing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["ArrayStore", "sha256_file", "sha256_bytes", "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
+SCHEMA_VERSION = 1
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    text = json.dumps(obj, indent=1, sort_keys=False, allow_nan=True) + "\n"
+    Path(path).write_text(text, encoding="utf-8")
+
+
+class ArrayStore:
+    """Writes arrays under ``root/arrays`` and remembers their hashes for the manifest."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.entries: dict[str, dict] = {}
+
+    def save(self, relpath: str, array) -> str:
+        """Save ``array`` (numpy or torch) as ``arrays/<relpath>.npy``; returns the run-relative path."""
+        if isinstance(array, torch.Tensor):
+            array = array.detach().cpu().numpy()
+        array = np.ascontiguousarray(array)
+        if array.dtype == object:
+            raise ValueError(f"{relpath}: object arrays cannot be stored")
+        rel = f"arrays/{relpath}.npy"
+        if rel in self.entries:
+            raise ValueError(f"{rel}: stored twice in one run")
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise ValueError(f"{rel}: array paths must stay inside the run")
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        self.entries[rel] = {
+            "sha256": sha256_file(path),
+            "nbytes": int(array.nbytes),
+            "dtype": array.dtype.str,
+            "shape": list(array.shape),
+        }
+        return rel
+
+    def save_packed(self, prefix: str, packed) -> dict[str, str]:
+        """Save every array of a `Packed`; returns {array name: run-relative path}."""
+        return {name: self.save(f"{prefix}/{name}", arr) for name, arr in packed.arrays.items()}
+
+
+def _lf_normalized_sha256(path: Path) -> str:
+    return sha256_bytes(path.read_bytes().replace(b"\r\n", b"\n"))
+
+
+def source_hashes(root: Path = REPO_ROOT) -> dict[str, str]:
+    """SHA-256 of the LF-normalized text of every source file that feeds a run."""
+    out = {}
+    for pattern in SOURCE_GLOBS:
+        for p in sorted(root.glob(pattern)):
+            if p.is_file() and "__pycache__" not in p.parts:
+                out[p.relative_to(root).as_posix()] = _lf_normalized_sha256(p)
+    return dict(sorted(out.items()))
+
+
+def environment() -> dict:
+    env = {
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                      "OPENBLAS_CORETYPE") if os.environ.get(k) is not None},
+    }
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,14 @@
+"""Packed KV quantizers: one small class per scheme, every stored byte accounted for.
+
+Registered schemes (stable names) are listed by :func:`names`; each passes the shared
+property-based test matrix in ``tests/quant/``.
+"""
+
+from .base import Packed, Quantizer, from_config, get, names, register, register_kind
+from .intgrouped import Int2Grouped, Int4Grouped, Int8Grouped, IntGrouped
+from .residual import ResidualWindow
+
+__all__ = [
+    "Packed", "Quantizer", "from_config", "get", "names", "register", "register_kind",
+    "IntGrouped", "Int2Grouped", "Int4Grouped", "Int8Grouped", "ResidualWindow",
+]

@@ -1,0 +1,142 @@
+"""Asymmetric min-max integer quantization in groups (the KIVI layout).
+
+K is quantized per channel (each feature channel, groups of G consecutive tokens: ``axis =
+"channel"``), V per token (each token, groups of G consecutive features: ``axis = "token"``),
+following KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache"): key outliers are channel-wise, value error is token-local.
+
+Per group: ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, both stored as float16;
+codes are ``round((x - zero16) / scale16)`` (round half to even) clamped to ``[0, 2**bits-1]``,
+and ``x_hat = code * scale16 + zero16`` in float32. A degenerate group (max == min) stores
+scale 0 and code 0 and decodes to ``zero16`` without any division. Quantized spans are padded
+to whole groups by repeating the edge value (so the padding never widens a group's range); the
+padding codes are stored and counted in ``nbytes``.
+
+Stored arrays (all append-friendly along the token axis):
+
+- ``codes``  uint8 ``[..., T_pad, ceil(D * bits / 8)]`` (channel) or ``[..., T, ceil(D_pad * bits / 8)]`` (token)
+- ``scale``, ``zero``  float16 ``[..., T_pad / G, D]`` (channel) or ``[..., T, D_pad / G]`` (token)
+- ``header`` int64 ``[2]`` = (T, D)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Packed, Quantizer, check_input, make_header, register, register_kind
+from .packing import pack_codes, unpack_codes
+
+__all__ = ["IntGrouped", "Int2Grouped", "Int4Grouped", "Int8Grouped"]
+
+_FP16_MAX = 65504.0
+
+
+def _pad_edge(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    n = x.shape[dim]
+    pad = (-n) % multiple
+    if not pad:
+        return x
+    edge = x.narrow(dim, n - 1, 1)
+    reps = [1] * x.dim()
+    reps[dim] = pad
+    return torch.cat([x, edge.repeat(reps)], dim=dim)
+
+
+class IntGrouped(Quantizer):
+    """``bits``-bit asymmetric grouped quantization along ``axis`` in groups of ``group_size``."""
+
+    def __init__(self, bits: int = 4, group_size: int = 32, axis: str = "channel"):
+        if bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
+        if not isinstance(group_size, int) or group_size < 2 or group_size & (group_size - 1):
+            raise ValueError(f"group_size must be a power of two >= 2, got {group_size!r}")
+        if axis not in ("channel", "token"):
+            raise ValueError(f"axis must be 'channel' (K: groups of tokens) or 'token' (V: groups of features), got {axis!r}")
+        self.bits = bits
+        self.group_size = group_size
+        self.axis = axis
+        self.qmax = (1 << bits) - 1
+        self.name = f"int{bits}_grouped_{axis}_g{group_size}"
+
+    def config(self) -> dict:
+        return {"kind": "int_grouped", "bits": self.bits, "group_size": self.group_size, "axis": self.axis}
+
+    def __repr__(self) -> str:
+        return f"IntGrouped(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """View of the padded tensor with the group members on the second-to-last (channel) or last (token) axis."""
+        g = self.group_size
+        if self.axis == "channel":
+            xp = _pad_edge(x, -2, g)
+            return xp.reshape(*xp.shape[:-2], xp.shape[-2] // g, g, xp.shape[-1])
+        xp = _pad_edge(x, -1, g)
+        return xp.reshape(*xp.shape[:-1], xp.shape[-1] // g, g)
+
+    def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
+        check_input(x, name)
+        n, d = x.shape[-2], x.shape[-1]
+        xf = x.detach().to(torch.float32)
+        grouped = self._grouped(xf)
+        red = -2 if self.axis == "channel" else -1
+        mn = grouped.amin(dim=red)
+        mx = grouped.amax(dim=red)
+        scale16 = ((mx - mn) / self.qmax).to(torch.float16)
+        zero16 = mn.to(torch.float16)
+        if bool(torch.isinf(scale16).any()) or bool(torch.isinf(zero16).any()):
+            raise ValueError(
+                f"{name}: a group's range or minimum exceeds float16 (|value| or max-min above {_FP16_MAX:g}); "
+                "the float16 scale/zero-point cannot represent it"
+            )
+        s = scale16.to(torch.float32).unsqueeze(red)
+        z = zero16.to(torch.float32).unsqueeze(red)
+        live = s > 0
+        codes = torch.where(live, torch.round((grouped - z) / torch.where(live, s, torch.ones_like(s))), torch.zeros_like(grouped))
+        codes = codes.clamp_(0, self.qmax).to(torch.uint8)
+        if self.axis == "channel":
+            codes = codes.reshape(*codes.shape[:-3], -1, d)
+        else:
+            codes = codes.reshape(*codes.shape[:-2], -1)
+        tensors = {
+            "codes": pack_codes(codes, self.bits),
+            "scale": scale16,
+            "zero": zero16,
+            "header": make_header(n, d, x.device),
+        }
+        return Packed(self.name, tuple(x.shape), x.dtype, tensors, self.config())
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        self._check_packed(p)
+        *lead, n, d = p.shape
+        g = self.group_size
+        scale = p.tensors["scale"].to(torch.float32)
+        zero = p.tensors["zero"].to(torch.float32)
+        if self.axis == "channel":
+            n_pad = scale.shape[-2] * g
+            codes = unpack_codes(p.tensors["codes"], self.bits, d).reshape(*lead, n_pad // g, g, d)
+            x = codes.to(torch.float32) * scale.unsqueeze(-2) + zero.unsqueeze(-2)
+            x = x.reshape(*lead, n_pad, d)[..., :n, :]
+        else:
+            d_pad = scale.shape[-1] * g
+            codes = unpack_codes(p.tensors["codes"], self.bits, d_pad).reshape(*lead, n, d_pad // g, g)
+            x = codes.to(torch.float32) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+            x = x.reshape(*lead, n, d_pad)[..., :d]
+        return x.to(p.dtype)
+
+
+def Int2Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+    return IntGrouped(2, group_size, axis)
+
+
+def Int4Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+    return IntGrouped(4, group_size, axis)
+
+
+def Int8Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+    return IntGrouped(8, group_size, axis)
+
+
+register_kind("int_grouped", IntGrouped)
+for _bits in (2, 4, 8):
+    for _axis in ("channel", "token"):
+        register(f"int{_bits}_grouped_{_axis}_g32", (lambda b=_bits, a=_axis: IntGrouped(b, 32, a)))

@@ -1,0 +1,11 @@
+"""Sources of `Case`s. Each source module has ``validate(params, where)`` and ``cases(params, ctx)``.
+
+Heavy dependencies (transformers for capture) are imported inside the functions that need them,
+so a protocol that does not use a source never pays for it.
+"""
+
+from . import synthetic
+
+SOURCES = {"synthetic": synthetic}
+
+__all__ = ["SOURCES"]

@@ -1,0 +1,92 @@
+"""Synthetic attention with controlled structure.
+
+From one seeded base array per (seed, N) -- ``q [H, Tq, D]``, ``k, v [H_kv, N, D]``, standard
+normal float32 -- three distributions that differ only in the first channel of Q and K:
+
+- ``clean``: the base array untouched;
+- ``early_focus``: channel 0 of every query is set to ``a`` and channel 0 of the earliest
+  ``focus_tokens`` keys to ``a``, with ``a = sqrt(focus_logit * sqrt(D))``, so those keys gain
+  ``focus_logit`` in their scaled logit;
+- ``recent_focus``: the same for the most recent ``focus_tokens`` keys.
+
+The other channels keep their random differences, so the attention is focused, not one-hot.
+This mirrors the early-/recent-focus design of the residual-window seed study (seed 001). The
+queries are decode-style: every query sees the whole cache (``causal=False``, position N-1).
+The layout is ``sink (first focus_tokens) | middle | recent (last focus_tokens)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+from ..case import Case, Region
+from ..protocol import check_object
+
+__all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases"]
+
+DISTRIBUTIONS = ("clean", "early_focus", "recent_focus")
+
+
+def base_arrays(seed: int, n: int, head_dim: int, queries: int, heads: int = 1, kv_heads: int = 1):
+    """The seeded base ``(q, k, v)``; identical for every distribution of the same (seed, n)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + n)
+    q = torch.randn(heads, queries, head_dim, generator=g, dtype=torch.float32)
+    k = torch.randn(kv_heads, n, head_dim, generator=g, dtype=torch.float32)
+    v = torch.randn(kv_heads, n, head_dim, generator=g, dtype=torch.float32)
+    return q, k, v
+
+
+def make_case(distribution: str, seed: int, n: int, head_dim: int = 32, queries: int = 8, heads: int = 1,
+              kv_heads: int = 1, focus_tokens: int = 16, focus_logit: float = 4.0) -> Case:
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    if not 0 < 2 * focus_tokens <= n:
+        raise ValueError(f"focus_tokens={focus_tokens} needs 2*focus_tokens <= n={n}")
+    q, k, v = base_arrays(seed, n, head_dim, queries, heads, kv_heads)
+    a = math.sqrt(focus_logit * math.sqrt(head_dim))
+    focus = None
+    if distribution == "early_focus":
+        focus = (0, focus_tokens)
+    elif distribution == "recent_focus":
+        focus = (n - focus_tokens, n)
+    if focus is not None:
+        q[..., 0] = a
+        k[:, focus[0]:focus[1], 0] = a
+    layout = (Region("sink", 0, focus_tokens), Region("middle", focus_tokens, n - focus_tokens), Region("recent", n - focus_tokens, n))
+    return Case(
+        id=f"{distribution}-s{seed}-n{n}",
+        q=q, k=k, v=v,
+        query_positions=torch.full((queries,), n - 1, dtype=torch.int64),
+        causal=False,
+        layout=layout,
+        meta={"source": "synthetic", "distribution": distribution, "seed": seed, "n": n, "head_dim": head_dim,
+              "focus_tokens": focus_tokens, "focus_logit": focus_logit,
+              "focus_span": list(focus) if focus else None},
+    )
+
+
+def validate(params: dict, where: str) -> dict:
+    return check_object(params, where, required={
+        "kind": ("choice", ("synthetic",)),
+        "seeds": ("list", int, 1),
+        "lengths": ("list", ("range", int, 2, 1 << 20), 1),
+        "distributions": ("list", ("choice", DISTRIBUTIONS), 1),
+    }, optional={
+        "head_dim": (("range", int, 1, 4096), 32),
+        "queries": (("range", int, 1, 1 << 16), 8),
+        "heads": (("range", int, 1, 256), 1),
+        "kv_heads": (("range", int, 1, 256), 1),
+        "focus_tokens": (("range", int, 1, 1 << 16), 16),
+        "focus_logit": (("range", float, 0.0, 100.0), 4.0),
+    })
+
+
+def cases(params: dict, ctx=None) -> Iterator[Case]:
+    for seed in params["seeds"]:
+        for n in params["lengths"]:
+            for dist in params["distributions"]:
+                yield make_case(dist, seed, n, params["head_dim"], params["queries"], params["heads"],
+                                params["kv_heads"], params["focus_tokens"], params["focus_logit"])
