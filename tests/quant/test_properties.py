@@ -1,0 +1,159 @@
+"""The shared property matrix: every registered quantizer must obey these laws (hypothesis).
+
+Laws: shape and dtype kept; determinism; exact ``nbytes`` (the sum of the stored arrays, equal to
+the closed-form size written out below per scheme kind, *not* taken from the implementation);
+the error within the scheme's own stated bound (written out below per kind); idempotence on
+already-quantized data (re-quantizing the decoded tensor gives the same decoded tensor); NaN /
+Inf refused with the tensor's name and the index. Scheme-specific laws live beside their scheme.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from testbed import quant
+
+SCHEMES = quant.names()
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def nbytes_int_grouped(cfg: dict, shape: tuple) -> int:
+    """Codes ``bits`` per element over the group-padded axis, packed to whole bytes per row; a float16
+    scale and a float16 zero per group; the 16-byte (N, D) header."""
+    *lead, n, d = shape
+    heads = math.prod(lead)
+    bits, g = cfg["bits"], cfg["group_size"]
+    if cfg["axis"] == "channel":
+        rows, per_row, groups = _ceil_to(n, g), d, (_ceil_to(n, g) // g) * d
+    else:
+        rows, per_row, groups = n, _ceil_to(d, g), n * (_ceil_to(d, g) // g)
+    code_bytes = rows * (-(-per_row * bits // 8))
+    return heads * (code_bytes + groups * (2 + 2)) + 16
+
+
+def _groups(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The groups of ``x`` (float64) as the last axis, edge-padded like the scheme documents."""
+    g = cfg["group_size"]
+    xt = x.to(torch.float64)
+    xt = xt.transpose(-1, -2) if cfg["axis"] == "channel" else xt
+    pad = _ceil_to(xt.shape[-1], g) - xt.shape[-1]
+    xp = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], pad)], dim=-1) if pad else xt
+    return xp.reshape(*xp.shape[:-1], -1, g)
+
+
+def int_grouped_grid_holds(x: torch.Tensor, cfg: dict) -> bool:
+    """Idempotence precondition: in every group the float16 zero-point lands within half a step of
+    the minimum and the top code within half a step of the maximum, so the decoded group spans
+    codes 0..qmax exactly and re-quantizing finds the same grid. Narrow groups far from zero break
+    it (the float16 rounding of the minimum exceeds half a step): they stay within the error bound,
+    but the grid moves."""
+    grp = _groups(x, cfg)
+    qmax = (1 << cfg["bits"]) - 1
+    mn, mx = grp.amin(-1).float(), grp.amax(-1).float()
+    s16 = ((mx - mn) / qmax).half().double()
+    z16 = mn.half().double()
+    live = s16 > 0
+    ok_lo = (mn.double() - z16).abs() < 0.45 * s16
+    ok_hi = (mx.double() - (z16 + qmax * s16)).abs() < 0.45 * s16
+    return bool(((ok_lo & ok_hi) | ~live).all())
+
+
+def bound_int_grouped(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Half a quantization step plus the float16 rounding of the group's min and range."""
+    grp = _groups(x, cfg)
+    mn, mx = grp.amin(-1, keepdim=True), grp.amax(-1, keepdim=True)
+    step = (mx - mn) / ((1 << cfg["bits"]) - 1)
+    b = 0.5 * step * (1 + 2 ** -10) + 2 ** -10 * (mn.abs() + (mx - mn)) + 1e-30
+    n = x.shape[-2] if cfg["axis"] == "channel" else x.shape[-1]
+    b = b.expand_as(grp).reshape(*grp.shape[:-2], -1)[..., :n]
+    return b.transpose(-1, -2) if cfg["axis"] == "channel" else b
+
+
+NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped}
+ERROR_BOUND = {"int_grouped": bound_int_grouped}
+IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds}
+
+
+@st.composite
+def tensors(draw, max_tokens=80, max_dim=72):
+    lead = draw(st.sampled_from([(), (1,), (3,)]))
+    n = draw(st.integers(1, max_tokens))
+    d = draw(st.integers(1, max_dim))
+    seed = draw(st.integers(0, 2**31 - 1))
+    log_scale = draw(st.floats(-6, 6))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, n, d, generator=g) * (2.0 ** log_scale)
+    if draw(st.booleans()):
+        x = x + draw(st.floats(-8, 8))
+    if draw(st.integers(0, 5)) == 0:
+        x[..., : max(1, n // 2), :] = draw(st.floats(-2, 2))  # constant (degenerate) groups
+    return x
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@SETTINGS
+@given(x=tensors())
+def test_shape_dtype_nbytes_and_determinism(scheme, x):
+    q = quant.get(scheme)
+    p = q.quantize(x)
+    x_hat = q.dequantize(p)
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    assert p.nbytes == sum(a.nbytes for a in p.arrays.values())
+    assert p.nbytes == NBYTES_FORMULA[q.config()["kind"]](q.config(), tuple(x.shape))
+    p2 = q.quantize(x.clone())
+    assert p.arrays.keys() == p2.arrays.keys()
+    for name in p.arrays:
+        assert np.array_equal(p.arrays[name], p2.arrays[name]), name
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@SETTINGS
+@given(x=tensors())
+def test_error_within_stated_bound(scheme, x):
+    q = quant.get(scheme)
+    x_hat = q.dequantize(q.quantize(x))
+    bound = ERROR_BOUND[q.config()["kind"]](x, q.config())
+    err = (x_hat.to(torch.float64) - x.to(torch.float64)).abs()
+    worst = (err - bound).max()
+    assert worst <= 0, f"error exceeds the bound by {float(worst):.3g}"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@SETTINGS
+@given(x=tensors())
+def test_idempotent_on_quantized_data(scheme, x):
+    q = quant.get(scheme)
+    cfg = q.config()
+    x1 = q.dequantize(q.quantize(x))
+    x2 = q.dequantize(q.quantize(x1))
+    if IDEMPOTENT_WHEN.get(cfg["kind"], lambda *_: True)(x, cfg):
+        assert torch.equal(x1, x2)
+    else:  # the documented exception still respects the bound around the first decode
+        bound = ERROR_BOUND[cfg["kind"]](x1, cfg)
+        assert bool(((x2.double() - x1.double()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_refused_with_name_and_index(scheme, bad):
+    x = torch.randn(2, 40, 32)
+    x[1, 7, 3] = bad
+    with pytest.raises(ValueError, match=r"x: non-finite value .* at index \(1, 7, 3\)"):
+        quant.get(scheme).quantize(x)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", [(0, 32), (4, 0), (5,)])
+def test_empty_and_wrong_rank_refused(scheme, shape):
+    with pytest.raises(ValueError):
+        quant.get(scheme).quantize(torch.zeros(shape))
