@@ -16,11 +16,13 @@ import torch
 __all__ = ["Region", "Case", "validate_tensor"]
 
 
-def validate_tensor(x: Any, name: str, *, rank: int | None = None, min_rank: int | None = None) -> torch.Tensor:
+def validate_tensor(x: Any, name: str, *, rank: int | None = None, min_rank: int | None = None,
+                    finite: bool = True) -> torch.Tensor:
     """Refuse anything that is not a finite, non-empty floating tensor of the expected rank.
 
     The error names the tensor and, for NaN/Inf, the first offending index, so a researcher can
-    find the bad value without a debugger.
+    find the bad value without a debugger. ``finite=False`` skips the finiteness scan, for callers
+    (the fused kernels) that detect non-finite values during their own pass and then call again.
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -32,9 +34,11 @@ def validate_tensor(x: Any, name: str, *, rank: int | None = None, min_rank: int
         raise ValueError(f"{name}: expected at least rank {min_rank}, got shape {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"{name}: tensor is empty (shape {tuple(x.shape)})")
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
-        bad = torch.nonzero(~finite, as_tuple=False)[0].tolist()
+    if not finite:
+        return x
+    ok = torch.isfinite(x)
+    if not bool(ok.all()):
+        bad = torch.nonzero(~ok, as_tuple=False)[0].tolist()
         value = x[tuple(bad)].item()
         raise ValueError(f"{name}: non-finite value {value} at index {tuple(bad)}")
     return x
