@@ -4,8 +4,8 @@ Heavy dependencies (transformers for capture) are imported inside the functions 
 so a protocol that does not use a source never pays for it.
 """
 
-from . import synthetic
+from . import capture, synthetic, traces
 
-SOURCES = {"synthetic": synthetic}
+SOURCES = {"synthetic": synthetic, "capture": capture, "trace": traces}
 
 __all__ = ["SOURCES"]

