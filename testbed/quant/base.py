@@ -27,9 +27,12 @@ def make_header(n: int, d: int, device: torch.device | str = "cpu") -> torch.Ten
     return torch.tensor([n, d], dtype=torch.int64, device=device)
 
 
-def check_input(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Shared input rules for every scheme: finite, non-empty, floating, at least [T, D]."""
-    return validate_tensor(x, name, min_rank=2)
+def check_input(x: torch.Tensor, name: str, *, finite: bool = True) -> torch.Tensor:
+    """Shared input rules for every scheme: finite, non-empty, floating, at least [T, D].
+
+    ``finite=False`` is for fused kernels that flag non-finite values in their own pass and call
+    again with the default to raise the error naming the first bad index."""
+    return validate_tensor(x, name, min_rank=2, finite=finite)
 
 
 @dataclass

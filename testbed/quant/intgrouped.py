@@ -21,8 +21,10 @@ Stored arrays (all append-friendly along the token axis):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from . import kernels
 from .base import Packed, Quantizer, check_input, make_header, register, register_kind
 from .packing import pack_codes, unpack_codes
 
@@ -74,6 +76,38 @@ class IntGrouped(Quantizer):
         return xp.reshape(*xp.shape[:-1], xp.shape[-1] // g, g)
 
     def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
+        """Quantize ``x [..., T, D]``; the fused kernel serves large CPU tensors, bit-identical."""
+        if kernels.use_fast(x):
+            return self._quantize_fast(x, name)
+        return self.quantize_reference(x, name=name)
+
+    def _overflow(self, name: str) -> ValueError:
+        return ValueError(
+            f"{name}: a group's range or minimum exceeds float16 (|value| or max-min above {_FP16_MAX:g}); "
+            "the float16 scale/zero-point cannot represent it"
+        )
+
+    def _quantize_fast(self, x: torch.Tensor, name: str) -> Packed:
+        check_input(x, name, finite=False)
+        *lead, n, d = x.shape
+        x3 = x.detach().to(torch.float32).reshape(-1, n, d).contiguous().numpy()
+        kernels.set_threads(torch.get_num_threads())
+        fn = kernels.int_quantize_channel if self.axis == "channel" else kernels.int_quantize_token
+        codes, scale, zero, bad = fn(x3, self.bits, self.group_size)
+        if bad:
+            check_input(x, name)  # raises with the tensor's name and the first bad index
+        if np.isinf(scale).any() or np.isinf(zero).any():
+            raise self._overflow(name)
+        tensors = {
+            "codes": torch.from_numpy(codes).reshape(*lead, *codes.shape[1:]),
+            "scale": torch.from_numpy(scale.astype(np.float16)).reshape(*lead, *scale.shape[1:]),
+            "zero": torch.from_numpy(zero.astype(np.float16)).reshape(*lead, *zero.shape[1:]),
+            "header": make_header(n, d),
+        }
+        return Packed(self.name, tuple(x.shape), x.dtype, tensors, self.config())
+
+    def quantize_reference(self, x: torch.Tensor, *, name: str = "x") -> Packed:
+        """The plain torch implementation: the definition the fused kernel must match bit for bit."""
         check_input(x, name)
         n, d = x.shape[-2], x.shape[-1]
         xf = x.detach().to(torch.float32)
@@ -84,10 +118,7 @@ class IntGrouped(Quantizer):
         scale16 = ((mx - mn) / self.qmax).to(torch.float16)
         zero16 = mn.to(torch.float16)
         if bool(torch.isinf(scale16).any()) or bool(torch.isinf(zero16).any()):
-            raise ValueError(
-                f"{name}: a group's range or minimum exceeds float16 (|value| or max-min above {_FP16_MAX:g}); "
-                "the float16 scale/zero-point cannot represent it"
-            )
+            raise self._overflow(name)
         s = scale16.to(torch.float32).unsqueeze(red)
         z = zero16.to(torch.float32).unsqueeze(red)
         live = s > 0
@@ -106,6 +137,20 @@ class IntGrouped(Quantizer):
         return Packed(self.name, tuple(x.shape), x.dtype, tensors, self.config())
 
     def dequantize(self, p: Packed) -> torch.Tensor:
+        self._check_packed(p)
+        codes = p.tensors["codes"]
+        if kernels.use_fast(codes) and codes.numel() * 2 >= kernels.MIN_FAST_ELEMENTS:
+            *lead, n, d = p.shape
+            kernels.set_threads(torch.get_num_threads())
+            fn = kernels.int_dequantize_channel if self.axis == "channel" else kernels.int_dequantize_token
+            c3 = codes.reshape(-1, *codes.shape[-2:]).contiguous().numpy()
+            s3 = p.tensors["scale"].reshape(-1, *p.tensors["scale"].shape[-2:]).numpy().astype(np.float32)
+            z3 = p.tensors["zero"].reshape(-1, *p.tensors["zero"].shape[-2:]).numpy().astype(np.float32)
+            out = torch.from_numpy(fn(c3, s3, z3, self.group_size, self.bits, n, d)).reshape(p.shape)
+            return out.to(p.dtype)
+        return self.dequantize_reference(p)
+
+    def dequantize_reference(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         *lead, n, d = p.shape
         g = self.group_size

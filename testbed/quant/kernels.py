@@ -1,0 +1,264 @@
+"""Fused CPU kernels (numba) for the grouped integer and MX quantizers: the fast path.
+
+Each kernel reads a block of the input once into cache (one group of tokens for K, one token
+for V), computes the group statistics, rounds them to float16 exactly as ``Tensor.half()`` does
+(round to nearest even, subnormals, overflow to inf), and writes packed codes, in parallel over
+blocks. They reproduce the torch reference implementations in ``intgrouped.py`` bit for bit (the
+same float32 operations in the same order, no fast-math); ``tests/quant/test_fast_path.py``
+checks that on random shapes. The reference path is used when numba is missing, on non-CPU
+devices, for small tensors (where the kernel's call overhead dominates), and when
+``TESTBED_FAST=0``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+try:  # numba is a declared dependency; keep the testbed usable if a platform lacks a wheel
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    numba = None
+
+__all__ = ["available", "use_fast", "float16_round", "int_quantize_channel", "int_quantize_token",
+           "int_dequantize_channel", "int_dequantize_token"]
+
+MIN_FAST_ELEMENTS = 1 << 16
+
+
+def available() -> bool:
+    return numba is not None
+
+
+def use_fast(x) -> bool:
+    """Whether the fused kernels serve this tensor (CPU, float32-convertible, large enough)."""
+    if numba is None or os.environ.get("TESTBED_FAST", "1") == "0":
+        return False
+    return x.device.type == "cpu" and x.numel() >= MIN_FAST_ELEMENTS
+
+
+def set_threads(n: int) -> None:
+    if numba is not None:
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
+if numba is not None:
+
+    @njit(inline="always", cache=True)
+    def _f16(v):
+        """float32 -> nearest float16 (ties to even) -> float32, exactly as IEEE conversion does."""
+        a = abs(v)
+        if a == 0.0 or a != a:
+            return v
+        if a >= np.float32(65520.0):
+            return np.float32(np.inf) if v > 0 else np.float32(-np.inf)
+        if a < np.float32(6.103515625e-05):  # float16 subnormal range: quantum 2^-24
+            q = np.float32(np.rint(a * np.float32(16777216.0)) * np.float32(5.9604644775390625e-08))
+        else:
+            m, e = math.frexp(a)
+            quantum = np.float32(math.ldexp(1.0, e - 11))
+            q = np.float32(np.rint(a / quantum) * quantum)
+        return q if v > 0 else -q
+
+    @njit(cache=True)
+    def _f16_array(a):
+        out = np.empty_like(a)
+        for i in range(a.size):
+            out.flat[i] = _f16(a.flat[i])
+        return out
+
+    @njit(parallel=True, cache=True)
+    def _int_q_channel(x, g, bits, codes, scale, zero, bad):
+        # x [B, T, D] float32; codes [B, Tp, ceil(D/per)]; scale, zero [B, Tp/g, D] float32 (float16 values)
+        B, T, D = x.shape
+        ng = scale.shape[1]
+        per = 8 // bits
+        qmax = np.float32((1 << bits) - 1)
+        nbytes = codes.shape[2]
+        for blk in prange(B * ng):
+            b = blk // ng
+            gi = blk % ng
+            t0 = gi * g
+            mn = np.empty(D, np.float32)
+            mx = np.empty(D, np.float32)
+            first = min(t0, T - 1)
+            for d in range(D):
+                mn[d] = x[b, first, d]
+                mx[d] = x[b, first, d]
+            nan = 0
+            for t in range(t0 + 1, min(t0 + g, T)):
+                for d in range(D):
+                    v = x[b, t, d]
+                    nan += v != v
+                    if v < mn[d]:
+                        mn[d] = v
+                    if v > mx[d]:
+                        mx[d] = v
+            for d in range(D):
+                if not (np.isfinite(mn[d]) and np.isfinite(mx[d])):
+                    nan += 1
+            bad[blk] = nan > 0
+            s = np.empty(D, np.float32)
+            z = np.empty(D, np.float32)
+            live = np.empty(D, np.float32)
+            for d in range(D):
+                s[d] = _f16(np.float32((mx[d] - mn[d]) / qmax))
+                z[d] = _f16(mn[d])
+                scale[b, gi, d] = s[d]
+                zero[b, gi, d] = z[d]
+                live[d] = np.float32(1.0) if s[d] > 0 else np.float32(0.0)
+                if s[d] <= 0:
+                    s[d] = np.float32(1.0)
+            for t in range(t0, t0 + g):
+                src = min(t, T - 1)  # padded rows repeat the edge token
+                for k in range(nbytes):
+                    byte = 0
+                    for j in range(per):
+                        d = k * per + j
+                        if d < D:
+                            c = np.rint((x[b, src, d] - z[d]) / s[d])
+                            c = min(max(c, np.float32(0.0)), qmax) * live[d]
+                            byte |= int(c) << (bits * j)
+                    codes[b, t, k] = byte
+
+    ROWS_PER_TASK = 64
+
+    @njit(parallel=True, cache=True)
+    def _int_q_token(x, g, bits, codes, scale, zero, bad):
+        # x [B, T, D]; codes [B, T, ceil(Dp/per)]; scale, zero [B, T, Dp/g]; one task = 64 rows
+        B, T, D = x.shape
+        ng = scale.shape[2]
+        per = 8 // bits
+        qmax = np.float32((1 << bits) - 1)
+        nbytes = codes.shape[2]
+        dp = ng * g
+        rows = B * T
+        ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ntask):
+            s = np.empty(ng, np.float32)
+            z = np.empty(ng, np.float32)
+            live = np.empty(ng, np.float32)
+            c = np.zeros(nbytes * per, np.uint8)
+            nan = 0
+            for row in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
+                b = row // T
+                t = row - b * T
+                for gi in range(ng):
+                    d0 = gi * g
+                    first = min(d0, D - 1)
+                    mn = x[b, t, first]
+                    mx = mn
+                    for d in range(d0 + 1, min(d0 + g, D)):
+                        v = x[b, t, d]
+                        nan += v != v
+                        mn = min(mn, v)
+                        mx = max(mx, v)
+                    if not (np.isfinite(mn) and np.isfinite(mx)):
+                        nan += 1
+                    sv = _f16(np.float32((mx - mn) / qmax))
+                    zv = _f16(mn)
+                    scale[b, t, gi] = sv
+                    zero[b, t, gi] = zv
+                    lv = np.float32(1.0) if sv > 0 else np.float32(0.0)
+                    if sv <= 0:
+                        sv = np.float32(1.0)
+                    for j in range(g):
+                        d = min(d0 + j, D - 1)  # padded features repeat the edge feature
+                        cv = np.rint((x[b, t, d] - zv) / sv)
+                        c[d0 + j] = np.uint8(min(max(cv, np.float32(0.0)), qmax) * lv)
+                for k in range(nbytes):
+                    byte = 0
+                    for j in range(per):
+                        byte |= int(c[k * per + j]) << (bits * j)
+                    codes[b, t, k] = byte
+            bad[task] = nan > 0
+
+    @njit(parallel=True, cache=True)
+    def _int_dq_channel(codes, scale, zero, g, bits, out):
+        B, T, D = out.shape
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        nbytes = codes.shape[2]
+        for row in prange(B * T):
+            b = row // T
+            t = row - b * T
+            gi = t // g
+            for k in range(nbytes):
+                byte = codes[b, t, k]
+                for j in range(per):
+                    d = k * per + j
+                    if d < D:
+                        out[b, t, d] = np.float32((byte >> (bits * j)) & mask) * scale[b, gi, d] + zero[b, gi, d]
+
+    @njit(parallel=True, cache=True)
+    def _int_dq_token(codes, scale, zero, g, bits, out):
+        B, T, D = out.shape
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        ng = scale.shape[2]
+        rows = B * T
+        ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ntask):
+            c = np.empty(codes.shape[2] * per, np.float32)
+            for row in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
+                b = row // T
+                t = row - b * T
+                for k in range(codes.shape[2]):
+                    byte = codes[b, t, k]
+                    for j in range(per):
+                        c[k * per + j] = np.float32((byte >> (bits * j)) & mask)
+                for gi in range(ng):
+                    sv = scale[b, t, gi]
+                    zv = zero[b, t, gi]
+                    for j in range(min(g, D - gi * g)):
+                        out[b, t, gi * g + j] = c[gi * g + j] * sv + zv
+
+
+def float16_round(a: np.ndarray) -> np.ndarray:
+    """float32 array rounded to float16 values (kept as float32) by the kernel's own routine."""
+    return _f16_array(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def int_quantize_channel(x: np.ndarray, bits: int, g: int):
+    """x [B, T, D] float32 -> (codes uint8 [B, Tp, ceil(D*bits/8)], scale f32, zero f32 [B, Tp/g, D],
+    any non-finite input)."""
+    B, T, D = x.shape
+    ng = _ceil_div(T, g)
+    codes = np.empty((B, ng * g, _ceil_div(D, 8 // bits)), np.uint8)
+    scale = np.empty((B, ng, D), np.float32)
+    zero = np.empty((B, ng, D), np.float32)
+    bad = np.zeros(B * ng, np.bool_)
+    _int_q_channel(x, g, bits, codes, scale, zero, bad)
+    return codes, scale, zero, bool(bad.any())
+
+
+def int_quantize_token(x: np.ndarray, bits: int, g: int):
+    """x [B, T, D] float32 -> (codes uint8 [B, T, ceil(Dp*bits/8)], scale f32, zero f32 [B, T, Dp/g],
+    any non-finite input)."""
+    B, T, D = x.shape
+    ng = _ceil_div(D, g)
+    codes = np.empty((B, T, _ceil_div(ng * g, 8 // bits)), np.uint8)
+    scale = np.empty((B, T, ng), np.float32)
+    zero = np.empty((B, T, ng), np.float32)
+    bad = np.zeros(-(-(B * T) // ROWS_PER_TASK), np.bool_)
+    _int_q_token(x, g, bits, codes, scale, zero, bad)
+    return codes, scale, zero, bool(bad.any())
+
+
+def int_dequantize_channel(codes, scale, zero, g: int, bits: int, n: int, d: int) -> np.ndarray:
+    out = np.empty((codes.shape[0], n, d), np.float32)
+    _int_dq_channel(codes, scale, zero, g, bits, out)
+    return out
+
+
+def int_dequantize_token(codes, scale, zero, g: int, bits: int, n: int, d: int) -> np.ndarray:
+    out = np.empty((codes.shape[0], n, d), np.float32)
+    _int_dq_token(codes, scale, zero, g, bits, out)
+    return out

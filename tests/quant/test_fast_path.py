@@ -1,0 +1,59 @@
+"""The fused numba kernels must reproduce the torch reference implementations bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.quant import IntGrouped, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed: the fast path is off")
+
+
+@pytest.fixture(autouse=True)
+def force_fast(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_FAST_ELEMENTS", 0)
+    monkeypatch.setenv("TESTBED_FAST", "1")
+
+
+def test_float16_rounding_matches_ieee_conversion():
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[np.isfinite(x)]
+    special = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, 6.1035156e-05, 6.1e-05, 5.96e-08, 2.98e-08,
+                        2.9802322e-08, 8.940697e-08, 1.0009765625, 1.00146484375, 2049.0, 2051.0], dtype=np.float32)
+    x = np.concatenate([x, special, -special, rng.standard_normal(50_000).astype(np.float32) * 1e-5])
+    ours = kernels.float16_round(x)
+    with np.errstate(over="ignore"):
+        ieee = x.astype(np.float16).astype(np.float32)
+    assert np.array_equal(ours, ieee, equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), g=st.sampled_from([2, 4, 8, 16, 32, 64, 128]),
+       axis=st.sampled_from(["channel", "token"]), lead=st.integers(1, 3), n=st.integers(1, 70),
+       d=st.integers(1, 70), seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-20, 10),
+       offset=st.floats(-100, 100), constant_rows=st.booleans())
+def test_fast_quantize_and_dequantize_equal_reference(bits, g, axis, lead, n, d, seed, log_scale, offset, constant_rows):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(lead, n, d, generator=gen) * (2.0 ** log_scale) + offset
+    if constant_rows:
+        x[:, : n // 2] = offset
+    q = IntGrouped(bits, g, axis)
+    fast = q.quantize(x)
+    ref = q.quantize_reference(x)
+    for name in ref.tensors:
+        assert torch.equal(fast.tensors[name], ref.tensors[name]), name
+    assert torch.equal(q.dequantize(fast), q.dequantize_reference(ref))
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fast_path_reports_first_bad_index(axis, bad):
+    x = torch.randn(2, 64, 32)
+    x[1, 40, 5] = bad
+    x[1, 50, 7] = bad
+    with pytest.raises(ValueError, match=r"k: non-finite value .* at index \(1, 40, 5\)"):
+        IntGrouped(4, 32, axis).quantize(x, name="k")
