@@ -90,7 +90,8 @@ class IntGrouped(Quantizer):
     def _quantize_fast(self, x: torch.Tensor, name: str) -> Packed:
         check_input(x, name, finite=False)
         *lead, n, d = x.shape
-        x3 = x.detach().to(torch.float32).reshape(-1, n, d).contiguous().numpy()
+        # a strided view (e.g. the quantized span of a residual window) is read in place
+        x3 = x.detach().to(torch.float32).reshape(-1, n, d).numpy()
         kernels.set_threads(torch.get_num_threads())
         fn = kernels.int_quantize_channel if self.axis == "channel" else kernels.int_quantize_token
         codes, scale, zero, bad = fn(x3, self.bits, self.group_size)

@@ -57,3 +57,12 @@ def test_fast_path_reports_first_bad_index(axis, bad):
     x[1, 50, 7] = bad
     with pytest.raises(ValueError, match=r"k: non-finite value .* at index \(1, 40, 5\)"):
         IntGrouped(4, 32, axis).quantize(x, name="k")
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_fast_path_reads_strided_views_like_contiguous_copies(axis):
+    x = torch.randn(3, 100, 48)
+    view = x[:, 7:91, :]  # the quantized span of a residual window: not contiguous
+    q = IntGrouped(4, 32, axis)
+    a, b = q.quantize(view), q.quantize_reference(view.contiguous())
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
