@@ -79,9 +79,47 @@ def bound_int_grouped(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     return b.transpose(-1, -2) if cfg["axis"] == "channel" else b
 
 
-NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped}
-ERROR_BOUND = {"int_grouped": bound_int_grouped}
-IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds}
+# OCP MX v1.0 element formats: code bits, mantissa bits, exponent of the smallest normal, exponent
+# of the largest normal (the FLOOR rule's emax) and the largest magnitude (saturation).
+MX_SPEC = {
+    "e4m3": {"bits": 8, "mbits": 3, "emin": -6, "emax": 8, "max": 448.0},
+    "e5m2": {"bits": 8, "mbits": 2, "emin": -14, "emax": 15, "max": 57344.0},
+    "e2m1": {"bits": 4, "mbits": 1, "emin": 0, "emax": 2, "max": 6.0},
+}
+
+
+def nbytes_mx(cfg: dict, shape: tuple) -> int:
+    """Last axis zero-padded to whole blocks; ``bits`` per padded element (FP4 two to a byte), one
+    uint8 E8M0 scale per block; the 16-byte (N, D) header."""
+    *lead, n, d = shape
+    spec, b = MX_SPEC[cfg["element"]], cfg["block_size"]
+    d_pad = _ceil_to(d, b)
+    return math.prod(lead) * n * (d_pad * spec["bits"] // 8 + d_pad // b) + 16
+
+
+def bound_mx(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Block scale ``X = 2**clamp(floor(log2 amax) - emax, -127, 127)``; an element is off by at most
+    its saturation (``|x| - max X`` above the format's max) plus half a quantum: ``2**-(m+1) |x|``
+    in the normal range, ``2**(emin - m - 1) X`` in the subnormal range."""
+    spec, b = MX_SPEC[cfg["element"]], cfg["block_size"]
+    d = x.shape[-1]
+    xa = x.to(torch.float64).abs()
+    xp = torch.cat([xa, xa.new_zeros(*xa.shape[:-1], _ceil_to(d, b) - d)], dim=-1)
+    blocks = xp.reshape(*xp.shape[:-1], -1, b)
+    amax = blocks.amax(-1, keepdim=True)
+    e = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - spec["emax"]
+    scale = torch.exp2(e.clamp(-127, 127))
+    sat = (blocks - spec["max"] * scale).clamp(min=0)
+    half_q = 2.0 ** -(spec["mbits"] + 1) * blocks + 2.0 ** (spec["emin"] - spec["mbits"] - 1) * scale
+    bound = torch.where(amax > 0, sat + half_q, torch.zeros_like(blocks))
+    return bound.reshape(xp.shape)[..., :d]
+
+
+NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped, "mx": nbytes_mx}
+ERROR_BOUND = {"int_grouped": bound_int_grouped, "mx": bound_mx}
+# MX is idempotent everywhere: a decoded block keeps its scale (its amax rounds into [2**emax, max] X,
+# or the scale was already clamped to 2**-127, where a smaller amax clamps to it again).
+IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds, "mx": lambda x, cfg: True}
 
 
 @st.composite
