@@ -1,8 +1,8 @@
 """Analyses run on every `Case` of a protocol. Each module has ``validate(params, where)``,
 ``evaluate(case, params, ctx) -> rows`` and ``report(rows, params) -> markdown``."""
 
-from . import residual_window
+from . import mx_paths, residual_window
 
-ANALYSES = {"residual_window": residual_window}
+ANALYSES = {"residual_window": residual_window, "mx_paths": mx_paths}
 
 __all__ = ["ANALYSES"]

@@ -6,8 +6,8 @@ code and recompute every reported number in float64. ``CHECKS`` maps an analysis
 function ``check(row, ctx) -> None`` that reports problems through ``ctx.fail``.
 """
 
-from . import residual_window
+from . import mx_paths, residual_window
 
-CHECKS = {"residual_window": residual_window.check}
+CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check}
 
 __all__ = ["CHECKS"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["unpack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention", "rel_l2", "cosine",
-           "max_abs", "visible", "expand_heads"]
+           "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw", "decode_mx"]
 
 
 def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
@@ -61,7 +61,72 @@ def decode_int_grouped(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
     raise ValueError(f"unknown axis {axis!r}")
 
 
-DECODERS = {"int_grouped": decode_int_grouped}
+def _minifloat_table(ebits: int, mbits: int, bias: int, special: str) -> np.ndarray:
+    """Value of every code of a sign/exponent/mantissa format, from its bit fields (float64).
+
+    ``special``: ``"fn"`` (E4M3: only S.1111.111 is NaN), ``"ieee"`` (E5M2: top exponent is
+    Inf/NaN) or ``"none"`` (E2M1: every code finite)."""
+    bits = 1 + ebits + mbits
+    out = np.empty(1 << bits, dtype=np.float64)
+    top = (1 << ebits) - 1
+    for code in range(1 << bits):
+        s = -1.0 if code >> (bits - 1) else 1.0
+        e = (code >> mbits) & top
+        m = code & ((1 << mbits) - 1)
+        if special == "fn" and e == top and m == (1 << mbits) - 1:
+            out[code] = np.nan
+        elif special == "ieee" and e == top:
+            out[code] = s * np.inf if m == 0 else np.nan
+        elif e == 0:
+            out[code] = s * (m / 2.0 ** mbits) * 2.0 ** (1 - bias)
+        else:
+            out[code] = s * (1 + m / 2.0 ** mbits) * 2.0 ** (e - bias)
+    return out
+
+
+# OCP MX v1.0 element formats: (bits per code, value of every code).
+MX_ELEMENTS = {
+    "e4m3": (8, _minifloat_table(4, 3, 7, "fn")),
+    "e5m2": (8, _minifloat_table(5, 2, 15, "ieee")),
+    "e2m1": (4, _minifloat_table(2, 1, 1, "none")),
+}
+
+
+def decode_e8m0(codes: np.ndarray) -> np.ndarray:
+    """E8M0 scale codes -> ``2**(code - 127)`` (float64); 255 is NaN."""
+    if codes.dtype != np.uint8:
+        raise ValueError(f"E8M0 scale codes must be uint8, got {codes.dtype}")
+    out = np.ldexp(1.0, codes.astype(np.int64) - 127)
+    return np.where(codes == 255, np.nan, out)
+
+
+def decode_mx_raw(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
+    """MX block decode ``value(code) * 2**(scale - 127)`` in float64, trimmed to ``shape``; for a
+    rotated config these are the rotated-domain values (no inverse rotation)."""
+    bits, table = MX_ELEMENTS[cfg["element"]]
+    g = cfg["block_size"]
+    *lead, n, d = shape
+    d_pad = -(-d // g) * g
+    header = arrays["header"]
+    if header.dtype != np.int64 or header.tolist() != [n, d]:
+        raise ValueError(f"header {header.tolist()} does not match (N, D) = ({n}, {d})")
+    scales = arrays["scales"]
+    if scales.shape != (*lead, n, d_pad // g):
+        raise ValueError(f"scales shape {scales.shape} does not match {(*lead, n, d_pad // g)}")
+    codes = unpack_bits(arrays["codes"], bits, d_pad)
+    if codes.shape != (*lead, n, d_pad):
+        raise ValueError(f"codes shape {codes.shape} does not match {(*lead, n, d_pad)}")
+    vals = table[codes].reshape(*lead, n, d_pad // g, g) * decode_e8m0(scales)[..., None]
+    return vals.reshape(*lead, n, d_pad)[..., :d]
+
+
+def decode_mx(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
+    if cfg.get("rotation"):
+        raise ValueError("a rotated MX payload needs its rotation signs to be decoded (see audit_checks/mx_paths.py)")
+    return decode_mx_raw(arrays, cfg, shape)
+
+
+DECODERS = {"int_grouped": decode_int_grouped, "mx": decode_mx}
 
 
 def decode_tensor(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:

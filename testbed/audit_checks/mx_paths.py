@@ -1,0 +1,179 @@
+"""Audit of MX Q/K-path and P-path rows (numpy and the standard library only).
+
+For every row the audit:
+
+1. rebuilds the quantizer's input itself: Q and K of the Case (times its own rotation matrix
+   ``diag(signs) · blockdiag(H_n) / sqrt(n)``, Sylvester-built here from the stored signs, for the
+   rotated arm), or its own float64 softmax probabilities rounded to float32 for the P path;
+2. encodes that input with its own MX encoder (FLOOR E8M0 scale from ``np.frexp`` of the block
+   amax; elements by nearest-value search in its own lookup table, ties to the even code) and
+   requires the stored scale and element codes to be identical, byte for byte;
+3. decodes the stored codes with its own E4M3/E5M2/E2M1 and E8M0 tables (``common.py``) and
+   recomputes every per-row TV, argmax agreement, numerical-zero rate and row sum, their
+   summaries, the output relative L2 and the payload bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import MX_ELEMENTS, decode_mx_raw, expand_heads, rel_l2, softmax_attention, unpack_bits
+
+TV_HIGH = 0.05
+ROTATION_BLOCK_MAX = 128
+
+
+def sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"no Sylvester matrix of size {n}")
+    return h
+
+
+def rotation_matrix(signs: np.ndarray) -> np.ndarray:
+    """``R = diag(signs) · blockdiag(H_n) / sqrt(n)``, ``n = D`` (power of two <= 128) or 128."""
+    d = signs.shape[0]
+    if signs.ndim != 1 or not np.all(np.abs(signs.astype(np.int64)) == 1):
+        raise ValueError("rotation signs must be a vector of +1/-1")
+    if d & (d - 1) == 0 and d <= ROTATION_BLOCK_MAX:
+        n = d
+    elif d % ROTATION_BLOCK_MAX == 0:
+        n = ROTATION_BLOCK_MAX
+    else:
+        raise ValueError(f"head dimension {d} cannot be rotated")
+    h = sylvester(n) / np.sqrt(n)
+    r = np.zeros((d, d))
+    for i in range(0, d, n):
+        r[i:i + n, i:i + n] = h
+    return signs.astype(np.float64)[:, None] * r
+
+
+def encode_mx(x: np.ndarray, element: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``x [..., L]`` -> (element codes uint8 ``[..., L_pad]``, E8M0 codes ``[..., L_pad / block]``)."""
+    bits, table = MX_ELEMENTS[element]
+    half = 1 << (bits - 1)
+    grid = table[:half]
+    finite = np.isfinite(grid)
+    grid = grid[finite]                                      # positive codes 0.. in increasing value
+    if not np.all(np.diff(grid) > 0):
+        raise ValueError(f"{element}: positive codes are not increasing in value")
+    vmax = grid[-1]
+    emax = int(np.floor(np.log2(vmax)))
+    x = np.asarray(x, dtype=np.float32)
+    pad = (-x.shape[-1]) % block
+    xp = np.concatenate([x, np.zeros((*x.shape[:-1], pad), np.float32)], axis=-1) if pad else x
+    blocks = xp.astype(np.float64).reshape(*xp.shape[:-1], -1, block)
+    amax = np.abs(blocks).max(axis=-1)
+    _, e = np.frexp(amax)
+    scale = np.clip(e.astype(np.int64) - 1 - emax, -127, 127) + 127
+    scale = np.where(amax == 0, 0, scale).astype(np.uint8)
+    y = np.ldexp(blocks, (127 - scale.astype(np.int64))[..., None])
+    a = np.minimum(np.abs(y), vmax)
+    hi = np.clip(np.searchsorted(grid, a, side="left"), 0, len(grid) - 1)
+    lo = np.clip(hi - 1, 0, None)
+    d_lo = a - grid[lo]
+    d_hi = grid[hi] - a
+    pick = np.where(d_hi < d_lo, hi, lo)
+    pick = np.where((d_hi == d_lo) & (hi % 2 == 0), hi, pick)
+    codes = pick.astype(np.uint8) | (np.signbit(y).astype(np.uint8) << np.uint8(bits - 1))
+    return codes.reshape(xp.shape), scale
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> tuple:
+    return tuple(int(i) for i in np.argwhere(a != b)[0])
+
+
+def _check_payload(row, audit, label: str, arrays: dict, x_in: np.ndarray, cfg: dict) -> np.ndarray:
+    """Stored codes == the audit's own encoding of ``x_in``; returns the decoded values (float64)."""
+    element, block = cfg["element"], cfg["block_size"]
+    bits, _ = MX_ELEMENTS[element]
+    codes, scales = encode_mx(x_in, element, block)
+    stored_scales = arrays["scales"]
+    if stored_scales.shape != scales.shape or not np.array_equal(stored_scales, scales):
+        where = _first_diff(stored_scales, scales) if stored_scales.shape == scales.shape else stored_scales.shape
+        audit.fail(row, f"{label}: stored E8M0 scale codes differ from the audit's FLOOR-rule encoding at {where}")
+    stored_codes = unpack_bits(arrays["codes"], bits, codes.shape[-1])
+    if stored_codes.shape != codes.shape or not np.array_equal(stored_codes, codes):
+        where = _first_diff(stored_codes, codes) if stored_codes.shape == codes.shape else stored_codes.shape
+        audit.fail(row, f"{label}: stored {element} element codes differ from the audit's encoding at {where}")
+    audit.numbers += 2
+    return decode_mx_raw(arrays, cfg, x_in.shape)
+
+
+def _summaries(row, audit, tv, agree, zero, row_sum) -> None:
+    audit.close(row, "per_row.tv", row["per_row"]["tv"], tv.ravel())
+    audit.equal(row, "rows", row["rows"], int(tv.size))
+    audit.close(row, "tv_median", row["tv_median"], float(np.median(tv)))
+    audit.close(row, "tv_mean", row["tv_mean"], float(np.mean(tv)))
+    audit.close(row, "tv_p95", row["tv_p95"], float(np.percentile(tv, 95)))
+    audit.close(row, "tv_max", row["tv_max"], float(np.max(tv)))
+    audit.close(row, "tv_over_5pct", row["tv_over_5pct"], float(np.mean(tv > TV_HIGH)))
+    audit.close(row, "argmax_agreement", row["argmax_agreement"], float(np.mean(agree)))
+    if zero is None:
+        for key in ("numerical_zero_rate_median", "numerical_zero_rate_mean", "rows_with_zero", "row_sum_median",
+                    "row_sum_min", "row_sum_max"):
+            audit.close(row, key, row[key], None)
+        audit.close(row, "per_row.numerical_zero_rate", row["per_row"]["numerical_zero_rate"], None)
+        audit.close(row, "per_row.row_sum", row["per_row"]["row_sum"], None)
+        return
+    audit.close(row, "per_row.numerical_zero_rate", row["per_row"]["numerical_zero_rate"], zero.ravel())
+    audit.close(row, "per_row.row_sum", row["per_row"]["row_sum"], row_sum.ravel())
+    audit.close(row, "numerical_zero_rate_median", row["numerical_zero_rate_median"], float(np.median(zero)))
+    audit.close(row, "numerical_zero_rate_mean", row["numerical_zero_rate_mean"], float(np.mean(zero)))
+    audit.close(row, "rows_with_zero", row["rows_with_zero"], float(np.mean(zero > 0)))
+    audit.close(row, "row_sum_median", row["row_sum_median"], float(np.median(row_sum)))
+    audit.close(row, "row_sum_min", row["row_sum_min"], float(np.min(row_sum)))
+    audit.close(row, "row_sum_max", row["row_sum_max"], float(np.max(row_sum)))
+
+
+def check(row: dict, audit) -> None:
+    case = audit.case(row)
+    q, k, v = case["q"], case["k"], case["v"]
+    qp, causal = case["query_positions"], case["causal"]
+    p_ref, o_ref = audit.cached(("ref", row["study"], row["case"]), lambda: softmax_attention(q, k, v, qp, causal))
+    cfg = row["quant"]
+    audit.equal(row, "element", row["element"], cfg["element"])
+    audit.equal(row, "block_size", row["block_size"], cfg["block_size"])
+    loaded = {part: ({name: audit.load(path) for name, path in paths.items()} if isinstance(paths, dict) else None)
+              for part, paths in row["arrays"].items()}
+    payload = sum(a.nbytes for part in loaded.values() if part for a in part.values())
+    audit.equal(row, "payload_bytes", row["payload_bytes"], int(payload))
+    if row["path"] == "qk":
+        rotation = row["rotation"]
+        audit.equal(row, "rotation", rotation, "none" if cfg["rotation"] is None else cfg["rotation"])
+        if rotation == "signed_hadamard":
+            signs = audit.load(row["arrays"]["signs"])
+            r = rotation_matrix(signs)
+            q_in = (q.astype(np.float64) @ r).astype(np.float32)
+            k_in = (k.astype(np.float64) @ r).astype(np.float32)
+        elif rotation == "none":
+            if "signs" in row["arrays"]:
+                audit.fail(row, "an unrotated arm stores rotation signs")
+            q_in, k_in = q, k
+        else:
+            audit.fail(row, f"unknown rotation {rotation!r}")
+            return
+        q_hat = _check_payload(row, audit, "q", loaded["q"], q_in, cfg)
+        k_hat = _check_payload(row, audit, "k", loaded["k"], k_in, cfg)
+        p_hat, o_hat = softmax_attention(q_hat, k_hat, v, qp, causal)
+        zero = row_sum = None
+        audit.equal(row, "float32_bytes", row["float32_bytes"], 4 * (q.size + k.size))
+    elif row["path"] == "p":
+        audit.equal(row, "rotation", row["rotation"], "none")
+        if cfg["rotation"] is not None:
+            audit.fail(row, "the P path is never rotated")
+        p_hat = _check_payload(row, audit, "p", loaded["p"], p_ref.astype(np.float32), cfg)
+        o_hat = p_hat @ expand_heads(v, q.shape[0]).astype(np.float64)
+        pos = p_ref > 0
+        zero = (pos & (p_hat == 0)).sum(-1) / np.maximum(pos.sum(-1), 1)
+        row_sum = p_hat.sum(-1)
+        audit.equal(row, "float32_bytes", row["float32_bytes"], 4 * p_ref.size)
+    else:
+        audit.fail(row, f"unknown path {row['path']!r}")
+        return
+    tv = 0.5 * np.abs(p_hat - p_ref).sum(-1)
+    agree = np.argmax(p_hat, axis=-1) == np.argmax(p_ref, axis=-1)
+    _summaries(row, audit, tv, agree, zero, row_sum)
+    audit.close(row, "rel_l2", row["rel_l2"], rel_l2(o_hat, o_ref))
