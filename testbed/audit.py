@@ -12,7 +12,16 @@ metrics. It checks, in order:
 5. the source hashes (LF-normalized) against this checkout, unless ``--no-sources``;
 6. every row of ``results.json``: payload bytes recomputed from the stored packed arrays, its own
    decoding and float64 attention, every reported number recomputed within the protocol's
-   tolerances (``|a - b| <= atol + rtol * |b|``).
+   tolerances (``|a - b| <= atol + rtol * |b|``); the labels a row copies from its case agree
+   with the case; no row is an exact duplicate; every stored array is used by a case or a row
+   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails).
+
+With ``--same-as OTHER`` it also compares the recorded array and result hashes with another run
+of the same protocol: on one machine a run is deterministic, so a re-run is the check against a
+forger who re-computed every array and number consistently (see docs/reliability.md).
+
+The audit never reads a path outside the run, never follows a symlink and never unpickles; any
+malformed manifest, results or array is a ``FAIL`` line, not a traceback.
 
 Prints ``PASS: ...`` with counts and exits 0, or one ``FAIL: <file or row>: <reason>`` line per
 problem and exits 1 (exit 2 for a missing folder or bad arguments).
@@ -23,7 +32,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -33,8 +44,13 @@ import numpy as np
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
+# The row fields copied from the case's meta (testbed.context.CASE_FIELDS; kept equal by a test,
+# since the audit may not import testbed.context, which imports torch).
+CASE_FIELDS = ("source", "distribution", "seed", "n", "model", "prompt", "layer", "chunk", "step", "layout_kind")
+DEFAULT_TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-__all__ = ["audit", "main"]
+__all__ = ["audit", "compare", "main", "load_json"]
 
 
 class AuditError(Exception):
@@ -49,23 +65,51 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _no_duplicate_keys(pairs):
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def load_json(path: Path):
+    """Parse JSON strictly: UTF-8, no duplicate keys (two readers could see two different values).
+
+    Raises ``AuditError`` for anything that is not such a document (including absurd nesting)."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AuditError(f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 def _safe_relpath(root: Path, rel: str) -> Path:
-    """Resolve ``rel`` inside ``root`` without following any symlink; refuse anything else."""
-    if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or (len(rel) > 1 and rel[1] == ":"):
-        raise AuditError(f"path {rel!r} is absolute or empty")
-    parts = Path(rel).parts
+    """Resolve ``rel`` inside ``root`` without following any symlink; refuse anything else.
+
+    Only ``os.lstat`` is called on the components below ``root``, and only after the text of
+    ``rel`` has been checked, so nothing outside the run is ever touched."""
+    if not isinstance(rel, str) or not rel:
+        raise AuditError(f"path {rel!r} is not a non-empty string")
+    if rel.startswith(("/", "\\", "~")) or (len(rel) > 1 and rel[1] == ":"):
+        raise AuditError(f"path {rel!r} is absolute; refused")
+    if _CONTROL.search(rel):
+        raise AuditError(f"path {rel!r} contains control characters; refused")
+    parts = rel.split("/")
     if any(p in ("..", ".", "") for p in parts) or "\\" in rel:
-        raise AuditError(f"path {rel!r} leaves the run folder")
+        raise AuditError(f"path {rel!r} leaves the run folder (or is not normalized); refused")
     cur = root
     for part in parts:
         cur = cur / part
         try:
             st = os.lstat(cur)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise AuditError(f"{rel}: missing") from None
+        except (OSError, ValueError) as e:
+            raise AuditError(f"{rel}: cannot be examined ({e})") from None
         if stat.S_ISLNK(st.st_mode):
             raise AuditError(f"{rel}: is a symlink; refused")
-    if not stat.S_ISREG(os.lstat(cur).st_mode):
+    if not stat.S_ISREG(st.st_mode):
         raise AuditError(f"{rel}: not a regular file")
     return cur
 
@@ -84,7 +128,10 @@ def _present_files(root: Path) -> tuple[set[str], list[str]]:
 
 
 def _load_npy(path: Path, rel: str, entry: dict) -> np.ndarray:
-    """Check the .npy header before reading; refuse object dtypes and pickles."""
+    """Check the .npy header before reading; refuse object dtypes and pickles.
+
+    The header is parsed by numpy's header reader (a literal parser, no code), the file size
+    must be exactly header + data, and only then is the file loaded with ``allow_pickle=False``."""
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
@@ -94,15 +141,20 @@ def _load_npy(path: Path, rel: str, entry: dict) -> np.ndarray:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             else:
                 raise AuditError(f"{rel}: unsupported .npy version {version}")
-        except ValueError as e:
-            raise AuditError(f"{rel}: not a valid .npy file ({e})") from None
+        except (ValueError, TypeError, SyntaxError, OverflowError) as e:
+            raise AuditError(f"{rel}: not a valid .npy file ({str(e)[:200]})") from None
+        data_start = f.tell()
+        size = os.fstat(f.fileno()).st_size
     if dtype.hasobject:
-        raise AuditError(f"{rel}: object dtype {dtype} refused (would need pickle)")
+        raise AuditError(f"{rel}: object dtype {dtype} refused (would need pickle); not loaded")
+    if math.prod(shape) * dtype.itemsize != size - data_start:
+        raise AuditError(f"{rel}: file holds {size - data_start} data bytes, its header {dtype.str} {list(shape)} "
+                         f"needs {math.prod(shape) * dtype.itemsize} (truncated or padded); not loaded")
     if dtype.str != entry.get("dtype") or list(shape) != entry.get("shape"):
         raise AuditError(f"{rel}: header says {dtype.str} {list(shape)}, manifest says {entry.get('dtype')} {entry.get('shape')}")
     try:
         arr = np.load(path, allow_pickle=False)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         raise AuditError(f"{rel}: cannot load without pickle ({e})") from None
     if int(arr.nbytes) != entry.get("nbytes"):
         raise AuditError(f"{rel}: nbytes {arr.nbytes} != manifest {entry.get('nbytes')}")
@@ -130,6 +182,7 @@ class Audit:
         self.results: dict = {}
         self.tolerances: dict[str, dict] = {}
         self.numbers = 0
+        self.rows_checked = 0
         self._cache: dict = {}
 
     # -- reporting -------------------------------------------------------------------------
@@ -148,19 +201,27 @@ class Audit:
 
     # -- helpers for checks ----------------------------------------------------------------
     def load(self, rel: str) -> np.ndarray:
-        if rel not in self.arrays:
+        if not isinstance(rel, str) or rel not in self.arrays:
             raise AuditError(f"array {rel!r} is not in the manifest (or failed its checks)")
         return self.arrays[rel]
 
+    def case_record(self, study, case_id) -> dict:
+        try:
+            rec = self.results["cases"][study][case_id]
+        except (KeyError, TypeError):
+            raise AuditError(f"case {study}/{case_id} is not in results.json") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("arrays"), dict):
+            raise AuditError(f"case {study}/{case_id} in results.json has no arrays object")
+        return rec
+
     def case(self, row: dict) -> dict:
-        key = ("case", row["study"], row["case"])
+        key = ("case", row.get("study"), row.get("case"))
         if key not in self._cache:
-            try:
-                rec = self.results["cases"][row["study"]][row["case"]]
-            except (KeyError, TypeError):
-                raise AuditError(f"case {row.get('study')}/{row.get('case')} is not in results.json") from None
+            rec = self.case_record(row.get("study"), row.get("case"))
             case = {name: self.load(path) for name, path in rec["arrays"].items()}
-            case.update({"causal": bool(rec["causal"]), "layout": rec["layout"], "meta": rec.get("meta", {}),
+            _check_case_arrays(case, f"case {row.get('study')}/{row.get('case')}")
+            meta = rec.get("meta", {})
+            case.update({"causal": bool(rec["causal"]), "layout": rec["layout"], "meta": meta if isinstance(meta, dict) else {},
                          "tokens_per_frame": rec.get("tokens_per_frame"), "head_map": rec.get("head_map")})
             self._cache[key] = case
         return self._cache[key]
@@ -171,7 +232,7 @@ class Audit:
         return self._cache[key]
 
     def _tol(self, row):
-        return self.tolerances.get(row.get("study"), {"rtol": 1e-6, "atol": 1e-9})
+        return self.tolerances.get(row.get("study"), DEFAULT_TOLERANCE)
 
     def close(self, row: dict, name: str, reported, derived) -> bool:
         """Compare a reported value (number, None or array) with the audit's own."""
@@ -181,6 +242,9 @@ class Audit:
             if reported is None and derived is None:
                 return True
             self.fail(row, f"{name}: reported {reported!r}, audit derives {derived!r}")
+            return False
+        if isinstance(reported, (str, bool)) or (isinstance(reported, np.ndarray) and reported.dtype.kind not in "fiu"):
+            self.fail(row, f"{name}: reported {reported!r} is not a number")
             return False
         a = np.asarray(reported, dtype=np.float64)
         b = np.asarray(derived, dtype=np.float64)
@@ -200,7 +264,7 @@ class Audit:
 
     def equal(self, row: dict, name: str, reported, derived) -> bool:
         self.numbers += 1
-        if reported != derived:
+        if type(reported) is bool or reported != derived:
             self.fail(row, f"{name}: reported {reported!r}, audit derives {derived!r}")
             return False
         return True
@@ -209,13 +273,9 @@ class Audit:
     def run(self, check_sources: bool) -> None:
         root = self.root
         try:
-            mpath = _safe_relpath(root, "manifest.json")
-            manifest = json.loads(mpath.read_text(encoding="utf-8"))
+            manifest = load_json(_safe_relpath(root, "manifest.json"))
         except AuditError as e:
-            self.fail("manifest.json", str(e))
-            return
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self.fail("manifest.json", f"not valid JSON ({e})")
+            self.fail("manifest.json", str(e).removeprefix("manifest.json: "))
             return
         if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
             got = manifest.get("schema_version") if isinstance(manifest, dict) else type(manifest).__name__
@@ -230,20 +290,22 @@ class Audit:
         expected = set(arrays) | set(files) | {"manifest.json"}
         present, links = _present_files(root)
         for rel in sorted(links):
-            self.fail(rel, "symlink inside the run; refused")
+            self.fail(rel, "symlink inside the run; refused (not followed)")
         for rel in sorted(present - expected):
             self.fail(rel, "file not named in the manifest (added or renamed)")
         for rel in sorted(expected - present):
             if rel not in links:
-                self.fail(rel, "named in the manifest but missing (deleted or renamed)")
+                self.fail(rel if isinstance(rel, str) and not _CONTROL.search(rel) else repr(rel),
+                          "named in the manifest but not a file of the run (deleted, renamed, or a path outside it)")
         for rel, digest in sorted(files.items()):
             try:
                 path = _safe_relpath(root, rel)
+                if not isinstance(digest, str):
+                    raise AuditError(f"manifest records {digest!r} instead of a sha256")
+                if _sha256(path) != digest:
+                    raise AuditError("sha256 differs from the manifest")
             except AuditError as e:
-                self.fail(rel, str(e))
-                continue
-            if _sha256(path) != digest:
-                self.fail(rel, "sha256 differs from the manifest")
+                self.fail(rel, str(e).removeprefix(f"{rel}: "))
         for rel, entry in sorted(arrays.items()):
             try:
                 path = _safe_relpath(root, rel)
@@ -254,29 +316,60 @@ class Audit:
                 self.arrays[rel] = _load_npy(path, rel, entry)
             except AuditError as e:
                 self.fail(rel, str(e).removeprefix(f"{rel}: "))
+        self._check_gates()
         self._check_protocols()
         if check_sources:
             self._check_sources()
         self._check_results()
 
+    def _check_gates(self) -> None:
+        gates = self.manifest.get("gates", {})
+        if not isinstance(gates, dict):
+            self.fail("manifest.json gates", "must be an object")
+            return
+        for name, gate in sorted(gates.items()):
+            if not isinstance(gate, dict) or gate.get("expected") != gate.get("actual"):
+                self.fail(f"manifest.json gates.{name}", f"gate not met: {gate!r} (a finished run never has one)")
+
     def _check_protocols(self) -> None:
-        for entry in self.manifest.get("protocols", []):
-            rel = entry.get("copy", "")
+        entries = self.manifest.get("protocols")
+        if not isinstance(entries, list) or not entries:
+            self.fail("manifest.json protocols", "must be a non-empty list of frozen protocol copies")
+            return
+        sources = self.manifest.get("sources") if isinstance(self.manifest.get("sources"), dict) else {}
+        for i, entry in enumerate(entries):
+            where = f"manifest.json protocols[{i}]"
+            if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in ("name", "copy", "sha256")):
+                self.fail(where, "must be an object with string name, copy and sha256")
+                continue
+            rel, name = entry["copy"], entry["name"]
+            # Rows of this study are still re-derived, at the strict default tolerances unless the
+            # copy below passes every check.
+            self.tolerances.setdefault(name, dict(DEFAULT_TOLERANCE))
+            if rel not in self.manifest["files"]:
+                self.fail(rel, "protocol copy is not listed in the manifest's files")
             try:
-                path = _safe_relpath(self.root, rel)
-                raw = path.read_bytes()
-                if hashlib.sha256(raw).hexdigest() != entry.get("sha256"):
+                raw = _safe_relpath(self.root, rel).read_bytes()
+                if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
                     raise AuditError("protocol copy does not match its recorded sha256")
-                proto = json.loads(raw)
-                self.tolerances[entry.get("name")] = {"rtol": float(proto.get("audit", {}).get("rtol", 1e-6)),
-                                                      "atol": float(proto.get("audit", {}).get("atol", 1e-9))}
+                path = entry.get("path")
+                if isinstance(path, str) and path in sources:
+                    # A protocol from the repository is also covered by the source hashes, which the
+                    # audit compares with the checkout: editing the copy means editing both records.
+                    if hashlib.sha256(raw.replace(b"\r\n", b"\n")).hexdigest() != sources[path]:
+                        raise AuditError(f"protocol copy differs from {path} as recorded in the manifest's sources")
+                proto = load_json(_safe_relpath(self.root, rel))
+                if not isinstance(proto, dict) or proto.get("name") != name:
+                    raise AuditError(f"protocol copy is not the protocol named {name!r}")
+                self.tolerances[name] = _tolerances(proto)
             except AuditError as e:
-                self.fail(rel or "manifest.json protocols", str(e).removeprefix(f"{rel}: "))
-            except (ValueError, AttributeError) as e:
-                self.fail(rel, f"protocol is not valid JSON ({e})")
+                self.fail(rel, str(e).removeprefix(f"{rel}: "))
 
     def _check_sources(self) -> None:
         recorded = self.manifest.get("sources", {})
+        if not isinstance(recorded, dict):
+            self.fail("manifest.json sources", "must be an object")
+            return
         current = source_hashes()
         for rel in sorted(set(recorded) | set(current)):
             if rel not in current:
@@ -293,44 +386,160 @@ class Audit:
             self.fail("results.json", "not named in the manifest")
             return
         try:
-            self.results = json.loads(_safe_relpath(self.root, "results.json").read_text(encoding="utf-8"))
+            self.results = load_json(_safe_relpath(self.root, "results.json"))
         except AuditError as e:
-            self.fail("results.json", str(e))
+            self.fail("results.json", str(e).removeprefix("results.json: "))
             return
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self.fail("results.json", f"not valid JSON ({e})")
+        if not isinstance(self.results, dict) or self.results.get("schema_version") != SCHEMA_VERSION:
+            self.fail("results.json", f"schema_version is not the supported {SCHEMA_VERSION}")
             return
-        rows = self.results.get("rows") if isinstance(self.results, dict) else None
-        if not isinstance(rows, list):
-            self.fail("results.json", "rows must be a list")
+        rows = self.results.get("rows")
+        cases = self.results.get("cases")
+        if not isinstance(rows, list) or not isinstance(cases, dict):
+            self.fail("results.json", "rows must be a list and cases an object")
             return
-        self.rows_checked = 0
+        for study in sorted(set(cases) - set(self.tolerances)):
+            self.fail(f"results.json cases.{study}", "no frozen protocol copy for this study in the manifest")
+        seen: dict[str, int] = {}
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 self.fail(f"results.json row {i}", "not an object")
                 continue
             row = dict(row, _index=i)
+            if row.get("study") not in self.tolerances:
+                self.fail(row, "no frozen protocol copy for this row's study in the manifest")
+                continue
+            key = json.dumps(row | {"_index": None}, sort_keys=True, default=str)
+            if key in seen:
+                self.fail(row, f"exact duplicate of row {seen[key]}")
+                continue
+            seen[key] = i
             check = CHECKS.get(row.get("analysis"))
             if check is None:
                 self.fail(row, f"no audit check for analysis {row.get('analysis')!r}")
                 continue
+            before = len(self.failures)
             try:
+                self._check_row_labels(row)
                 check(row, self)
-                self.rows_checked += 1
             except AuditError as e:
                 self.fail(row, str(e))
-            except (KeyError, TypeError, ValueError, IndexError) as e:
-                self.fail(row, f"cannot re-derive ({type(e).__name__}: {e})")
+            except Exception as e:  # a forged row must give a FAIL line, never a traceback
+                self.fail(row, f"cannot re-derive ({type(e).__name__}: {str(e)[:200]})")
+            if len(self.failures) == before:
+                self.rows_checked += 1
+        self._check_orphans()
+
+    def _check_row_labels(self, row: dict) -> None:
+        """The fields a row copies from its case (distribution, seed, n, layer, ...) must agree."""
+        meta = self.case_record(row.get("study"), row.get("case")).get("meta")
+        if not isinstance(meta, dict):
+            raise AuditError("its case has no meta object")
+        for key in CASE_FIELDS:
+            if key in row and key in meta and row[key] != meta[key]:
+                self.fail(row, f"{key}: row says {row[key]!r}, its case {row.get('case')!r} says {meta[key]!r}")
+
+    def _check_orphans(self) -> None:
+        """Every array must be used by a case or a row: a deleted row would leave its arrays behind."""
+        used: set[str] = set()
+        stack = [self.results]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, dict):
+                stack.extend(x.values())
+            elif isinstance(x, list):
+                stack.extend(x)
+            elif isinstance(x, str) and x.startswith("arrays/"):
+                used.add(x)
+        for rel in sorted(set(self.manifest.get("arrays", {})) - used):
+            self.fail(rel, "not used by any case or row of results.json (was a row deleted?)")
+
+
+def _check_case_arrays(case: dict, where: str) -> None:
+    """Shape rules of a Case (DESIGN.md): q [H, Tq, D], k = v [H_kv, Tk, D], H % H_kv == 0, integer
+    query_positions [Tq] inside [0, Tk)."""
+    try:
+        q, k, v, qp = case["q"], case["k"], case["v"], case["query_positions"]
+    except KeyError as e:
+        raise AuditError(f"{where}: array {e} missing") from None
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3 or x.dtype.kind != "f" or x.size == 0:
+            raise AuditError(f"{where}: {name} must be a non-empty rank-3 float array, got {x.dtype.str} {list(x.shape)}")
+        if not np.isfinite(x).all():
+            raise AuditError(f"{where}: {name} holds NaN or Inf")
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[0] % k.shape[0]:
+        raise AuditError(f"{where}: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not form a Case")
+    if qp.ndim != 1 or qp.dtype.kind not in "iu" or qp.shape[0] != q.shape[1]:
+        raise AuditError(f"{where}: query_positions must be an integer array of shape [{q.shape[1]}]")
+    if qp.size and (int(qp.min()) < 0 or int(qp.max()) >= k.shape[1]):
+        raise AuditError(f"{where}: query_positions leave [0, {k.shape[1]})")
+
+
+def _tolerances(proto: dict) -> dict:
+    """The protocol's audit tolerances, refused unless finite numbers in [0, 1] (a forged copy
+    with rtol = Infinity would otherwise let any number through)."""
+    section = proto.get("audit", {})
+    if not isinstance(section, dict):
+        raise AuditError("protocol audit section must be an object")
+    out = {}
+    for key, default in DEFAULT_TOLERANCE.items():
+        val = section.get(key, default)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or not 0 <= val <= 1:
+            raise AuditError(f"audit.{key} = {val!r} is not a finite number in [0, 1]")
+        out[key] = float(val)
+    return out
 
 
 def audit(root: str | Path, check_sources: bool = True) -> tuple[bool, list[str], str]:
     """Audit a run folder; returns (passed, FAIL lines, PASS summary)."""
     a = Audit(Path(root))
-    a.run(check_sources)
+    try:
+        a.run(check_sources)
+    except Exception as e:  # fail closed: an audit that cannot finish never passes
+        a.fail(str(root), f"audit could not complete ({type(e).__name__}: {str(e)[:200]})")
+    tols = sorted({(t["rtol"], t["atol"]) for t in a.tolerances.values()})
     summary = (f"PASS: {len(a.arrays)} arrays and {len(a.manifest.get('files', {}))} files match their sha256 "
-               f"and nbytes; {getattr(a, 'rows_checked', 0)} rows re-derived ({a.numbers} numbers within tolerance)"
+               f"and nbytes; {a.rows_checked} rows re-derived ({a.numbers} numbers within tolerance "
+               + ", ".join(f"rtol {r:g} atol {t:g}" for r, t in tols) + ")"
                + ("" if check_sources else "; source hashes not checked (--no-sources)"))
     return (not a.failures), a.failures, summary
+
+
+def compare(root: str | Path, other: str | Path) -> list[str]:
+    """FAIL lines for every array, result or protocol copy whose recorded hash differs between two runs.
+
+    Only the two manifests are read (the audit of ``root`` checks its files against its manifest;
+    audit ``other`` as well). Timings, report.md and the manifest's dates, environment and wall time
+    are expected to differ and are not compared."""
+    out = []
+    manifests = []
+    for r in (root, other):
+        try:
+            m = load_json(_safe_relpath(Path(r), "manifest.json"))
+            if not isinstance(m, dict) or not isinstance(m.get("arrays"), dict) or not isinstance(m.get("files"), dict):
+                raise AuditError("arrays and files must be objects")
+        except AuditError as e:
+            return [f"FAIL: {r}/manifest.json: {e}"]
+        manifests.append(m)
+    a, b = manifests
+
+    def digest(m, rel):
+        e = m["arrays"].get(rel)
+        return e.get("sha256") if isinstance(e, dict) else None
+
+    for rel in sorted(set(a["arrays"]) | set(b["arrays"])):
+        if rel not in b["arrays"]:
+            out.append(f"FAIL: {rel}: only in {root}")
+        elif rel not in a["arrays"]:
+            out.append(f"FAIL: {rel}: only in {other}")
+        elif digest(a, rel) != digest(b, rel):
+            out.append(f"FAIL: {rel}: differs from {other}")
+    for rel in sorted(set(a["files"]) | set(b["files"])):
+        if rel in ("timings.json", "report.md"):
+            continue
+        if a["files"].get(rel) != b["files"].get(rel):
+            out.append(f"FAIL: {rel}: differs from {other}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -338,12 +547,23 @@ def main(argv=None) -> int:
     ap.add_argument("run_dir", metavar="DIR", help="a finished run folder (e.g. evidence or target/x)")
     ap.add_argument("--no-sources", action="store_true",
                     help="do not compare recorded source hashes with this checkout (for runs made by another version)")
+    ap.add_argument("--same-as", metavar="OTHER",
+                    help="also require the same array, result and protocol hashes as the run OTHER "
+                         "(a re-run of the same protocol on the same machine; see docs/reliability.md)")
     args = ap.parse_args(argv)
     root = Path(args.run_dir)
     if not root.is_dir():
         print(f"error: {root} is not a folder", file=sys.stderr)
         return 2
+    if args.same_as is not None and not Path(args.same_as).is_dir():
+        print(f"error: --same-as {args.same_as} is not a folder", file=sys.stderr)
+        return 2
     ok, failures, summary = audit(root, check_sources=not args.no_sources)
+    if args.same_as is not None:
+        diff = compare(root, args.same_as)
+        failures = failures + diff
+        ok = ok and not diff
+        summary += f"; identical array, result and protocol hashes to {args.same_as}"
     if ok:
         print(summary)
         return 0
