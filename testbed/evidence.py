@@ -111,10 +111,22 @@ def environment() -> dict:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        # The SIMD level torch dispatches to: float kernels (softmax, exp, even randn) round
+        # differently at different levels, so bytes are comparable only between equal levels.
+        "torch_cpu_capability": _cpu_capability(),
         "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                                      "OPENBLAS_CORETYPE") if os.environ.get(k) is not None},
+                                                      "OPENBLAS_CORETYPE", "MKL_CBWR", "ATEN_CPU_CAPABILITY",
+                                                      "PYTHONHASHSEED") if os.environ.get(k) is not None},
     }
     return env
+
+
+def _cpu_capability() -> str | None:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _cpu_name() -> str:

@@ -5,25 +5,70 @@
 
 The run writes into a hidden sibling folder ``.NAME.partial-PID`` and renames it to ``--out``
 only when complete, so an interrupted run leaves nothing at ``--out``. An existing ``--out`` is
-refused and left untouched. Exit codes: 0 done, 2 bad input (protocol, paths), 130 interrupted.
+refused and left untouched. Ctrl-C (SIGINT) and SIGTERM remove the partial folder; a SIGKILL
+cannot, so each run first removes the partial folders beside ``--out`` whose process is gone
+(``.gitignore`` ignores them meanwhile, and the audit never takes one for a run: it has no
+manifest until the very end).
+
+Before allocating anything, the largest Case of each protocol is estimated
+(:mod:`testbed.resources`) and a protocol that cannot fit in the available memory is refused.
+
+Determinism: the run pins torch to ``--threads`` intra-op threads (default 1) and turns on
+torch's deterministic algorithms, and records both in the manifest's environment; the same
+protocol on the same machine then gives the same array bytes (docs/reliability.md says what
+still varies across CPUs).
+
+Exit codes: 0 done, 2 bad input (protocol, paths, memory), 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
+
+import torch
 
 from .context import RunContext
 from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
 from .protocol import ProtocolError, default_protocols, load_protocol
 from .report import build_report
+from .resources import ResourceError, check_memory
 
-__all__ = ["main", "run_protocols"]
+__all__ = ["main", "run_protocols", "sweep_stale_partials", "partial_dir"]
+
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
+
+
+class Terminated(BaseException):
+    """Raised by the SIGTERM handler so that the partial folder is cleaned up like on Ctrl-C."""
+
+
+@contextlib.contextmanager
+def pinned_torch(threads: int | None):
+    """Pin torch's intra-op threads and turn on deterministic algorithms; restore both afterwards.
+
+    Large reductions (a sum over millions of elements) split their work by thread count, so their
+    last bits depend on it; one fixed count makes a run's bytes independent of the machine's cores."""
+    old_threads = torch.get_num_threads()
+    old_det = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    if threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
 
 
 def _save_case(case, ctx: RunContext) -> dict:
@@ -40,12 +85,23 @@ def _save_case(case, ctx: RunContext) -> dict:
     }
 
 
-def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progress=None) -> dict:
-    """Run each (path, protocol, raw bytes) into ``root`` (which must exist and be empty)."""
+def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progress=None, *, threads: int | None = 1,
+                  memory: dict | None = None) -> dict:
+    """Run each (path, protocol, raw bytes) into ``root`` (which must exist and be empty).
+
+    ``threads``: torch intra-op threads for the run (None keeps the current setting); ``memory``:
+    the memory guard's estimates, recorded in the manifest."""
+    with pinned_torch(threads):
+        return _run_protocols(root, protocols, progress, memory)
+
+
+def _run_protocols(root, protocols, progress, memory) -> dict:
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     store = ArrayStore(root)
     (root / "protocols").mkdir()
     rows, cases, timings, gates, excluded, files = [], {}, [], {}, [], {}
+    # Hashed before the run (the code and protocols it imports and copies now), compared after it.
+    sources = source_hashes()
     proto_entries = []
     t_run = time.perf_counter()
     for path, proto, raw in protocols:
@@ -60,7 +116,7 @@ def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progres
         cases[study] = {}
         source = _source(proto)
         t0 = time.perf_counter()
-        for i, case in enumerate(source.cases(proto["source"], ctx), 1):
+        for i, case in enumerate(_built_cases(source, proto, ctx), 1):
             if case.id in cases[study]:
                 raise ProtocolError(f"{study}: two cases are named {case.id!r}")
             cases[study][case.id] = _save_case(case, ctx)
@@ -77,13 +133,19 @@ def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progres
     failed = [k for k, g in gates.items() if g.get("expected") != g.get("actual")]
     if failed:
         raise RuntimeError(f"capture gate(s) failed: {', '.join(failed)}")
+    after = source_hashes()
+    changed = sorted(k for k in set(sources) | set(after) if sources.get(k) != after.get(k))
+    if changed:
+        raise ValueError(f"source files changed while the run was going ({', '.join(changed[:5])}"
+                            f"{', ...' if len(changed) > 5 else ''}); its evidence would match no one version: run again")
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         "protocols": proto_entries,
-        "sources": source_hashes(),
+        "sources": sources,
         "environment": environment(),
         "wall_seconds": None,
+        "memory_guard": memory,
         "arrays": {},
         "files": {},
         "gates": gates,
@@ -101,6 +163,24 @@ def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progres
     manifest["wall_seconds"] = round(time.perf_counter() - t_run, 3)
     write_json(root / "manifest.json", manifest)
     return manifest
+
+
+def _built_cases(source, proto, ctx):
+    """The source's Cases; a protocol whose values pass the schema but cannot make a Case (e.g. a
+    seed beyond the generator's 64 bits, focus_tokens longer than half a length) is a ProtocolError
+    that names the study and the case, not a traceback from inside torch."""
+    it = iter(source.cases(proto["source"], ctx))
+    i = 0
+    while True:
+        i += 1
+        try:
+            case = next(it)
+        except StopIteration:
+            return
+        except (ValueError, TypeError, OverflowError, RuntimeError, IndexError) as e:
+            raise ProtocolError(f"protocol {proto['name']}: source {proto['source']['kind']!r} cannot build case {i} "
+                                f"from source parameters: {type(e).__name__}: {e}") from e
+        yield case
 
 
 def _source(proto):
@@ -132,7 +212,58 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--protocol", action="append", default=[], metavar="FILE",
                     help="protocol JSON to run (repeatable); default: all default protocols")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--threads", type=int, default=1, metavar="N",
+                    help="torch intra-op threads for the run (default 1: the same bytes on any number of cores)")
+    ap.add_argument("--no-memory-guard", action="store_true",
+                    help="run even when the largest case's estimated memory exceeds the available memory")
     return ap
+
+
+def partial_dir(out: Path, pid: int | None = None) -> Path:
+    """The temporary sibling a run writes into before renaming it to ``out``."""
+    return out.parent / f".{out.name}.partial-{os.getpid() if pid is None else pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    try:  # a killed child not yet reaped by its parent is a zombie: it will never finish the run
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_stale_partials(parent: Path) -> list[Path]:
+    """Remove the ``.NAME.partial-PID`` folders in ``parent`` whose process is gone (a SIGKILLed run).
+
+    A folder whose PID is alive (another run writing now) is left alone; so is anything that is
+    not a real directory named exactly like a partial run."""
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _PARTIAL.fullmatch(p.name)
+        if not m or p.is_symlink() or not p.is_dir():
+            continue
+        pid = int(m.group("pid"))
+        if pid != os.getpid() and _pid_alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def main(argv=None) -> int:
@@ -141,27 +272,50 @@ def main(argv=None) -> int:
     if out.exists() or out.is_symlink():
         print(f"error: --out {out} already exists; refusing to touch it (choose a new folder)", file=sys.stderr)
         return 2
+    if _PARTIAL.fullmatch(out.name):
+        print(f"error: --out {out} is named like a partial run folder; choose another name", file=sys.stderr)
+        return 2
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        print(f"error: --threads {args.threads} must be between 1 and 1024", file=sys.stderr)
+        return 2
     try:
         paths = [Path(p) for p in args.protocol] or default_protocols()
         if not paths:
             raise ProtocolError("no --protocol given and no protocol in protocols/ is marked default")
         protocols = [(p, *load_protocol(p)) for p in paths]
-    except ProtocolError as e:
+        memory = None if args.no_memory_guard else check_memory([proto for _, proto, _ in protocols])
+    except (ProtocolError, ResourceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    tmp.mkdir()
+    if memory is not None:
+        for name in [n for n, est in memory["estimated_peak_bytes"].items() if est is None]:
+            progress(f"note: source of protocol {name} has no estimate_bytes(); memory guard skipped for it")
     try:
-        manifest = run_protocols(tmp, protocols, progress)
-        if out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in sweep_stale_partials(out.parent):
+            progress(f"removed {stale}: partial folder of a run that no longer exists")
+        tmp = partial_dir(out)
+        tmp.mkdir()
+    except OSError as e:
+        print(f"error: cannot create the run folder beside {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    renamed = False
+    try:
+        manifest = run_protocols(tmp, protocols, progress, threads=args.threads, memory=memory)
+        if out.exists() or out.is_symlink():
             raise FileExistsError(f"--out {out} appeared while the run was going; results left unwritten")
         os.rename(tmp, out)
-    except KeyboardInterrupt:
-        shutil.rmtree(tmp, ignore_errors=True)
-        print("interrupted: nothing was written to --out", file=sys.stderr)
-        return 130
+        renamed = True
+    except (KeyboardInterrupt, Terminated) as e:
+        word, code = ("interrupted", 130) if isinstance(e, KeyboardInterrupt) else ("terminated", 143)
+        if renamed:  # the signal came after the atomic rename: the run is complete and stays
+            print(f"{word} after the run was complete: {out} is a finished run", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"{word}: nothing was written to {out}", file=sys.stderr)
+        return code
     except (ProtocolError, ValueError, FileExistsError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
@@ -169,6 +323,9 @@ def main(argv=None) -> int:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     print(f"wrote {out} ({len(manifest['arrays'])} arrays, {manifest['wall_seconds']:.1f} s); "
           f"check it with: python -m testbed.audit {out}")
     return 0

@@ -1,0 +1,127 @@
+"""Memory guard: estimate a protocol's peak memory before anything is allocated, refuse what cannot fit.
+
+A source module may define ``estimate_bytes(params) -> int``: the peak resident bytes of its
+largest Case as it goes through the analysis chain. :func:`attention_chain_bytes` gives that peak
+for a Case of given dimensions, so most sources only have to name their largest Case. A source
+without the hook is not guarded (the run says so on stderr and records ``null`` in the manifest).
+
+The estimate is compared with the memory this process can still get: ``MemAvailable`` from
+``/proc/meminfo``, lowered to the cgroup limit when the run is inside a container (v2
+``memory.max - memory.current``, v1 ``limit_in_bytes - usage_in_bytes``), or psutil's
+``virtual_memory().available`` where ``/proc`` is missing. When none can be read the guard is
+skipped rather than guessed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["ResourceError", "attention_chain_bytes", "estimate_protocol", "available_bytes", "check_memory",
+           "format_bytes", "synthetic_estimate_bytes"]
+
+
+class ResourceError(ValueError):
+    """A protocol whose largest Case cannot fit in the memory available now."""
+
+
+def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int) -> int:
+    """Peak bytes of one Case ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` through the analysis chain.
+
+    Counted (each term is alive at the same time at the peak of an analysis pass):
+
+    - the Case itself in float32 (q, k, v) and its int64 query positions;
+    - the float64 score / probability matrices ``[H, Tq, Tk]``: the logits, their softmax and one
+      temporary of the same size (3 copies; analyses that keep the reference probabilities while
+      computing a quantized arm's hold these);
+    - K and V expanded to H heads and cast to float64 for the reference attention (2 copies), and
+      the float32 dequantized K and V of one arm plus the group-padded float32 working copies of
+      the quantizer (6 float32 copies of K/V in all);
+    - the float64 reference and arm outputs ``[H, Tq, D]`` (3 copies).
+
+    Deliberately an upper bound (peak resident memory measured on the synthetic protocol stays
+    below it, tests/test_resource_guard.py), not a prediction.
+    """
+    f32, f64 = 4, 8
+    q = heads * queries * head_dim
+    kv = kv_heads * keys * head_dim
+    case = (q + 2 * kv) * f32 + queries * 8
+    probs = 3 * heads * queries * keys * f64
+    kv_work = 2 * heads * keys * head_dim * f64 + 6 * kv * f32
+    outputs = 3 * q * f64
+    return int(case + probs + kv_work + outputs)
+
+
+def synthetic_estimate_bytes(params: dict) -> int:
+    """``estimate_bytes`` for :mod:`testbed.sources.synthetic`: every Case of a protocol has the same
+    heads, queries and head_dim, so the largest is the one with the longest length."""
+    return attention_chain_bytes(params["heads"], params["kv_heads"], params["queries"], max(params["lengths"]),
+                                 params["head_dim"])
+
+
+# Used when the source module has no ``estimate_bytes`` of its own.
+_FALLBACK = {"synthetic": synthetic_estimate_bytes}
+
+
+def estimate_protocol(proto: dict) -> int | None:
+    """Peak bytes of the protocol's largest Case, or None when its source has no estimate."""
+    from .sources import SOURCES
+
+    kind = proto["source"]["kind"]
+    hook = getattr(SOURCES.get(kind), "estimate_bytes", None) or _FALLBACK.get(kind)
+    return None if hook is None else int(hook(proto["source"]))
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_bytes() -> int | None:
+    """Bytes this process can still allocate, or None when no source of that number is readable."""
+    candidates = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        lim, use = _read_int(limit), _read_int(usage)
+        if lim is not None and use is not None and lim < (1 << 60):
+            candidates.append(max(0, lim - use))
+    if not candidates:
+        try:
+            import psutil
+
+            candidates.append(int(psutil.virtual_memory().available))
+        except Exception:  # psutil is optional (test extra); no number means no guard
+            return None
+    return min(candidates)
+
+
+def format_bytes(n: int | float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_memory(protocols: list[dict], available: int | None = None) -> dict:
+    """Refuse (``ResourceError``, naming the estimate) a protocol whose largest Case cannot fit.
+
+    Returns ``{"available_bytes": ..., "estimated_peak_bytes": {study: bytes or None}}`` for the manifest.
+    """
+    available = available_bytes() if available is None else available
+    estimates = {p["name"]: estimate_protocol(p) for p in protocols}
+    if available is not None:
+        for name, est in estimates.items():
+            if est is not None and est > available:
+                raise ResourceError(
+                    f"protocol {name}: its largest case needs an estimated {format_bytes(est)} of memory, "
+                    f"only {format_bytes(available)} is available; reduce source lengths / queries / heads "
+                    "(or pass --no-memory-guard to run anyway)")
+    return {"available_bytes": available, "estimated_peak_bytes": estimates}
