@@ -15,6 +15,8 @@ import torch
 
 __all__ = ["Region", "Case", "validate_tensor"]
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 def validate_tensor(x: Any, name: str, *, rank: int | None = None, min_rank: int | None = None,
                     finite: bool = True) -> torch.Tensor:
@@ -41,6 +43,14 @@ def validate_tensor(x: Any, name: str, *, rank: int | None = None, min_rank: int
         bad = torch.nonzero(~ok, as_tuple=False)[0].tolist()
         value = x[tuple(bad)].item()
         raise ValueError(f"{name}: non-finite value {value} at index {tuple(bad)}")
+    if x.dtype.itemsize > 4:
+        # Everything downstream stores and quantizes float32: a float64 value beyond its range would
+        # silently become Inf (or a saturated code) there instead of being refused here.
+        over = x.abs() > _FLOAT32_MAX
+        if bool(over.any()):
+            bad = torch.nonzero(over, as_tuple=False)[0].tolist()
+            raise ValueError(f"{name}: value {x[tuple(bad)].item():.6g} at index {tuple(bad)} is outside the float32 "
+                             f"range (|x| <= {_FLOAT32_MAX:.6g})")
     return x
 
 
@@ -79,8 +89,14 @@ class Case:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.id or "/" in self.id or ".." in self.id:
-            raise ValueError(f"case id {self.id!r} must be a non-empty name without '/' or '..'")
+        if not isinstance(self.id, str) or not self.id or "/" in self.id or ".." in self.id or not self.id.isprintable():
+            raise ValueError(f"case id {self.id!r} must be a non-empty printable name without '/' or '..'")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"{self.id}: causal must be True or False, got {self.causal!r}")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"{self.id}: meta must be a dict, got {type(self.meta).__name__}")
+        if self.tokens_per_frame is not None and (not isinstance(self.tokens_per_frame, int) or isinstance(self.tokens_per_frame, bool)):
+            raise ValueError(f"{self.id}: tokens_per_frame must be an integer or None, got {self.tokens_per_frame!r}")
         validate_tensor(self.q, f"{self.id}.q", rank=3)
         validate_tensor(self.k, f"{self.id}.k", rank=3)
         validate_tensor(self.v, f"{self.id}.v", rank=3)
@@ -101,6 +117,9 @@ class Case:
         pos = 0
         names = set()
         for r in self.layout:
+            if not isinstance(r, Region) or not isinstance(r.name, str) or not all(
+                    isinstance(b, int) and not isinstance(b, bool) for b in (r.start, r.stop)):
+                raise ValueError(f"{self.id}: layout entries must be Region(name: str, start: int, stop: int), got {r!r}")
             if r.start != pos or r.stop < r.start:
                 raise ValueError(f"{self.id}: layout is not contiguous at region {r.name!r} ({r.start}..{r.stop}, expected start {pos})")
             if r.name in names:

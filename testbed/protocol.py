@@ -9,7 +9,9 @@ A protocol is a JSON object::
      "audit": {"rtol": 1e-6, "atol": 1e-9}}           # tolerances the audit applies
 
 Every key is checked before anything runs; an error names the offending key by its path
-(``source.seeds[2]``), so a malformed protocol is one clear line and nothing is written.
+(``source.seeds[2]``), so a malformed protocol is one clear line and nothing is written. The JSON
+itself is read strictly: UTF-8, no duplicate keys (``json`` would silently keep the last one),
+no NaN/Infinity literals, no absurd nesting.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ProtocolError", "load_protocol", "validate_protocol", "check_object", "PROTOCOL_DIR", "default_protocols"]
+__all__ = ["ProtocolError", "load_protocol", "validate_protocol", "check_object", "PROTOCOL_DIR", "default_protocols",
+           "parse_json"]
 
 PROTOCOL_DIR = Path(__file__).resolve().parent.parent / "protocols"
 
@@ -117,17 +120,39 @@ def validate_protocol(raw: Any, where: str = "protocol") -> dict:
     return proto
 
 
+def _strict_pairs(pairs):
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes, where: str):
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity; errors are one ProtocolError line."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_strict_pairs, parse_constant=_no_constant)
+    except RecursionError:
+        raise ProtocolError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"{where}: not valid JSON ({e})") from None
+
+
 def load_protocol(path: str | Path) -> tuple[dict, bytes]:
     """Read and validate a protocol file; returns (validated protocol, raw bytes)."""
     path = Path(path)
+    if path.is_dir():
+        raise ProtocolError(f"{path}: is a folder, not a protocol file")
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise ProtocolError(f"{path}: cannot read protocol ({e.strerror})") from None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"{path}: not valid JSON ({e})") from None
+    data = parse_json(raw, str(path))
     return validate_protocol(data, where=path.name), raw
 
 
@@ -136,9 +161,9 @@ def default_protocols() -> list[Path]:
     out = []
     for p in sorted(PROTOCOL_DIR.glob("*.json")):
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ProtocolError(f"{p}: not valid JSON ({e})") from None
+            data = parse_json(p.read_bytes(), str(p))
+        except OSError as e:
+            raise ProtocolError(f"{p}: cannot read protocol ({e.strerror})") from None
         if isinstance(data, dict) and data.get("default") is True:
             out.append(p)
     return out
