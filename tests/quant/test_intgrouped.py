@@ -87,3 +87,12 @@ def test_float16_overflow_refused():
     x[0, 0, 0] = 1e6
     with pytest.raises(ValueError, match="float16"):
         Int4Grouped(32, "token").quantize(x, name="k")
+
+
+@pytest.mark.parametrize("value", [1e-5, -4e-6, 3e-7, 2.9e-26])
+def test_constant_groups_in_float16_subnormal_range_round_by_at_most_half_a_quantum(value):
+    x = torch.full((1, 8, 8), value)
+    for axis in ("channel", "token"):
+        q = Int4Grouped(32, axis)
+        err = (q.dequantize(q.quantize(x)).double() - x.double()).abs().max()
+        assert err <= 2.0 ** -25  # float16 subnormal quantum is 2^-24

@@ -73,7 +73,9 @@ def bound_int_grouped(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     grp = _groups(x, cfg)
     mn, mx = grp.amin(-1, keepdim=True), grp.amax(-1, keepdim=True)
     step = (mx - mn) / ((1 << cfg["bits"]) - 1)
-    b = 0.5 * step * (1 + 2 ** -10) + 2 ** -10 * (mn.abs() + (mx - mn)) + 1e-30
+    # float16 subnormals have an absolute quantum of 2^-24: zero and scale may each round by half of it
+    qmax = (1 << cfg["bits"]) - 1
+    b = 0.5 * step * (1 + 2 ** -10) + 2 ** -10 * (mn.abs() + (mx - mn)) + (1 + qmax) * 2 ** -25
     n = x.shape[-2] if cfg["axis"] == "channel" else x.shape[-1]
     b = b.expand_as(grp).reshape(*grp.shape[:-2], -1)[..., :n]
     return b.transpose(-1, -2) if cfg["axis"] == "channel" else b
