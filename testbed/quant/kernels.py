@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     numba = None
 
 __all__ = ["available", "use_fast", "float16_round", "int_quantize_channel", "int_quantize_token",
-           "int_dequantize_channel", "int_dequantize_token"]
+           "int_dequantize_channel", "int_dequantize_token", "mx_quantize", "mx_dequantize"]
 
 MIN_FAST_ELEMENTS = 1 << 16
 
@@ -215,6 +215,139 @@ if numba is not None:
                     zv = zero[b, t, gi]
                     for j in range(min(g, D - gi * g)):
                         out[b, t, gi * g + j] = c[gi * g + j] * sv + zv
+
+
+    @njit(inline="always", cache=True)
+    def _mx_encode(y, emin, mbits, bias, maxv, sign_shift):
+        """Element code of ``y`` (float64, already divided by the block scale): saturate, then round
+        to nearest even on the quantum of its binade; a carry into the next binade falls out of the
+        arithmetic ``(e + bias - 1) * 2**mbits + q``."""
+        neg = math.copysign(1.0, y) < 0
+        a = abs(y)
+        if a > maxv:
+            a = maxv
+        code = 0
+        if a > 0:
+            m, ex = math.frexp(a)
+            e = ex - 1
+            if e < emin:
+                e = emin
+            q = int(np.rint(math.ldexp(a, mbits - e)))
+            code = (e + bias - 1) * (1 << mbits) + q
+        if neg:
+            code |= 1 << sign_shift
+        return code
+
+    @njit(inline="always", cache=True)
+    def _mx_encode_bits(xb, x, sc, emin, emax, mbits, bias, maxv, maxbits, maxcode, sign_shift):
+        """Element code from the float32 bit pattern ``xb`` of ``x``: y = x * 2**(127 - sc) has the
+        same mantissa and exponent ``Ex - sc``, so saturation is a compare of bit patterns and
+        round-to-nearest-even is integer arithmetic on the mantissa. Values that are float32
+        subnormal or fall into the element's subnormal range take the float64 route."""
+        ax = xb & 0x7FFFFFFF
+        ex = ax >> 23
+        ey = ex - sc
+        if ex == 0 or ey < emin:
+            return _mx_encode(np.float64(x) * math.ldexp(1.0, 127 - sc), emin, mbits, bias, maxv, sign_shift)
+        code = 0
+        yb = ax + ((127 - sc) << 23)
+        if yb > maxbits:
+            code = maxcode
+        else:
+            shift = 23 - mbits
+            mant = ax & 0x7FFFFF
+            keep = mant >> shift
+            rem = mant & ((1 << shift) - 1)
+            half = 1 << (shift - 1)
+            up = 1 if (rem > half or (rem == half and (keep & 1) == 1)) else 0
+            code = ((ey + bias) << mbits) + keep + up
+        if xb >> 31:
+            code |= 1 << sign_shift
+        return code
+
+    @njit(parallel=True, cache=True)
+    def _mx_q(x, xi, block, emax, emin, mbits, bias, maxv, maxbits, maxcode, bits, codes, scales, bad):
+        # x [R, D] float32 and its uint32 view xi; codes [R, ceil(D_pad * bits / 8)]; scales [R, D_pad / block]
+        R, D = x.shape
+        nb = scales.shape[1]
+        sign_shift = bits - 1
+        per = 8 // bits
+        for r in prange(R):
+            nan = 0
+            for bi in range(nb):
+                d0 = bi * block
+                amax = np.float32(0.0)
+                for d in range(d0, min(d0 + block, D)):
+                    v = abs(x[r, d])
+                    nan += v != v
+                    amax = max(amax, v)
+                if amax == np.inf:
+                    nan += 1
+                sc = 0
+                if amax > 0:
+                    m, ex = math.frexp(amax)
+                    u = min(max(ex - 1 - emax, -127), 127)
+                    sc = u + 127
+                scales[r, bi] = sc
+                if per == 1:
+                    for d in range(d0, min(d0 + block, D)):
+                        codes[r, d] = _mx_encode_bits(np.int64(xi[r, d]), x[r, d], sc, emin, emax, mbits, bias,
+                                                      maxv, maxbits, maxcode, sign_shift)
+                    for d in range(max(d0, D), d0 + block):
+                        codes[r, d] = 0
+                else:
+                    for j in range(0, block, per):
+                        byte = 0
+                        for k in range(per):
+                            d = d0 + j + k
+                            if d < D:
+                                c = _mx_encode_bits(np.int64(xi[r, d]), x[r, d], sc, emin, emax, mbits, bias,
+                                                    maxv, maxbits, maxcode, sign_shift)
+                                byte |= c << (bits * k)
+                        codes[r, (d0 + j) // per] = byte
+            bad[r] = nan > 0
+
+    @njit(parallel=True, cache=True)
+    def _mx_dq(codes, scales, lut, block, bits, out):
+        R, D = out.shape
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        nb = scales.shape[1]
+        for r in prange(R):
+            for bi in range(nb):
+                s = math.ldexp(1.0, int(scales[r, bi]) - 127)
+                for j in range(block):
+                    d = bi * block + j
+                    if d >= D:
+                        break
+                    if per == 1:
+                        c = codes[r, d]
+                    else:
+                        c = (codes[r, d // per] >> (bits * (d % per))) & mask
+                    out[r, d] = np.float32(lut[c] * s)
+
+
+def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, maxv: float, emax: int):
+    """x [R, D] float32 -> (codes uint8 [R, D_pad*bits/8], scales uint8 [R, D_pad/block], any non-finite)."""
+    R, D = x.shape
+    bits = 1 + ebits + mbits
+    nb = _ceil_div(D, block)
+    codes = np.empty((R, nb * block * bits // 8), np.uint8)
+    scales = np.empty((R, nb), np.uint8)
+    bad = np.zeros(R, np.bool_)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    maxbits = int(np.array(maxv, np.float32).view(np.uint32))
+    maxcode = ((emax + bias) << mbits) | ((1 << mbits) - 1) if ebits != 4 else 0x7E  # E4M3: S.1111.111 is NaN
+    _mx_q(x, x.view(np.uint32), block, emax, 1 - bias, mbits, bias, float(maxv), maxbits, maxcode, bits,
+          codes, scales, bad)
+    return codes, scales, bool(bad.any())
+
+
+def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block: int, bits: int, d: int) -> np.ndarray:
+    """Inverse of :func:`mx_quantize`: float32 [R, d]; ``lut`` is the float64 value of every code."""
+    out = np.empty((codes.shape[0], d), np.float32)
+    _mx_dq(codes, scales, lut, block, bits, out)
+    return out
 
 
 def float16_round(a: np.ndarray) -> np.ndarray:

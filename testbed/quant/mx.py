@@ -50,6 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
+import numpy as np
+
+from . import kernels
 from .base import Packed, Quantizer, check_input, make_header, register, register_kind
 from .packing import pack_codes, unpack_codes
 from .rotation import SignedHadamard
@@ -193,6 +196,7 @@ class MX(Quantizer):
         family = "mxfp4" if self.fmt.bits == 4 else "mxfp8"
         self.name = f"{family}_{element}_b{block_size}" + ("_hadamard" if rotation else "")
         self._rotations: dict[int, SignedHadamard] = {}
+        self._lut: np.ndarray | None = None
 
     def config(self) -> dict:
         return {"kind": "mx", "element": self.element, "block_size": self.block_size,
@@ -210,6 +214,33 @@ class MX(Quantizer):
         return self._rotations[dim]
 
     def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
+        """Quantize ``x [..., N, D]``; the fused kernel serves large CPU tensors, bit-identical."""
+        if kernels.use_fast(x):
+            return self._quantize_fast(x, name)
+        return self.quantize_reference(x, name=name)
+
+    def _quantize_fast(self, x: torch.Tensor, name: str) -> Packed:
+        check_input(x, name, finite=False)
+        *lead, n, d = x.shape
+        xf = x.detach().to(torch.float32)
+        rot = self.rotation_for(d)
+        if rot is not None:
+            xf = rot.apply(xf)
+        f = self.fmt
+        kernels.set_threads(torch.get_num_threads())
+        codes, scales, bad = kernels.mx_quantize(xf.reshape(-1, d).numpy(), self.block_size, f.ebits, f.mbits,
+                                                 f.bias, f.max, f.emax)
+        if bad:
+            check_input(x, name)  # raises with the tensor's name and the first bad index
+        tensors = {
+            "codes": torch.from_numpy(codes).reshape(*lead, n, codes.shape[-1]),
+            "scales": torch.from_numpy(scales).reshape(*lead, n, scales.shape[-1]),
+            "header": make_header(n, d),
+        }
+        return Packed(self.name, tuple(x.shape), x.dtype, tensors, self.config())
+
+    def quantize_reference(self, x: torch.Tensor, *, name: str = "x") -> Packed:
+        """The torch implementation: the definition the fused kernel must match bit for bit."""
         check_input(x, name)
         n, d = x.shape[-2], x.shape[-1]
         xf = x.detach().to(torch.float32)
@@ -226,6 +257,19 @@ class MX(Quantizer):
 
     def decode_rotated(self, p: Packed) -> torch.Tensor:
         """Decoded values in the rotated domain (float32; equals :meth:`dequantize` without rotation)."""
+        self._check_packed(p)
+        codes = p.tensors["codes"]
+        if kernels.use_fast(codes):
+            *lead, n, d = p.shape
+            if self._lut is None:
+                self._lut = element_values(self.fmt).numpy()
+            out = kernels.mx_dequantize(codes.reshape(-1, codes.shape[-1]).numpy(),
+                                        p.tensors["scales"].reshape(-1, p.tensors["scales"].shape[-1]).numpy(),
+                                        self._lut, self.block_size, self.fmt.bits, d)
+            return torch.from_numpy(out).reshape(*lead, n, d)
+        return self.decode_rotated_reference(p)
+
+    def decode_rotated_reference(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         d = p.shape[-1]
         d_pad = p.tensors["scales"].shape[-1] * self.block_size

@@ -66,3 +66,37 @@ def test_fast_path_reads_strided_views_like_contiguous_copies(axis):
     q = IntGrouped(4, 32, axis)
     a, b = q.quantize(view), q.quantize_reference(view.contiguous())
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
+
+
+@settings(max_examples=60, deadline=None)
+@given(element=st.sampled_from(["e4m3", "e5m2", "e2m1"]), block=st.sampled_from([2, 8, 32, 64]),
+       rotation=st.sampled_from([None, "signed_hadamard"]), rows=st.integers(1, 40), d=st.sampled_from([8, 32, 64, 50, 96]),
+       seed=st.integers(0, 2**31 - 1), log_scale=st.integers(-140, 120), spread=st.integers(0, 40))
+def test_fast_mx_equals_reference(element, block, rotation, rows, d, seed, log_scale, spread):
+    from testbed.quant import MX
+
+    if rotation and d not in (8, 32, 64):
+        d = 64
+    gen = torch.Generator().manual_seed(seed)
+    # elements spread over 2^spread binades around 2^log_scale, with exact zeros and negative zeros
+    mant = torch.rand(2, rows, d, generator=gen) + 0.5
+    expo = torch.randint(-spread, 1, (2, rows, d), generator=gen).double() + log_scale
+    x = (torch.where(torch.rand(2, rows, d, generator=gen) < 0.5, -1.0, 1.0).double() * mant * torch.exp2(expo)).float()
+    x[torch.rand(2, rows, d, generator=gen) < 0.05] = 0.0
+    x[torch.rand(2, rows, d, generator=gen) < 0.05] = -0.0
+    q = MX(element, block, rotation)
+    if rotation:
+        x = x.clamp(-1e30, 1e30)
+    fast, ref = q.quantize(x), q.quantize_reference(x)
+    for name in ref.tensors:
+        assert torch.equal(fast.tensors[name], ref.tensors[name]), name
+    assert torch.equal(q.decode_rotated(fast), q.decode_rotated_reference(ref))
+
+
+def test_fast_mx_reports_first_bad_index():
+    from testbed.quant import MXFP8
+
+    x = torch.randn(2, 64, 32)
+    x[1, 40, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"q: non-finite value nan at index \(1, 40, 5\)"):
+        MXFP8().quantize(x, name="q")
