@@ -431,26 +431,29 @@ def _convert(gguf: Path, folder: Path) -> None:
     os.rename(tmp, folder)
 
 
-def _cache_kwarg(model) -> str:
+def _forward_kwargs(model) -> dict:
+    """Keyword names of this transformers version: the cache argument, and (when available) asking
+    for the last position's logits only, which spares the vocabulary projection of every token."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    return {"cache": "cache" if "cache" in params else "past_key_values", "extra": extra}
 
 
 def stream_prefill(model, input_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
     """Feed ``input_ids [1, N]`` ``chunk`` tokens per forward through a KV cache (a streaming
-    schedule); returns (number of forwards, logits of the last forward)."""
+    schedule); returns (number of forwards, the last forward's logits at its last position)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    kw = _cache_kwarg(model)
+    kw = _forward_kwargs(model)
     n = input_ids.shape[1]
     forwards, logits = 0, None
     with torch.no_grad():
         for s in range(0, n, chunk):
-            out = model(input_ids=input_ids[:, s:s + chunk], use_cache=True, **{kw: cache})
-            logits = out.logits
+            out = model(input_ids=input_ids[:, s:s + chunk], use_cache=True, **{kw["cache"]: cache}, **kw["extra"])
+            logits = out.logits[:, -1:]
             forwards += 1
     return forwards, logits
 
