@@ -5,9 +5,18 @@ number per input over the flattened output, ``||O' - O|| / ||O||``. Probability 
 query row: total variation ``TV(P, P') = 1/2 sum |P - P'|``, argmax agreement, region mass (the
 probability a row puts on a span of keys) and the numerical-zero rate (keys with ``p > 0`` in
 the reference that are exactly 0 after quantization).
+
+The second half holds the attention-topology metrics of the Catnip week-10 KV-cache attention
+study (seed 000) -- effective support ``exp(H)/Sk``, top-k % mass, strict zeros of the float32
+softmax, region and history mass, key-block masses, top-block sets and their Jaccard overlap --
+and `observe`, which applies them to a whole Case one tile of queries at a time (`score_tiles`),
+so that no more than one tile of scores is ever alive. `paired_wilcoxon` compares two arms
+across independent units (seeds, prompts), never across rows of one unit.
 """
 
 from __future__ import annotations
+
+import math as _math
 
 import torch
 
@@ -61,3 +70,263 @@ def numerical_zero_rate(p_hat: torch.Tensor, p_ref: torch.Tensor) -> torch.Tenso
     pos = p_ref > 0
     zeros = pos & (p_hat == 0)
     return zeros.sum(dim=-1).to(torch.float64) / pos.sum(dim=-1).clamp(min=1).to(torch.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention topology (observational metrics of the Catnip week-10 KV-cache attention study,
+# seed 000): effective support, top-k mass, strict zeros, region mass, block predictability.
+#
+# Row functions take probabilities ``p [..., Tk]`` (each row summing to 1 over its visible keys,
+# 0 elsewhere) and, where the row's visible-key count matters, ``visible [..., Tk]`` or
+# ``visible_keys [...]``. `observe` drives them over a whole Case one tile of queries at a time.
+# --------------------------------------------------------------------------------------------
+
+__all__ += ["entropy", "effective_support", "top_mass", "strict_zero_rate", "block_masses", "top_blocks",
+            "jaccard", "history_span", "region_masses", "quantiles", "summary", "paired_wilcoxon",
+            "frame_size", "score_tiles", "observe", "Observation", "TOP_PERCENTS"]
+
+TOP_PERCENTS = (1, 5, 10)
+# A cumulative mass counts as reaching the coverage target when it is within this of it, so that
+# float64 summation order cannot flip the membership of a top-block set (the audit uses the same).
+COVERAGE_EPS = 1e-9
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) per row; ``0 log 0 = 0``."""
+    p = _f64(p)
+    logp = torch.where(p > 0, torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p))
+    return -(p * logp).sum(dim=-1)
+
+
+def effective_support(p: torch.Tensor, visible_keys: torch.Tensor) -> torch.Tensor:
+    """Entropy-equivalent support ``exp(H) / Sk`` per row: 1 for a uniform row over its ``Sk``
+    visible keys, ``1 / Sk`` for a one-hot row."""
+    return torch.exp(entropy(p)) / _f64(visible_keys)
+
+
+def top_counts(visible_keys: torch.Tensor, percent: int) -> torch.Tensor:
+    """``ceil(percent * Sk / 100)`` keys (at least 1), in integer arithmetic."""
+    sk = visible_keys.to(torch.int64)
+    return torch.clamp((percent * sk + 99) // 100, min=1)
+
+
+def top_mass(p: torch.Tensor, visible_keys: torch.Tensor, percents=TOP_PERCENTS) -> dict[int, torch.Tensor]:
+    """Mass carried by the top ``percent`` % of each row's visible keys, per percent."""
+    srt = torch.sort(_f64(p), dim=-1, descending=True).values
+    csum = torch.cumsum(srt, dim=-1)
+    out = {}
+    for pc in percents:
+        idx = (top_counts(visible_keys, pc) - 1).clamp(max=p.shape[-1] - 1)
+        out[pc] = torch.gather(csum, -1, idx.unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def strict_zero_rate(p: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """Share of each row's visible keys whose probability is exactly 0 (structural zeros)."""
+    zero = p == 0
+    if visible is None:
+        return zero.sum(dim=-1).to(torch.float64) / p.shape[-1]
+    vis = visible.expand_as(zero)
+    return (zero & vis).sum(dim=-1).to(torch.float64) / vis.sum(dim=-1).clamp(min=1).to(torch.float64)
+
+
+def block_masses(p: torch.Tensor, block: int) -> torch.Tensor:
+    """Row mass per contiguous key block of ``block`` keys (the last block may be shorter)."""
+    p = _f64(p)
+    tk = p.shape[-1]
+    pad = (-tk) % block
+    if pad:
+        p = torch.cat([p, p.new_zeros(*p.shape[:-1], pad)], dim=-1)
+    return p.reshape(*p.shape[:-1], -1, block).sum(dim=-1)
+
+
+def top_blocks(masses: torch.Tensor, coverage: float) -> torch.Tensor:
+    """Boolean set per row: the fewest blocks, largest first (ties: lower index first), whose
+    mass reaches ``coverage`` of the row's total -- the blocks a block-sparse kernel would keep."""
+    m = _f64(masses)
+    order = torch.sort(m, dim=-1, descending=True, stable=True)
+    csum = torch.cumsum(order.values, dim=-1)
+    target = coverage * m.sum(dim=-1, keepdim=True) - COVERAGE_EPS
+    needed = (csum < target).sum(dim=-1, keepdim=True) + 1
+    rank_in = torch.arange(m.shape[-1], device=m.device).expand_as(m) < needed.clamp(max=m.shape[-1])
+    out = torch.zeros_like(rank_in)
+    out.scatter_(-1, order.indices, rank_in)
+    return out
+
+
+def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row Jaccard overlap ``|a & b| / |a | b|`` of boolean sets (1 for two empty sets)."""
+    inter = (a & b).sum(dim=-1).to(torch.float64)
+    union = (a | b).sum(dim=-1).to(torch.float64)
+    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+
+
+def history_span(layout) -> tuple[int, int] | None:
+    """Keys before the ``current`` region (the cached history), or None without a current region."""
+    for r in layout:
+        if r.name == "current":
+            return (0, r.start)
+    return None
+
+
+def region_masses(p: torch.Tensor, layout) -> dict[str, torch.Tensor]:
+    """Per-row mass of every region of the layout, plus ``history`` when there is a current region."""
+    out = {r.name: region_mass(p, r.start, r.stop) for r in layout}
+    hist = history_span(layout)
+    if hist is not None:
+        out["history"] = region_mass(p, *hist)
+    return out
+
+
+def quantiles(x, qs=(0.1, 0.25, 0.5, 0.75, 0.9)) -> dict[str, float]:
+    """Named quantiles (linear interpolation) of the finite values of ``x``."""
+    t = _f64(torch.as_tensor(x)).flatten()
+    t = t[torch.isfinite(t)]
+    if t.numel() == 0:
+        return {f"q{round(100 * q):02d}": float("nan") for q in qs}
+    vals = torch.quantile(t, torch.tensor(qs, dtype=torch.float64))
+    return {f"q{round(100 * q):02d}": float(v) for q, v in zip(qs, vals)}
+
+
+def summary(x) -> dict[str, float]:
+    """Mean, median and the 10/25/75/90 % quantiles of the finite values of ``x``."""
+    t = _f64(torch.as_tensor(x)).flatten()
+    t = t[torch.isfinite(t)]
+    out = {"mean": float(t.mean()) if t.numel() else float("nan")}
+    q = quantiles(t)
+    out["median"] = q.pop("q50")
+    out.update(q)
+    return out
+
+
+def paired_wilcoxon(x, y) -> dict:
+    """Two-sided Wilcoxon signed-rank test of paired per-unit values (units: seeds or prompts,
+    never rows within one of them). Returns n, the median of ``x - y``, the statistic and p
+    (None when fewer than two non-zero differences make the test meaningless)."""
+    from scipy import stats
+
+    a = [float(v) for v in x]
+    b = [float(v) for v in y]
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length ({len(a)} vs {len(b)})")
+    pairs = [(u, w) for u, w in zip(a, b) if _math.isfinite(u) and _math.isfinite(w)]
+    diffs = [u - w for u, w in pairs]
+    nonzero = [d for d in diffs if d != 0]
+    med = float(torch.quantile(torch.tensor(diffs, dtype=torch.float64), 0.5)) if diffs else float("nan")
+    if len(nonzero) < 2:
+        return {"n": len(pairs), "median_diff": med, "statistic": None, "p": None}
+    res = stats.wilcoxon([u for u, _ in pairs], [w for _, w in pairs], alternative="two-sided", zero_method="wilcox")
+    return {"n": len(pairs), "median_diff": med, "statistic": float(res.statistic), "p": float(res.pvalue)}
+
+
+def frame_size(case, block_tokens: int) -> int:
+    """Key/query block used for heatmaps and block predictability: the latent frame when the
+    Case has ``tokens_per_frame``, else ``block_tokens`` tokens."""
+    return int(case.tokens_per_frame) if case.tokens_per_frame else int(block_tokens)
+
+
+def score_tiles(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool, max_scores: int):
+    """Yield ``(kv_head, heads, queries, scores, visible)`` tiles of scaled float64 logits.
+
+    One KV head at a time (GQA: its group of query heads) and a slice of queries, so that a tile
+    holds at most about ``max_scores`` scores: memory stays bounded for any record size.
+    ``scores [g, c, Tk]`` are unmasked; ``visible [c, Tk]`` is the causal mask or None.
+    """
+    h, tq, d = q.shape
+    hkv, tk, _ = k.shape
+    g = h // hkv
+    step = max(1, int(max_scores) // (g * tk))
+    scale = 1.0 / _math.sqrt(d)
+    ar = torch.arange(tk, device=q.device)
+    for j in range(hkv):
+        kj = k[j].to(torch.float64)
+        heads = slice(j * g, (j + 1) * g)
+        for s in range(0, tq, step):
+            qs = slice(s, min(tq, s + step))
+            sc = torch.matmul(q[heads, qs].to(torch.float64), kj.transpose(0, 1)) * scale
+            vis = (ar.unsqueeze(0) <= query_positions[qs].to(q.device).unsqueeze(1)) if causal else None
+            yield j, heads, qs, sc, vis
+
+
+def _masked_softmax(s: torch.Tensor, vis: torch.Tensor | None) -> torch.Tensor:
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+class Observation:
+    """Per-row metrics of one Case (``[H, Tq]`` float64 tensors in ``rows``), per-head temporal
+    heatmaps ``heatmap [H, query blocks, key blocks]`` (each row sums to 1) and the top-block sets'
+    Jaccard overlaps between neighbouring queries and neighbouring query blocks."""
+
+    def __init__(self, rows: dict, heatmap: torch.Tensor, query_blocks: list[int], frame: int,
+                 jaccard_query: torch.Tensor, jaccard_block: torch.Tensor, block_set_size: torch.Tensor):
+        self.rows = rows
+        self.heatmap = heatmap
+        self.query_blocks = query_blocks
+        self.frame = frame
+        self.jaccard_query = jaccard_query
+        self.jaccard_block = jaccard_block
+        self.block_set_size = block_set_size
+
+
+def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP_PERCENTS,
+            max_scores: int = 1 << 21) -> Observation:
+    """Observational metrics of a Case's float64 reference attention, computed tile by tile.
+
+    Per row (query x head): ``visible_keys``; ``support = exp(H)/Sk``; ``top{1,5,10}`` mass;
+    ``zero_rate`` of the float32 softmax (logits rounded to float32, softmax in float32);
+    ``{region}_mass`` for every region and ``history_mass`` (keys before ``current``); the mass on
+    each key block accumulated into the temporal heatmap (query block x key block, where a query's
+    block is ``query_position // frame``). Block predictability: the top-block set of each row
+    (fewest blocks carrying ``coverage`` of its mass) against the previous query of the same head
+    (``jaccard_query [H, Tq-1]``), and the set of each query block's mean block mass against the
+    previous query block (``jaccard_block [H, QB-1]``).
+    """
+    h, tq = case.heads, case.q.shape[1]
+    tk = case.keys
+    frame = frame_size(case, block_tokens)
+    nkb = -(-tk // frame)
+    qblock = (case.query_positions.to(torch.int64) // frame)
+    qblocks = sorted(set(qblock.tolist()))
+    qb_index = torch.tensor([qblocks.index(b) for b in qblock.tolist()], dtype=torch.int64)
+    names = [f"top{pc}" for pc in percents]
+    regions = [r.name for r in case.layout]
+    hist = history_span(case.layout)
+    keys = ["visible_keys", "support", *names, "zero_rate", *[f"{r}_mass" for r in regions]]
+    if hist is not None:
+        keys.append("history_mass")
+    rows = {key: torch.empty(h, tq, dtype=torch.float64) for key in keys}
+    heat = torch.zeros(h, len(qblocks), nkb, dtype=torch.float64)
+    counts = torch.bincount(qb_index, minlength=len(qblocks)).to(torch.float64)
+    jq = torch.empty(h, max(tq - 1, 0), dtype=torch.float64)
+    set_size = torch.empty(h, tq, dtype=torch.float64)
+    prev = {}
+    for _, heads, qs, s, vis in score_tiles(case.q, case.k, case.query_positions, case.causal, max_scores):
+        p = _masked_softmax(s, vis)
+        nvis = vis.sum(dim=-1).to(torch.float64).expand(p.shape[:-1]) if vis is not None else \
+            torch.full(p.shape[:-1], float(tk), dtype=torch.float64)
+        rows["visible_keys"][heads, qs] = nvis
+        rows["support"][heads, qs] = effective_support(p, nvis)
+        for pc, m in top_mass(p, nvis, percents).items():
+            rows[f"top{pc}"][heads, qs] = m
+        p32 = _masked_softmax(s.to(torch.float32), vis)
+        rows["zero_rate"][heads, qs] = strict_zero_rate(p32, vis)
+        for name, m in region_masses(p, case.layout).items():
+            rows[f"{name}_mass"][heads, qs] = m
+        bm = block_masses(p, frame)
+        heat[heads].index_add_(1, qb_index[qs], bm)
+        sets = top_blocks(bm, coverage)
+        set_size[heads, qs] = sets.sum(dim=-1).to(torch.float64)
+        for gi, hh in enumerate(range(heads.start, heads.stop)):
+            cur = sets[gi]
+            if qs.start > 0:
+                cur_prev = torch.cat([prev[hh].unsqueeze(0), cur], dim=0)
+                jq[hh, qs.start - 1:qs.stop - 1] = jaccard(cur_prev[1:], cur_prev[:-1])
+            elif cur.shape[0] > 1:
+                jq[hh, : qs.stop - 1] = jaccard(cur[1:], cur[:-1])
+            prev[hh] = cur[-1]
+    heat = heat / counts.view(1, -1, 1)
+    bsets = top_blocks(heat, coverage)
+    jb = jaccard(bsets[:, 1:], bsets[:, :-1]) if len(qblocks) > 1 else torch.empty(h, 0, dtype=torch.float64)
+    return Observation(rows, heat, qblocks, frame, jq, jb, set_size)

@@ -4,8 +4,8 @@ Heavy dependencies (transformers for capture) are imported inside the functions 
 so a protocol that does not use a source never pays for it.
 """
 
-from . import capture, synthetic, traces
+from . import capture, synthetic, traces, video
 
-SOURCES = {"synthetic": synthetic, "capture": capture, "trace": traces}
+SOURCES = {"synthetic": synthetic, "capture": capture, "trace": traces, "synthetic_video": video}
 
 __all__ = ["SOURCES"]

@@ -1,0 +1,189 @@
+"""Synthetic chunked attention with a structured cache: a video-like and an LLM-like layout.
+
+Replays the setting of the Catnip week-10 KV-cache attention study (seed 000) without its model:
+a *current chunk* of queries attends to a cache of earlier tokens plus the chunk itself.
+
+``video``: a latent video of frames of ``tokens_per_frame`` tokens (15 x 26 = 390 in the study;
+small by default). Chunk ``c`` covers frames ``[c*C, (c+1)*C)`` (``C = current_frames``); the
+keys are, in physical order, ``sink`` (the first ``sink_frames`` frames of the video), ``recent``
+(the ``recent_frames`` frames just before the chunk) and ``current`` (the chunk), as in the
+study's ``[sink4, recent6, current6]``. The queries are the chunk's tokens and see every key
+(bidirectional inside the chunk: ``causal=False``).
+
+``llm``: one token per position, ``sink | middle | recent | current`` with ``current`` the last
+``llm_current`` tokens; the queries are the current tokens and are causal (query ``i`` sees keys
+``0 .. its own position``), as in chunked prefill.
+
+Content. Token ``(f, s)`` (frame or position ``f``, spatial slot ``s``) has the unit vector
+``x = normalize(spatial[s] + temporal[f] + noise * e)``, where ``temporal`` is an AR(1) process
+over frames with correlation ``rho`` (nearby frames are similar, far ones are not) and
+``spatial`` is shared by all frames (the same place in the picture; absent in the LLM layout).
+Keys are ``x`` and values are ``x * sqrt(D) + e'``; the query of a current token is its own
+content plus noise, scaled by the head's *concentration* ``kappa_h * sqrt(D)``, so its logits
+are ``kappa_h * cos``: large ``kappa`` gives sharp heads, small ``kappa`` near-uniform ones.
+Channel 0 is reserved for the attention sink: sink keys and every query carry ``a`` there with
+``a^2 / sqrt(D) = sink_logit``, a content-free bonus like a real attention sink's. Query heads
+that share a KV head (GQA) share the content and differ in concentration.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+from ..case import Case, Region
+from ..protocol import ProtocolError, check_object
+
+__all__ = ["LAYOUTS", "make_video_case", "make_llm_case", "validate", "cases"]
+
+LAYOUTS = ("video", "llm")
+DEFAULT_CONCENTRATIONS = [16.0, 6.0, 3.0, 0.5]
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=1e-12)
+
+
+def _content(g: torch.Generator, kv_heads: int, frames: int, tpf: int, dim: int, rho: float, noise: float,
+             spatial: bool) -> torch.Tensor:
+    """Unit content vectors ``[H_kv, frames, tpf, dim]``."""
+    sp = torch.randn(kv_heads, 1, tpf, dim, generator=g) / math.sqrt(dim) if spatial else torch.zeros(kv_heads, 1, tpf, dim)
+    w = torch.empty(kv_heads, frames, 1, dim)
+    w[:, 0] = torch.randn(kv_heads, 1, dim, generator=g) / math.sqrt(dim)
+    innov = math.sqrt(max(0.0, 1.0 - rho * rho))
+    for f in range(1, frames):
+        w[:, f] = rho * w[:, f - 1] + innov * torch.randn(kv_heads, 1, dim, generator=g) / math.sqrt(dim)
+    e = torch.randn(kv_heads, frames, tpf, dim, generator=g) / math.sqrt(dim)
+    return _unit(sp + w + noise * e)
+
+
+def _qkv(g, content_keys, content_queries, heads, kv_heads, head_dim, concentrations, sink_keys, sink_logit,
+         query_noise):
+    """Keys, values and queries from flattened content (``[H_kv, T, D-1]``) plus the sink channel."""
+    hkv, tk, _ = content_keys.shape
+    group = heads // kv_heads
+    a = math.sqrt(sink_logit * math.sqrt(head_dim)) if sink_logit > 0 else 0.0
+    k = torch.zeros(hkv, tk, head_dim)
+    k[..., 1:] = content_keys
+    k[:, :sink_keys, 0] = a
+    v = content_keys * math.sqrt(head_dim)
+    v = torch.cat([torch.randn(hkv, tk, 1, generator=g), v], dim=-1) + 0.5 * torch.randn(hkv, tk, head_dim, generator=g)
+    tq = content_queries.shape[1]
+    q = torch.zeros(heads, tq, head_dim)
+    for hh in range(heads):
+        kappa = concentrations[hh % len(concentrations)]
+        cq = _unit(content_queries[hh // group] + query_noise * torch.randn(tq, head_dim - 1, generator=g) / math.sqrt(head_dim))
+        q[hh, :, 1:] = kappa * math.sqrt(head_dim) * cq
+        q[hh, :, 0] = a
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def make_video_case(seed: int, chunk: int = 3, *, tokens_per_frame: int = 4, sink_frames: int = 4,
+                    recent_frames: int = 6, current_frames: int = 6, heads: int = 4, kv_heads: int = 4,
+                    head_dim: int = 32, concentrations=None, rho: float = 0.8, noise: float = 0.5,
+                    query_noise: float = 0.3, sink_logit: float = 1.0) -> Case:
+    concentrations = list(concentrations or DEFAULT_CONCENTRATIONS)
+    start = chunk * current_frames
+    if start - recent_frames < sink_frames:
+        raise ValueError(f"chunk {chunk}: the recent frames [{start - recent_frames}, {start}) would overlap the "
+                         f"{sink_frames} sink frames; use chunk >= {-(-(sink_frames + recent_frames) // current_frames)}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} heads are not a multiple of {kv_heads} KV heads")
+    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * chunk + 17)
+    frames_total = start + current_frames
+    x = _content(g, kv_heads, frames_total, tokens_per_frame, head_dim - 1, rho, noise, spatial=True)
+    key_frames = list(range(sink_frames)) + list(range(start - recent_frames, start)) + list(range(start, frames_total))
+    ck = x[:, key_frames].reshape(kv_heads, -1, head_dim - 1)
+    cq = x[:, start:frames_total].reshape(kv_heads, -1, head_dim - 1)
+    tpf = tokens_per_frame
+    q, k, v = _qkv(g, ck, cq, heads, kv_heads, head_dim, concentrations, sink_frames * tpf, sink_logit, query_noise)
+    s_end = sink_frames * tpf
+    r_end = s_end + recent_frames * tpf
+    tk = r_end + current_frames * tpf
+    layout = (Region("sink", 0, s_end), Region("recent", s_end, r_end), Region("current", r_end, tk))
+    return Case(
+        id=f"video-s{seed}-c{chunk}", q=q, k=k, v=v,
+        query_positions=torch.arange(r_end, tk, dtype=torch.int64), causal=False, layout=layout,
+        tokens_per_frame=tpf,
+        meta={"source": "synthetic_video", "distribution": "video", "layout_kind": "video", "seed": seed,
+              "chunk": chunk, "key_frames": key_frames, "head_concentration": [concentrations[hh % len(concentrations)] for hh in range(heads)],
+              "rho": rho, "sink_logit": sink_logit},
+    )
+
+
+def make_llm_case(seed: int, *, sink: int = 4, middle: int = 28, recent: int = 16, current: int = 32,
+                  heads: int = 4, kv_heads: int = 2, head_dim: int = 32, concentrations=None, rho: float = 0.95,
+                  noise: float = 0.5, query_noise: float = 0.3, sink_logit: float = 3.0) -> Case:
+    concentrations = list(concentrations or DEFAULT_CONCENTRATIONS)
+    if heads % kv_heads:
+        raise ValueError(f"{heads} heads are not a multiple of {kv_heads} KV heads")
+    g = torch.Generator().manual_seed(1_000_003 * seed + 104_729)
+    tk = sink + middle + recent + current
+    x = _content(g, kv_heads, tk, 1, head_dim - 1, rho, noise, spatial=False).reshape(kv_heads, tk, head_dim - 1)
+    q, k, v = _qkv(g, x, x[:, tk - current:], heads, kv_heads, head_dim, concentrations, sink, sink_logit, query_noise)
+    b1, b2, b3 = sink, sink + middle, sink + middle + recent
+    layout = (Region("sink", 0, b1), Region("middle", b1, b2), Region("recent", b2, b3), Region("current", b3, tk))
+    return Case(
+        id=f"llm-s{seed}", q=q, k=k, v=v,
+        query_positions=torch.arange(b3, tk, dtype=torch.int64), causal=True, layout=layout,
+        meta={"source": "synthetic_video", "distribution": "llm_causal", "layout_kind": "llm", "seed": seed,
+              "head_concentration": [concentrations[hh % len(concentrations)] for hh in range(heads)],
+              "rho": rho, "sink_logit": sink_logit},
+    )
+
+
+def validate(params: dict, where: str) -> dict:
+    p = check_object(params, where, required={
+        "kind": ("choice", ("synthetic_video",)),
+        "seeds": ("list", ("range", int, 0, 1 << 31), 1),
+        "layouts": ("list", ("choice", LAYOUTS), 1),
+    }, optional={
+        "chunks": (("list", ("range", int, 1, 1 << 12), 1), [3]),
+        "tokens_per_frame": (("range", int, 1, 4096), 4),
+        "sink_frames": (("range", int, 1, 256), 4),
+        "recent_frames": (("range", int, 1, 256), 6),
+        "current_frames": (("range", int, 1, 256), 6),
+        "llm_sink": (("range", int, 1, 1 << 16), 4),
+        "llm_middle": (("range", int, 1, 1 << 20), 28),
+        "llm_recent": (("range", int, 1, 1 << 16), 16),
+        "llm_current": (("range", int, 1, 1 << 16), 32),
+        "heads": (("range", int, 1, 256), 4),
+        "kv_heads": (("range", int, 1, 256), 4),
+        "llm_kv_heads": (("range", int, 1, 256), 2),
+        "head_dim": (("range", int, 2, 4096), 32),
+        "concentrations": (("list", ("range", float, 0.0, 1000.0), 1), list(DEFAULT_CONCENTRATIONS)),
+        "rho": (("range", float, 0.0, 1.0), 0.8),
+        "llm_rho": (("range", float, 0.0, 1.0), 0.95),
+        "noise": (("range", float, 0.0, 100.0), 0.5),
+        "query_noise": (("range", float, 0.0, 100.0), 0.3),
+        "sink_logit": (("range", float, 0.0, 100.0), 1.0),
+        "llm_sink_logit": (("range", float, 0.0, 100.0), 3.0),
+    })
+    for key in ("kv_heads", "llm_kv_heads"):
+        if p["heads"] % p[key]:
+            raise ProtocolError(f"{where}.{key}: {p['heads']} heads are not a multiple of {p[key]}")
+    if "video" in p["layouts"]:
+        for i, c in enumerate(p["chunks"]):
+            if c * p["current_frames"] - p["recent_frames"] < p["sink_frames"]:
+                raise ProtocolError(f"{where}.chunks[{i}]: chunk {c} puts the recent frames over the sink frames")
+    return p
+
+
+def cases(params: dict, ctx=None) -> Iterator[Case]:
+    common = dict(heads=params["heads"], head_dim=params["head_dim"], concentrations=params["concentrations"],
+                  noise=params["noise"], query_noise=params["query_noise"])
+    for seed in params["seeds"]:
+        for layout in params["layouts"]:
+            if layout == "video":
+                for chunk in params["chunks"]:
+                    yield make_video_case(seed, chunk, tokens_per_frame=params["tokens_per_frame"],
+                                          sink_frames=params["sink_frames"], recent_frames=params["recent_frames"],
+                                          current_frames=params["current_frames"], kv_heads=params["kv_heads"],
+                                          rho=params["rho"], sink_logit=params["sink_logit"], **common)
+            else:
+                yield make_llm_case(seed, sink=params["llm_sink"], middle=params["llm_middle"],
+                                    recent=params["llm_recent"], current=params["llm_current"],
+                                    kv_heads=params["llm_kv_heads"], rho=params["llm_rho"],
+                                    sink_logit=params["llm_sink_logit"], **common)

@@ -1,0 +1,148 @@
+"""Observational attention metrics: closed cases, invariances, and the tiled driver `observe`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from testbed import metrics as M
+from testbed.case import Case, Region
+from testbed.sources.video import make_llm_case, make_video_case
+
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_existing_output_metrics_kept():
+    x = torch.tensor([3.0, 4.0])
+    assert M.rel_l2(x, x) == 0.0
+    assert M.rel_l2(torch.zeros(2), x) == pytest.approx(1.0)
+    assert M.cosine(2 * x, x) == pytest.approx(1.0)
+    assert M.max_abs(x, torch.zeros(2)) == 4.0
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    assert float(M.total_variation(p, torch.tensor([[1.0, 0.0, 0.0]]))[0]) == pytest.approx(0.5)
+    assert float(M.region_mass(p, 1, 3)[0]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("sk", [1, 7, 100])
+def test_support_is_one_for_uniform_and_one_over_sk_for_one_hot(sk):
+    tk = sk + 5
+    uni = torch.zeros(1, tk, dtype=torch.float64)
+    uni[0, :sk] = 1.0 / sk
+    hot = torch.zeros(1, tk, dtype=torch.float64)
+    hot[0, 2 % sk] = 1.0
+    vis = torch.tensor([float(sk)])
+    assert float(M.effective_support(uni, vis)[0]) == pytest.approx(1.0)
+    assert float(M.effective_support(hot, vis)[0]) == pytest.approx(1.0 / sk)
+
+
+@SETTINGS
+@given(st.lists(st.floats(0.0, 10.0), min_size=2, max_size=60), st.integers(1, 100))
+def test_top_mass_is_the_sum_of_the_largest_ceil_share(weights, pct):
+    w = torch.tensor(weights, dtype=torch.float64) + 1e-3
+    p = (w / w.sum()).unsqueeze(0)
+    sk = p.shape[-1]
+    n = max(1, math.ceil(pct * sk / 100 - 1e-12))
+    expect = sorted(p[0].tolist(), reverse=True)[:n]
+    got = M.top_mass(p, torch.tensor([sk]), percents=(pct,))[pct]
+    assert float(got[0]) == pytest.approx(sum(expect), rel=1e-12)
+    assert 0 < float(got[0]) <= 1 + 1e-12
+    # mass on the top share is at least the share itself (largest first) -- a uniform row is the floor
+    assert float(got[0]) >= n / sk - 1e-12
+
+
+def test_strict_zero_rate_counts_visible_zeros_only():
+    p = torch.tensor([[0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    vis = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    assert M.strict_zero_rate(p, vis).tolist() == pytest.approx([1 / 3, 1 / 2])
+    assert M.strict_zero_rate(p, None).tolist() == pytest.approx([0.5, 0.75])
+
+
+def test_top_blocks_fewest_blocks_reaching_coverage_and_jaccard():
+    m = torch.tensor([[0.1, 0.5, 0.3, 0.1]], dtype=torch.float64)
+    assert M.top_blocks(m, 0.5).tolist() == [[False, True, False, False]]
+    assert M.top_blocks(m, 0.8).tolist() == [[False, True, True, False]]
+    assert M.top_blocks(m, 0.9).sum() == 3
+    assert M.top_blocks(m, 1.0).sum() == 4
+    a = torch.tensor([[True, True, False, False]])
+    b = torch.tensor([[False, True, True, False]])
+    assert float(M.jaccard(a, b)[0]) == pytest.approx(1 / 3)
+    assert float(M.jaccard(a, a)[0]) == 1.0
+
+
+def test_block_masses_sum_to_row_mass_with_a_short_last_block():
+    p = torch.softmax(torch.randn(3, 10, dtype=torch.float64), -1)
+    bm = M.block_masses(p, 4)
+    assert bm.shape == (3, 3)
+    torch.testing.assert_close(bm.sum(-1), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(bm[:, 2], p[:, 8:].sum(-1))
+
+
+def test_paired_wilcoxon_uses_units_and_refuses_degenerate_pairs():
+    # six units, every one worse under the ablation: the exact two-sided p is 2 / 2^6
+    r = M.paired_wilcoxon([2, 3, 4, 5, 6, 7.5], [1, 1, 1, 1, 1, 1])
+    assert r["n"] == 6 and r["p"] == pytest.approx(2 / 64)
+    assert r["median_diff"] == pytest.approx(3.5)  # differences 1, 2, 3, 4, 5, 6.5
+    assert M.paired_wilcoxon([1, 2], [1, 2])["p"] is None
+    with pytest.raises(ValueError):
+        M.paired_wilcoxon([1, 2], [1])
+
+
+def _direct_probs(case):
+    heads, tq, d = case.q.shape
+    k = case.k.double().repeat_interleave(heads // case.kv_heads, 0)
+    s = case.q.double() @ k.transpose(1, 2) / math.sqrt(d)
+    vis = torch.arange(case.keys)[None, :] <= case.query_positions[:, None] if case.causal else \
+        torch.ones(tq, case.keys, dtype=torch.bool)
+    return torch.softmax(s.masked_fill(~vis, -math.inf), -1), vis
+
+
+@pytest.mark.parametrize("make", [lambda: make_video_case(4, tokens_per_frame=3), lambda: make_llm_case(4)])
+def test_observe_matches_a_direct_computation_and_its_invariants(make):
+    case = make()
+    obs = M.observe(case, block_tokens=8)
+    p, vis = _direct_probs(case)
+    sk = vis.sum(-1).double()
+    ent = -(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1)
+    torch.testing.assert_close(obs.rows["support"], torch.exp(ent) / sk)
+    torch.testing.assert_close(obs.rows["visible_keys"], sk.expand_as(obs.rows["support"]))
+    # region masses partition the row; history + current = 1
+    total = sum(obs.rows[f"{r.name}_mass"] for r in case.layout)
+    torch.testing.assert_close(total, torch.ones_like(total))
+    torch.testing.assert_close(obs.rows["history_mass"] + obs.rows["current_mass"], torch.ones_like(total))
+    # the temporal heatmap rows sum to 1
+    torch.testing.assert_close(obs.heatmap.sum(-1), torch.ones(obs.heatmap.shape[:-1], dtype=torch.float64))
+    # top-k mass is monotone in k and support lies in (0, 1]
+    assert (obs.rows["top1"] <= obs.rows["top5"] + 1e-12).all() and (obs.rows["top5"] <= obs.rows["top10"] + 1e-12).all()
+    assert ((obs.rows["support"] > 0) & (obs.rows["support"] <= 1 + 1e-12)).all()
+    assert ((obs.jaccard_query >= 0) & (obs.jaccard_query <= 1)).all()
+
+
+def test_observe_is_the_same_whatever_the_tile_size():
+    case = make_llm_case(7, heads=4, kv_heads=2)
+    a = M.observe(case, max_scores=1)
+    b = M.observe(case, max_scores=1 << 30)
+    for key in a.rows:
+        torch.testing.assert_close(a.rows[key], b.rows[key], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(a.heatmap, b.heatmap, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(a.jaccard_query, b.jaccard_query)
+    torch.testing.assert_close(a.jaccard_block, b.jaccard_block)
+
+
+def test_float32_underflow_shows_as_strict_zeros():
+    # one key far below the others: exp(-200) underflows float32 to exactly 0 (not float64)
+    q = torch.zeros(1, 1, 4)
+    q[0, 0, 0] = 20.0
+    k = torch.zeros(1, 3, 4)
+    k[0, 0, 0] = 10.0
+    k[0, 1, 0] = -10.0  # logit gap (10 - (-10)) * 20 / sqrt(4) = 200
+    k[0, 2, 0] = -5.0  # gap 150; both far beyond float32's smallest subnormal (exp(-103.3))
+    case = Case(id="z", q=q, k=k, v=torch.randn(1, 3, 4), query_positions=torch.tensor([2]), causal=False,
+                layout=(Region("sink", 0, 1), Region("current", 1, 3)))
+    obs = M.observe(case)
+    assert float(obs.rows["zero_rate"][0, 0]) == pytest.approx(2 / 3)
+    p, _ = _direct_probs(case)
+    assert (p > 0).all()  # float64 has no zero: the zeros are numerical, not structural
