@@ -1,8 +1,9 @@
 """Analyses run on every `Case` of a protocol. Each module has ``validate(params, where)``,
 ``evaluate(case, params, ctx) -> rows`` and ``report(rows, params) -> markdown``."""
 
-from . import mx_paths, residual_window
+from . import ablation, mx_paths, observation, residual_window
 
-ANALYSES = {"residual_window": residual_window, "mx_paths": mx_paths}
+ANALYSES = {"residual_window": residual_window, "mx_paths": mx_paths, "ablation": ablation,
+            "observation": observation}
 
 __all__ = ["ANALYSES"]

@@ -6,8 +6,9 @@ code and recompute every reported number in float64. ``CHECKS`` maps an analysis
 function ``check(row, ctx) -> None`` that reports problems through ``ctx.fail``.
 """
 
-from . import mx_paths, residual_window
+from . import ablation, mx_paths, observation, residual_window
 
-CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check}
+CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation.check,
+          "observation": observation.check}
 
 __all__ = ["CHECKS"]

@@ -1,0 +1,322 @@
+"""Causal ablations of the KV cache: remove a region, renormalize, measure the damage.
+
+Observation says where attention mass sits; only intervention says what the cache is worth.
+An ablation drops a set of contiguous key spans and recomputes the softmax over the keys that
+are left (a masked, renormalized softmax), with the causal mask still applied: a query never
+sees a later key. This is the "local output ablation" recommended by the Catnip week-10
+KV-cache attention study (seed 000): drop the sink, the recent window or all history, and
+measure the pre-projection attention-output relative L2 and cosine against the full output.
+
+Ablations (small frozen dataclasses, each ``dropped(case) -> spans | None``; None means the
+Case's layout does not have what the ablation needs, and the ablation is reported as not
+applicable rather than run on something else):
+
+- ``none``: nothing dropped (the full attention; with quantized K/V it is the quantization error);
+- ``drop_sink``, ``drop_recent`` (any ``drop_<region>``): the named region;
+- ``drop_history``: every key before the ``current`` region (the whole cache);
+- ``keep_current_only``: every key outside the ``current`` region;
+- ``control_sink``, ``control_recent`` (any ``control_<region>``): a seeded contiguous block of the
+  same size as the region, taken from the middle of the history (see `control_block`), so that
+  "the sink matters" can be told apart from "any that many keys matter".
+
+With dropped mass ``tau = sum_{j dropped} P_j`` the ablated row is ``P' = P / (1 - tau)`` on the
+kept keys, so ``TV(P, P') = tau`` and ``O' - O = tau (mu_kept - mu_dropped)`` where ``mu`` are the
+P-weighted value means of each side (tests hold both). A row whose kept visible set is empty
+has no softmax: it is NaN, counted in ``undefined`` and left out of every mean, never zero.
+
+The computation (`ablate`) runs over tiles of one KV head x a slice of queries (at most about
+``max_scores`` scores alive). Keys are cut into *atoms* at every region and span boundary; per
+atom the tile keeps its running max ``m_a``, ``Z_a = sum exp(s - m_a)`` and ``N_a = sum exp(s -
+m_a) v`` (one P.V product in total, whatever the number of ablations), and every ablation merges
+the atoms it keeps the way flash attention merges blocks. TV is summed over the keys atom by
+atom from the two normalizers (not set to ``tau``); the tests and the audit recompute both from
+an independent masked softmax.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .metrics import history_span, score_tiles
+
+__all__ = ["Full", "DropRegion", "DropHistory", "KeepCurrentOnly", "Control", "make_ablation", "ABLATION_NAMES",
+           "control_block", "kept_mask", "ablate", "ArmResult", "DEFAULT_MAX_SCORES"]
+
+DEFAULT_MAX_SCORES = 1 << 21  # float64 scores per tile (16 MiB); a tile's temporaries are a few times that
+ABLATION_NAMES = ("none", "drop_sink", "control_sink", "drop_recent", "control_recent", "drop_middle",
+                  "drop_history", "keep_current_only")
+
+
+@dataclass(frozen=True)
+class Full:
+    name: str = field(default="none", init=False)
+
+    def dropped(self, case) -> list[tuple[int, int]]:
+        return []
+
+
+@dataclass(frozen=True)
+class DropRegion:
+    region: str
+
+    @property
+    def name(self) -> str:
+        return f"drop_{self.region}"
+
+    def dropped(self, case):
+        r = case.region(self.region)
+        return None if r is None or r.size == 0 else [(r.start, r.stop)]
+
+
+@dataclass(frozen=True)
+class DropHistory:
+    name: str = field(default="drop_history", init=False)
+
+    def dropped(self, case):
+        hist = history_span(case.layout)
+        return None if hist is None or hist[1] == 0 else [hist]
+
+
+@dataclass(frozen=True)
+class KeepCurrentOnly:
+    name: str = field(default="keep_current_only", init=False)
+
+    def dropped(self, case):
+        cur = case.region("current")
+        if cur is None:
+            return None
+        spans = [(a, b) for a, b in ((0, cur.start), (cur.stop, case.keys)) if b > a]
+        return spans or None
+
+
+def control_block(case, target: str, seed: int) -> tuple[int, int, int] | None:
+    """``(start, stop, overlap)`` of the same-size control block for region ``target``.
+
+    The block has the region's size and lies in the history (keys before ``current``, or all
+    keys without a current region), aligned to whole frames when the Case has frames and the
+    size is a whole number of frames. Candidates: every placement inside the ``middle`` region
+    when it exists and is large enough; otherwise every placement in the history with the least
+    overlap with the target (a video cache ``sink | recent | current`` has no middle, and a
+    recent-sized block cannot always avoid the recent window: the overlap is then reported).
+    One candidate is drawn with ``random.Random(f"control:{seed}:{case.id}:{target}")``
+    (stdlib, so the audit can redraw it). None when the region is missing or larger than the history.
+    """
+    r = case.region(target)
+    if r is None or r.size == 0:
+        return None
+    size = r.size
+    hist = history_span(case.layout) or (0, case.keys)
+    tpf = case.tokens_per_frame
+    step = tpf if tpf and size % tpf == 0 else 1
+    middle = case.region("middle")
+    cands: list[tuple[int, int]] = []
+    if middle is not None and middle.size >= size and target != "middle":
+        cands = [(a, 0) for a in range(middle.start, middle.stop - size + 1) if a % step == 0]
+    if not cands:
+        allc = [(a, max(0, min(a + size, r.stop) - max(a, r.start)))
+                for a in range(hist[0], hist[1] - size + 1) if a % step == 0]
+        if not allc:
+            return None
+        least = min(o for _, o in allc)
+        cands = [(a, o) for a, o in allc if o == least]
+    rng = random.Random(f"control:{seed}:{case.id}:{target}")
+    a, overlap = cands[rng.randrange(len(cands))]
+    return a, a + size, overlap
+
+
+@dataclass(frozen=True)
+class Control:
+    target: str
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"control_{self.target}"
+
+    def dropped(self, case):
+        blk = control_block(case, self.target, self.seed)
+        return None if blk is None else [(blk[0], blk[1])]
+
+
+def make_ablation(name: str, seed: int = 0):
+    """The ablation called ``name``: ``none``, ``drop_history``, ``keep_current_only``,
+    ``drop_<region>`` or ``control_<region>``."""
+    if name == "none":
+        return Full()
+    if name == "drop_history":
+        return DropHistory()
+    if name == "keep_current_only":
+        return KeepCurrentOnly()
+    if name.startswith("drop_") and len(name) > 5:
+        return DropRegion(name[5:])
+    if name.startswith("control_") and len(name) > 8:
+        return Control(name[8:], seed)
+    raise ValueError(f"unknown ablation {name!r} (none, drop_history, keep_current_only, drop_<region>, control_<region>)")
+
+
+def kept_mask(keys: int, dropped: list[tuple[int, int]]) -> torch.Tensor:
+    """``[Tk]`` boolean: True for every key outside the dropped spans."""
+    keep = torch.ones(keys, dtype=torch.bool)
+    for a, b in dropped:
+        keep[a:b] = False
+    return keep
+
+
+@dataclass
+class ArmResult:
+    """Per-ablation results of one K/V arm (``A`` ablations in ``names`` order).
+
+    ``dropped_mass``, ``tv``: ``[A, H, Tq]`` per row, NaN on undefined rows. ``undefined [A, H]``:
+    rows with an empty kept visible set. Sums over defined rows per head ``[A, H]``: ``err2`` =
+    ``||O' - O_ref||^2``, ``ref2`` = ``||O_ref||^2``, ``dot`` = ``<O', O_ref>``, ``out2`` = ``||O'||^2``,
+    ``own_err2`` / ``own_ref2`` against this arm's own full output. ``region_mass``: ``{name: [H, Tq]}``
+    of the full P (``history`` included when there is a current region). ``output``: the full
+    output ``[H, Tq, D]`` float64.
+    """
+
+    names: list[str]
+    dropped_mass: torch.Tensor
+    tv: torch.Tensor
+    undefined: torch.Tensor
+    err2: torch.Tensor
+    ref2: torch.Tensor
+    dot: torch.Tensor
+    out2: torch.Tensor
+    own_err2: torch.Tensor
+    own_ref2: torch.Tensor
+    region_mass: dict
+    output: torch.Tensor
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def rel_l2(self, name: str, own: bool = False) -> float:
+        i = self.index(name)
+        num, den = (self.own_err2[i], self.own_ref2[i]) if own else (self.err2[i], self.ref2[i])
+        den = float(den.sum())
+        return float("nan") if den == 0 else (float(num.sum()) / den) ** 0.5
+
+    def rel_l2_heads(self, name: str) -> list[float]:
+        i = self.index(name)
+        return [float("nan") if d == 0 else float((n / d) ** 0.5) for n, d in zip(self.err2[i], self.ref2[i])]
+
+    def cosine(self, name: str) -> float:
+        i = self.index(name)
+        den = float((self.out2[i].sum() * self.ref2[i].sum()) ** 0.5)
+        return float("nan") if den == 0 else float(self.dot[i].sum()) / den
+
+
+def _atoms(keys: int, layout, spans: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    cuts = {0, keys}
+    for r in layout:
+        cuts.update((r.start, r.stop))
+    for sp in spans.values():
+        for a, b in sp:
+            cuts.update((a, b))
+    cuts = sorted(c for c in cuts if 0 <= c <= keys)
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def _inside(atom: tuple[int, int], spans) -> bool:
+    return any(a <= atom[0] and atom[1] <= b for a, b in spans)
+
+
+def _merge(m, z, n, sel):
+    """Merge the atoms selected by ``sel`` (bool [A]): returns (shift, Z, N) with shift finite."""
+    ms = m[sel]
+    big = ms.amax(dim=0) if ms.shape[0] else torch.full(m.shape[1:], float("-inf"), dtype=m.dtype)
+    shift = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
+    w = torch.exp(ms - shift)  # -inf atoms (nothing visible) weigh exactly 0
+    zz = (w * z[sel]).sum(dim=0)
+    nn = (w.unsqueeze(-1) * n[sel]).sum(dim=0)
+    return shift, zz, nn
+
+
+def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
+           layout, spans: dict[str, list[tuple[int, int]]], *, ref: torch.Tensor | None = None,
+           max_scores: int = DEFAULT_MAX_SCORES) -> ArmResult:
+    """Run every ablation of ``spans`` ({name: dropped spans}) on one K/V arm, tile by tile.
+
+    ``ref`` is the output the errors are measured against (the float64 full attention on the
+    original K/V); None measures against this arm's own full output.
+    """
+    h, tq, d = q.shape
+    keys = k.shape[1]
+    names = list(spans)
+    na = len(names)
+    atoms = _atoms(keys, layout, spans)
+    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names], dtype=torch.bool).reshape(na, len(atoms))
+    region_atoms = {r.name: torch.tensor([_inside(at, [(r.start, r.stop)]) for at in atoms], dtype=torch.bool)
+                    for r in layout}
+    hist = history_span(layout)
+    if hist is not None:
+        region_atoms["history"] = torch.tensor([_inside(at, [hist]) for at in atoms], dtype=torch.bool)
+    f64 = torch.float64
+    dropped_mass = torch.full((na, h, tq), float("nan"), dtype=f64)
+    tv = torch.full((na, h, tq), float("nan"), dtype=f64)
+    undefined = torch.zeros(na, h, dtype=torch.int64)
+    sums = {key: torch.zeros(na, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2")}
+    rmass = {name: torch.empty(h, tq, dtype=f64) for name in region_atoms}
+    output = torch.empty(h, tq, d, dtype=f64)
+    all_atoms = torch.ones(len(atoms), dtype=torch.bool)
+    for j, heads, qs, s, vis in score_tiles(q, k, query_positions, causal, max_scores):
+        vj = v[j].to(f64)
+        if vis is not None:
+            s = s.masked_fill(~vis, float("-inf"))
+        m = torch.stack([s[..., a:b].amax(dim=-1) for a, b in atoms])            # [A_t, g, c]
+        z_list, n_list = [], []
+        for (a, b), ma in zip(atoms, m):
+            shift = torch.where(torch.isfinite(ma), ma, torch.zeros_like(ma))
+            e = torch.exp(s[..., a:b] - shift.unsqueeze(-1))
+            z_list.append(e.sum(dim=-1))
+            n_list.append(torch.matmul(e, vj[a:b]))
+        z = torch.stack(z_list)
+        n = torch.stack(n_list)
+        fshift, fz, fn = _merge(m, z, n, all_atoms)
+        full = fn / fz.unsqueeze(-1)
+        output[heads, qs] = full
+        w_full = torch.exp(m - fshift) * z / fz                                    # atom masses of P
+        for name, sel in region_atoms.items():
+            rmass[name][heads, qs] = w_full[sel].sum(dim=0)
+        o_ref = full if ref is None else ref[heads, qs].to(f64)
+        for i, name in enumerate(names):
+            keep_atoms = ~drop_atoms[i]
+            shift, zz, nn = _merge(m, z, n, keep_atoms)
+            ok = zz > 0
+            zs = torch.where(ok, zz, torch.ones_like(zz))
+            out = torch.where(ok.unsqueeze(-1), nn / zs.unsqueeze(-1), torch.full_like(nn, float("nan")))
+            tau = w_full[drop_atoms[i]].sum(dim=0)
+            # TV key by key, summed per atom: inside atom a both rows are proportional to the same
+            # exp(s - m_a), with factors exp(m_a - shift) / Z (full) and exp(m_a - shift') / Z'
+            # (ablated, 0 on dropped atoms), so sum_a |P - P'| = Z_a |factor - factor'|.
+            f_full = torch.exp(m - fshift) / fz
+            f_abl = torch.where(keep_atoms.view(-1, 1, 1), torch.exp(m - shift) / zs, torch.zeros_like(f_full))
+            row_tv = 0.5 * (z * (f_full - f_abl).abs()).sum(dim=0)
+            dropped_mass[i, heads, qs] = torch.where(ok, tau, torch.full_like(tau, float("nan")))
+            tv[i, heads, qs] = torch.where(ok, row_tv, torch.full_like(row_tv, float("nan")))
+            undefined[i, heads] += (~ok).sum(dim=-1)
+            okd = ok.unsqueeze(-1)
+            o = torch.where(okd, out, torch.zeros_like(out))
+            r = torch.where(okd, o_ref, torch.zeros_like(o_ref))
+            f = torch.where(okd, full, torch.zeros_like(full))
+            sums["err2"][i, heads] += ((o - r) ** 2).sum(dim=(-1, -2))
+            sums["ref2"][i, heads] += (r ** 2).sum(dim=(-1, -2))
+            sums["dot"][i, heads] += (o * r).sum(dim=(-1, -2))
+            sums["out2"][i, heads] += (o ** 2).sum(dim=(-1, -2))
+            sums["own_err2"][i, heads] += ((o - f) ** 2).sum(dim=(-1, -2))
+            sums["own_ref2"][i, heads] += (f ** 2).sum(dim=(-1, -2))
+    return ArmResult(names, dropped_mass, tv, undefined, sums["err2"], sums["ref2"], sums["dot"], sums["out2"],
+                     sums["own_err2"], sums["own_ref2"], rmass, output)
+
+
+def ablate_case(case, spans: dict[str, list[tuple[int, int]]], k=None, v=None, *, ref=None,
+                max_scores: int = DEFAULT_MAX_SCORES) -> ArmResult:
+    """`ablate` on a Case, optionally with replaced (e.g. dequantized) K and V."""
+    return ablate(case.q, case.k if k is None else k, case.v if v is None else v, case.query_positions,
+                  case.causal, case.layout, spans, ref=ref, max_scores=max_scores)
+
+
+__all__.append("ablate_case")

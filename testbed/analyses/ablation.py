@@ -1,0 +1,338 @@
+"""Causal ablation of the cache, on float32 and on quantized K/V, in one table.
+
+For every Case and every K/V arm (the cache as stored in float32, or its history quantized --
+4-bit grouped with and without a residual window, MXFP8 -- with the current chunk, which is not
+cached yet, left exact), every ablation of `testbed.ablation` is run: drop the sink, the recent
+window, all history, keep the current chunk only, and the same-size controls. One row per
+(case, arm, ablation) carries the dropped mass ``tau``, ``TV(P, P')``, the attention-output
+relative L2 and cosine against the float64 full attention on the original K/V (so ``none`` on a
+quantized arm is the quantization error alone, and "drop the sink" sits next to "quantize the
+history"), the same against the arm's own full output, per-head relative L2, undefined rows,
+and the region masses of the arm's full attention. Ablations whose regions the Case lacks are
+reported with ``applicable: false``. The report pairs each ablation with its same-size control
+across seeds or prompts (Wilcoxon signed-rank on per-unit values, never on rows).
+
+Follows the "local output ablation" recommended by the Catnip week-10 study (seed 000).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from tabulate import tabulate
+
+from ..ablation import ABLATION_NAMES, DEFAULT_MAX_SCORES, ablate_case, control_block, make_ablation
+from ..context import case_fields
+from ..metrics import history_span, paired_wilcoxon
+from ..protocol import ProtocolError, check_object
+from ..quant import ResidualWindow, from_config
+
+__all__ = ["validate", "evaluate", "report", "build_arms", "REGION_FIELDS"]
+
+REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
+DEFAULT_ARMS = [
+    {"name": "float32"},
+    {"name": "int4", "key": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "channel"},
+     "value": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "token"}, "window": 0},
+]
+
+
+def _check_ablation_name(name, where):
+    try:
+        make_ablation(name)
+    except ValueError as e:
+        raise ProtocolError(f"{where}: {e}") from None
+    return name
+
+
+def _check_arm(arm, where):
+    a = check_object(arm, where, required={"name": str}, optional={
+        "key": (dict, None), "value": (dict, None), "window": ((int, str), 0)})
+    if a["name"] == "float32":
+        if a["key"] is not None or a["value"] is not None:
+            raise ProtocolError(f"{where}: the float32 arm takes no quantizers")
+        return a
+    for part in ("key", "value"):
+        if a[part] is None:
+            raise ProtocolError(f"{where}.{part}: a quantized arm needs a {part} quantizer config")
+        try:
+            from_config(a[part])
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"{where}.{part}: {e}") from None
+    w = a["window"]
+    if isinstance(w, str) and w != "recent":
+        raise ProtocolError(f"{where}.window: {w!r} must be a token count or \"recent\" (the recent region's size)")
+    if isinstance(w, int) and (isinstance(w, bool) or w < 0):
+        raise ProtocolError(f"{where}.window: {w!r} must be >= 0")
+    return a
+
+
+def validate(params, where):
+    p = check_object(params, where, required={}, optional={
+        "ablations": (("list", str, 1), list(ABLATION_NAMES)),
+        "control_seed": (int, 0),
+        "kv_arms": (("list", dict, 1), DEFAULT_ARMS),
+        "max_scores": (("range", int, 1, 1 << 30), DEFAULT_MAX_SCORES),
+    })
+    p["ablations"] = [_check_ablation_name(n, f"{where}.ablations[{i}]") for i, n in enumerate(p["ablations"])]
+    if "none" not in p["ablations"]:
+        raise ProtocolError(f"{where}.ablations: \"none\" is required (each arm's baseline; its rows name the arm's arrays)")
+    if len(set(p["ablations"])) != len(p["ablations"]):
+        raise ProtocolError(f"{where}.ablations: names repeat")
+    p["kv_arms"] = [_check_arm(a, f"{where}.kv_arms[{i}]") for i, a in enumerate(p["kv_arms"])]
+    names = [a["name"] for a in p["kv_arms"]]
+    if len(set(names)) != len(names):
+        raise ProtocolError(f"{where}.kv_arms: arm names repeat")
+    if "float32" not in names:
+        raise ProtocolError(f"{where}.kv_arms: the float32 arm is required (it is the reference every arm is measured against)")
+    return p
+
+
+def build_arms(case, params) -> list[tuple[str, ResidualWindow | None, int, str | None]]:
+    """(arm, packer or None for float32, quantized history length, reason when not applicable)."""
+    hist = history_span(case.layout)
+    stop = hist[1] if hist is not None else case.keys
+    out = []
+    for a in sorted(params["kv_arms"], key=lambda a: a["name"] != "float32"):
+        if a["name"] == "float32":
+            out.append((a["name"], None, 0, None))
+            continue
+        w = a["window"]
+        reason = None
+        if w == "recent":
+            r = case.region("recent")
+            w = r.size if r is not None else 0
+            if r is None:
+                reason = "no recent region for the residual window"
+        if stop == 0:
+            reason = "no cached history to quantize"
+        packer = ResidualWindow(from_config(a["key"]), from_config(a["value"]), recent=int(w), sink=0)
+        out.append((a["name"], packer, stop, reason))
+    return out
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else None
+
+
+def _median(x: torch.Tensor) -> float | None:
+    x = x[torch.isfinite(x)]
+    return float(torch.quantile(x, 0.5)) if x.numel() else None
+
+
+def _finite_or_none(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def _arrays(name: str, packed_paths: dict | None) -> dict:
+    """The arm's packed arrays (and quantizer config) are named once, by its ``none`` row (the
+    quantization-only baseline every arm has); the arm's other rows point to that row, which
+    keeps results.json small."""
+    if packed_paths is None:
+        return {}
+    return {"packed": packed_paths} if name == "none" else {"packed_in": "none"}
+
+
+def evaluate(case, params, ctx) -> list[dict]:
+    spans, info = {}, {}
+    for name in params["ablations"]:
+        abl = make_ablation(name, params["control_seed"])
+        sp = abl.dropped(case)
+        info[name] = {"applicable": sp is not None}
+        if sp is None:
+            continue
+        spans[name] = sp
+        if name.startswith("control_"):
+            target = name[len("control_"):]
+            a, b, overlap = control_block(case, target, params["control_seed"])
+            info[name].update(control_of=target, control_seed=params["control_seed"], control_overlap=overlap / (b - a))
+    rows = []
+    ref = None
+    hkv, d = case.kv_heads, case.k.shape[-1]
+    base = case_fields(case)
+    for arm, packer, stop, reason in build_arms(case, params):
+        if reason is not None:
+            ctx.progress(f"[{ctx.study}] {case.id}: arm {arm} not applicable ({reason})")
+            continue
+        packed_paths, quant = None, None
+        baseline = 2 * hkv * (stop if packer is not None else case.keys) * d * 4
+        payload = baseline
+        k, v = case.k, case.v
+        if packer is not None:
+            packed = packer.pack(case.k[:, :stop], case.v[:, :stop])
+            kh, vh = packer.unpack(packed)
+            k = torch.cat([kh.to(case.k.dtype), case.k[:, stop:]], dim=1)
+            v = torch.cat([vh.to(case.v.dtype), case.v[:, stop:]], dim=1)
+            packed_paths = ctx.store.save_packed(f"{ctx.study}/{case.id}/ablation/{arm}", packed)
+            payload = packed.nbytes
+            quant = packer.config()
+        res = ctx.timed(case.id, arm, "ablate", 0,
+                        lambda: ablate_case(case, spans, k, v, ref=ref, max_scores=params["max_scores"]))
+        if packer is None:
+            ref = res.output
+        region = {f"{r}_mass": (_mean(res.region_mass[r]) if r in res.region_mass else None) for r in REGION_FIELDS}
+        for name in params["ablations"]:
+            row = {"study": ctx.study, "analysis": "ablation", **base, "arm": arm, "ablation": name,
+                   "applicable": info[name]["applicable"], "quantized_tokens": stop if packer else 0,
+                   "payload_bytes": int(payload), "baseline_bytes": int(baseline),
+                   "rows": case.heads * case.q.shape[1], "heads": case.heads}
+            if name == "none":
+                row["quant"] = quant
+            row.update({k2: v2 for k2, v2 in info[name].items() if k2 != "applicable"})
+            if name not in spans:
+                row.update({"dropped_spans": None, "dropped_keys": None, "dropped_mass": None, "tv": None,
+                            "rel_l2": None, "cosine": None, "undefined_rows": None})
+                row.update(region)
+                row["arrays"] = _arrays(name, packed_paths)
+                rows.append(row)
+                continue
+            i = res.index(name)
+            row.update({
+                "dropped_spans": [list(s) for s in spans[name]],
+                "dropped_keys": sum(b - a for a, b in spans[name]),
+                "dropped_mass": _mean(res.dropped_mass[i]),
+                "dropped_mass_median": _median(res.dropped_mass[i]),
+                "tv": _mean(res.tv[i]),
+                "rel_l2": _finite_or_none(res.rel_l2(name)),
+                "cosine": _finite_or_none(res.cosine(name)),
+                "rel_l2_own": _finite_or_none(res.rel_l2(name, own=True)),
+                "rel_l2_heads": [_finite_or_none(x) for x in res.rel_l2_heads(name)],
+                "undefined_rows": int(res.undefined[i].sum()),
+                **region,
+                "arrays": _arrays(name, packed_paths),
+            })
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+def _unit(row) -> str:
+    """The independent unit of a row: the prompt, else the seed, else the case."""
+    for key in ("prompt", "seed"):
+        if row.get(key) is not None:
+            return f"{key}={row[key]}"
+    return f"case={row['case']}"
+
+
+def _per_unit(rows, field) -> dict[str, float]:
+    """Mean of ``field`` per unit (cases of one prompt or seed, e.g. layers, averaged first)."""
+    acc = defaultdict(list)
+    for r in rows:
+        if r.get(field) is not None:
+            acc[_unit(r)].append(r[field])
+    return {u: sum(v) / len(v) for u, v in acc.items()}
+
+
+def _fmt_pct(x, digits=2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+
+
+def _median_list(xs):
+    xs = sorted(x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x)))
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+
+
+def _range(xs) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    return f"{_fmt_pct(_median_list(xs))} [{_fmt_pct(min(xs))}-{_fmt_pct(max(xs))}]"
+
+
+def paired_controls(rows, arm="float32") -> list[dict]:
+    """Per distribution: each ablation with a same-size control, paired across units."""
+    out = []
+    dists = list(dict.fromkeys(r.get("distribution", r["case"]) for r in rows))
+    names = list(dict.fromkeys(r["ablation"] for r in rows))
+    for dist in dists:
+        sel = [r for r in rows if r.get("distribution", r["case"]) == dist and r["arm"] == arm and r["applicable"]]
+        for ctrl in [n for n in names if n.startswith("control_")]:
+            target = "drop_" + ctrl[len("control_"):]
+            a = _per_unit([r for r in sel if r["ablation"] == target], "rel_l2")
+            b = _per_unit([r for r in sel if r["ablation"] == ctrl], "rel_l2")
+            units = sorted(set(a) & set(b))
+            if not units:
+                continue
+            test = paired_wilcoxon([a[u] for u in units], [b[u] for u in units])
+            ta = _per_unit([r for r in sel if r["ablation"] == target], "dropped_mass")
+            tb = _per_unit([r for r in sel if r["ablation"] == ctrl], "dropped_mass")
+            ov = [r["control_overlap"] for r in sel if r["ablation"] == ctrl]
+            wins = sum(1 for u in units if a[u] > b[u])
+            out.append({"distribution": dist, "ablation": target, "control": ctrl, "units": len(units),
+                        "rel_l2": _median_list(a[u] for u in units), "rel_l2_control": _median_list(b[u] for u in units),
+                        "tau": _median_list(ta.get(u) for u in units), "tau_control": _median_list(tb.get(u) for u in units),
+                        "ablation_worse": wins, "p": test["p"], "median_diff": test["median_diff"],
+                        "control_overlap": max(ov) if ov else None})
+    return out
+
+
+def report(rows, params) -> str:
+    out = []
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    names = list(dict.fromkeys(r["ablation"] for r in rows))
+    dists = list(dict.fromkeys(r.get("distribution", r["case"]) for r in rows))
+    out.append("Output damage of each ablation on the float32 cache: per-unit values (seed or prompt; cases of one "
+               "unit averaged first), median [min-max] across units. rel-L2 and cosine are against the float64 "
+               "full attention; tau is the full attention's mass on the dropped keys (= TV(P, P')).\n")
+    tab = []
+    for dist in dists:
+        sel = [r for r in rows if r.get("distribution", r["case"]) == dist and r["arm"] == arms[0]]
+        for name in names:
+            rs = [r for r in sel if r["ablation"] == name]
+            app = [r for r in rs if r["applicable"]]
+            if not app:
+                tab.append([dist, name, f"0/{len(rs)}", "n/a", "n/a", "n/a", "n/a", "-"])
+                continue
+            u_l2 = _per_unit(app, "rel_l2")
+            u_tau = _per_unit(app, "dropped_mass")
+            u_tv = _per_unit(app, "tv")
+            u_cos = _per_unit(app, "cosine")
+            undef = sum(r["undefined_rows"] for r in app)
+            tab.append([dist, name, f"{len(app)}/{len(rs)}", _range(list(u_tau.values())), _range(list(u_tv.values())),
+                        _range(list(u_l2.values())),
+                        "n/a" if not u_cos else f"{_median_list(list(u_cos.values())):.5f}",
+                        f"{undef}/{sum(r['rows'] for r in app)}"])
+    out.append(tabulate(tab, headers=["distribution", "ablation", "applicable", "tau (dropped mass)", "TV(P,P')",
+                                      "rel-L2", "cosine (median)", "undefined rows"], tablefmt="github"))
+    pairs = paired_controls(rows, arms[0])
+    if pairs:
+        out.append("\nEach ablation next to its same-size control (a seeded block of the same size from the middle of "
+                   "the history): median per-unit rel-L2, how many units the ablation hurt more than its control, and "
+                   "a two-sided Wilcoxon signed-rank test on the per-unit pairs (with n units the smallest possible p "
+                   "is 2/2^n; rows inside a unit are never treated as independent). Overlap: the largest share of the "
+                   "control block that falls inside the ablated region (a recent-sized block cannot always avoid it).\n")
+        ptab = [[p["distribution"], p["ablation"], _fmt_pct(p["rel_l2"], 3), p["control"], _fmt_pct(p["rel_l2_control"], 3),
+                 _fmt_pct(p["tau"]), _fmt_pct(p["tau_control"]), f"{p['ablation_worse']}/{p['units']}",
+                 "n/a" if p["p"] is None else f"{p['p']:.4f}", _fmt_pct(p["control_overlap"], 0)] for p in pairs]
+        out.append(tabulate(ptab, headers=["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
+                                           "control tau", "ablation worse", "Wilcoxon p", "overlap"], tablefmt="github"))
+    if len(arms) > 1:
+        out.append("\nQuantization meets ablation: median per-unit rel-L2 against the float64 full attention on the "
+                   "original K/V. Row `none` is the quantization of the cached history alone (the current chunk stays "
+                   "exact); the other rows combine it with the ablation.\n")
+        for dist in dists:
+            qtab = []
+            for name in names:
+                line = [dist, name]
+                for arm in arms:
+                    app = [r for r in rows if r.get("distribution", r["case"]) == dist and r["arm"] == arm
+                           and r["ablation"] == name and r["applicable"]]
+                    line.append(_fmt_pct(_median_list(list(_per_unit(app, "rel_l2").values())), 3) if app else "n/a")
+                qtab.append(line)
+            bytes_line = [dist, "cache payload / float32"]
+            for arm in arms:
+                rs = [r for r in rows if r.get("distribution", r["case"]) == dist and r["arm"] == arm]
+                bytes_line.append(f"{sum(r['payload_bytes'] for r in rs) / max(1, sum(r['baseline_bytes'] for r in rs)):.3f}")
+            qtab.append(bytes_line)
+            out.append(tabulate(qtab, headers=["distribution", "ablation"] + arms, tablefmt="github"))
+            out.append("")
+    return "\n".join(out).rstrip()

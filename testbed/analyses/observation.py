@@ -1,0 +1,257 @@
+"""Attention topology of each Case: sparsity, region mass, temporal heatmap, block predictability.
+
+The observational metrics of the Catnip week-10 KV-cache attention study (seed 000), computed
+on the float64 reference attention of any Case with named regions (`testbed.metrics.observe`,
+tile by tile): effective support ``exp(H)/Sk`` over the visible keys, top-1/5/10 % mass, the
+strict-zero rate of the float32 softmax, region mass (sink, middle, recent, current, history),
+the share of rows with history mass below 10 % and above 50 %, concentrated (support <= 10 %,
+<= 25 %) and diffuse (>= 75 %) shares, summaries by head and by query block (position), the
+temporal heatmap (query frame x key frame, rows summing to 1) and block predictability
+(Jaccard overlap of top-mass key blocks between neighbouring queries and query blocks).
+
+Rows: one ``scope: case`` row per Case and one ``scope: head`` row per query head; no per-query
+rows. The per-head heatmaps are stored as one array; the per-row metrics as one float32 array
+when the Case is small enough (``store_rows_max`` query-head rows). Rows inside one prompt or
+seed are not independent: the report gives shares and quantiles, and spreads across seeds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from tabulate import tabulate
+
+from ..context import case_fields
+from ..metrics import TOP_PERCENTS, history_span, observe, summary
+from ..protocol import check_object
+
+__all__ = ["validate", "evaluate", "report", "ROW_FIELDS", "REGIONS"]
+
+REGIONS = ("sink", "middle", "recent", "current", "history")
+HEATMAP_INLINE_MAX = 1024  # query blocks x key blocks inlined in the case row (6 x 16 in the study)
+ROW_FIELDS = ("visible_keys", "support", "top1", "top5", "top10", "zero_rate", "sink_mass", "middle_mass",
+              "recent_mass", "current_mass", "history_mass")
+
+
+def validate(params, where):
+    return check_object(params, where, required={}, optional={
+        "block_tokens": (("range", int, 1, 1 << 20), 16),
+        "coverage": (("range", float, 0.01, 1.0), 0.9),
+        "max_scores": (("range", int, 1, 1 << 30), 1 << 21),
+        "store_rows_max": (("range", int, 0, 1 << 24), 65536),
+    })
+
+
+def _median(x: torch.Tensor) -> float:
+    """Median with linear interpolation (the mean of the two middle values for an even count)."""
+    return float(torch.quantile(x.flatten().to(torch.float64), 0.5))
+
+
+def _share(mask: torch.Tensor) -> float:
+    return float(mask.to(torch.float64).mean())
+
+
+def _stats(rows: dict, sel, hist_uniform: torch.Tensor | None) -> dict:
+    """Scalar summaries of the per-row metrics in ``sel`` (an index into [H, Tq])."""
+    sup = rows["support"][sel]
+    out = {f"support_{k}": v for k, v in summary(sup).items()}
+    out.update(support_le_10=_share(sup <= 0.10), support_le_25=_share(sup <= 0.25), support_ge_75=_share(sup >= 0.75))
+    for pc in TOP_PERCENTS:
+        t = rows[f"top{pc}"][sel]
+        out[f"top{pc}_mean"] = float(t.mean())
+        out[f"top{pc}_median"] = _median(t)
+    out["top10_ge_80"] = _share(rows["top10"][sel] >= 0.80)
+    z = rows["zero_rate"][sel]
+    out.update(zero_rate_mean=float(z.mean()), zero_rate_median=_median(z), zero_row_share=_share(z > 0))
+    for r in REGIONS:
+        key = f"{r}_mass"
+        out[key] = float(rows[key][sel].mean()) if key in rows else None
+    if "history_mass" in rows:
+        hm = rows["history_mass"][sel]
+        out.update({f"history_{k}": v for k, v in summary(hm).items() if k != "mean"})
+        out.update(history_lt_10=_share(hm < 0.10), history_gt_50=_share(hm > 0.50),
+                   uniform_history=float(hist_uniform[sel].mean()))
+    else:
+        out.update(history_lt_10=None, history_gt_50=None, uniform_history=None)
+    vk = rows["visible_keys"][sel]
+    out.update(visible_keys=float(vk.mean()), visible_keys_min=int(vk.min()), visible_keys_max=int(vk.max()))
+    return out
+
+
+def evaluate(case, params, ctx) -> list[dict]:
+    obs = ctx.timed(case.id, "reference", "observe", 0,
+                    lambda: observe(case, block_tokens=params["block_tokens"], coverage=params["coverage"],
+                                    max_scores=params["max_scores"]))
+    rows = obs.rows
+    h, tq = case.heads, case.q.shape[1]
+    hist = history_span(case.layout)
+    hist_uniform = None
+    if hist is not None:
+        hv = torch.clamp(case.query_positions.to(torch.float64) + 1, max=hist[1]) if case.causal else \
+            torch.full((tq,), float(hist[1]), dtype=torch.float64)
+        hist_uniform = (hv / rows["visible_keys"][0]).expand(h, tq)
+    prefix = f"{ctx.study}/{case.id}/observation"
+    arrays = {"heatmap": ctx.store.save(f"{prefix}/heatmap", obs.heatmap)}
+    fields = [f for f in ROW_FIELDS if f in rows]
+    if h * tq <= params["store_rows_max"]:
+        arrays["rows"] = ctx.store.save(f"{prefix}/rows", torch.stack([rows[f] for f in fields]).to(torch.float32))
+    sink = case.region("sink")
+    base = {"study": ctx.study, "analysis": "observation", **case_fields(case), "heads": h, "queries": tq,
+            "keys": case.keys, "sink_tokens": sink.size if sink is not None else 0, "frame": obs.frame,
+            "key_blocks": obs.heatmap.shape[-1], "query_blocks": obs.query_blocks, "coverage": params["coverage"],
+            "block_tokens": params["block_tokens"],
+            "row_fields": fields, "arrays": arrays}
+    qb = torch.tensor([obs.query_blocks.index(b) for b in (case.query_positions // obs.frame).tolist()])
+    by_block = {"block": obs.query_blocks, "rows": [], "support_median": [], "history_mass": [], "current_mass": []}
+    for i in range(len(obs.query_blocks)):
+        sel = (slice(None), qb == i)
+        by_block["rows"].append(int(rows["support"][sel].numel()))
+        by_block["support_median"].append(_median(rows["support"][sel]))
+        for key in ("history_mass", "current_mass"):
+            by_block[key].append(float(rows[key][sel].mean()) if key in rows else None)
+    conc = case.meta.get("head_concentration")
+    out = [{**base, "scope": "case", "head": None, "rows": h * tq, **_stats(rows, (slice(None), slice(None)), hist_uniform),
+            "jaccard_query": float(obs.jaccard_query.mean()) if obs.jaccard_query.numel() else None,
+            "jaccard_block": float(obs.jaccard_block.mean()) if obs.jaccard_block.numel() else None,
+            "block_set_size": float(obs.block_set_size.mean()),
+            # the mean heatmap is inlined for the report when small; the per-head array always has it
+            "heatmap": obs.heatmap.mean(dim=0).tolist() if obs.heatmap[0].numel() <= HEATMAP_INLINE_MAX else None,
+            "by_query_block": by_block}]
+    for hh in range(h):
+        out.append({**base, "scope": "head", "head": hh, "kv_head": case.head_map[hh], "rows": tq,
+                    "concentration": conc[hh] if conc and hh < len(conc) else None,
+                    **_stats(rows, (hh, slice(None)), hist_uniform),
+                    "jaccard_query": float(obs.jaccard_query[hh].mean()) if obs.jaccard_query.shape[1] else None,
+                    "jaccard_block": float(obs.jaccard_block[hh].mean()) if obs.jaccard_block.shape[1] else None,
+                    "block_set_size": float(obs.block_set_size[hh].mean())})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+def _pct(x, digits=2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+
+
+def _med(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+
+
+def _pooled(rows, key):
+    """Row-weighted mean over cases (exact pooled share for shares, pooled mean for means)."""
+    rs = [r for r in rows if r.get(key) is not None]
+    n = sum(r["rows"] for r in rs)
+    return None if not n else sum(r[key] * r["rows"] for r in rs) / n
+
+
+def _spread(rows, key) -> str:
+    xs = [r[key] for r in rows if r.get(key) is not None]
+    if not xs:
+        return "n/a"
+    return f"{_pct(_med(xs))} [{_pct(min(xs))}-{_pct(max(xs))}]"
+
+
+def distribution_summary(rows) -> list[dict]:
+    """Per distribution, from the case rows: pooled shares and means, per-case quantile medians."""
+    out = []
+    cases = [r for r in rows if r["scope"] == "case"]
+    for dist in dict.fromkeys(r.get("distribution", r["case"]) for r in cases):
+        sel = [r for r in cases if r.get("distribution", r["case"]) == dist]
+        d = {"distribution": dist, "cases": len(sel), "rows": sum(r["rows"] for r in sel)}
+        for key in ("support_le_10", "support_le_25", "support_ge_75", "top10_ge_80", "zero_row_share", "zero_rate_mean",
+                    "history_lt_10", "history_gt_50", "uniform_history", "jaccard_query", "jaccard_block",
+                    *[f"{r}_mass" for r in REGIONS], *[f"top{pc}_mean" for pc in TOP_PERCENTS]):
+            d[key] = _pooled(sel, key)
+        for key in ("support_q10", "support_q25", "support_median", "support_q75", "support_q90",
+                    "history_q10", "history_q25", "history_median", "history_q75", "history_q90",
+                    *[f"top{pc}_median" for pc in TOP_PERCENTS]):
+            d[key] = _med([r.get(key) for r in sel])
+        out.append(d)
+    return out
+
+
+def report(rows, params) -> str:
+    out = []
+    dsum = distribution_summary(rows)
+    out.append("Sparsity and concentration of the float64 reference attention. Shares and means pool every "
+               "query-head row of the distribution; quantiles are the median over cases of each case's quantile. "
+               "Support = exp(entropy) / visible keys.\n")
+    tab = [[d["distribution"], d["cases"], d["rows"], _pct(d["support_q10"]), _pct(d["support_q25"]), _pct(d["support_median"]),
+            _pct(d["support_q75"]), _pct(d["support_q90"]), _pct(d["support_le_10"]), _pct(d["support_le_25"]),
+            _pct(d["support_ge_75"]), _pct(d["top1_median"]), _pct(d["top5_median"]), _pct(d["top10_median"]),
+            _pct(d["top10_ge_80"]), _pct(d["zero_rate_mean"], 3)] for d in dsum]
+    out.append(tabulate(tab, headers=["distribution", "cases", "rows", "support q10", "q25", "median", "q75", "q90",
+                                      "<=10%", "<=25%", ">=75%", "top1% mass", "top5%", "top10%", "top10%>=80%",
+                                      "fp32 strict zeros"], tablefmt="github"))
+    out.append("\nRegion mass (pooled mean) against the uniform expectation for history (its share of visible keys), "
+               "and the distribution of history mass over rows.\n")
+    tab = [[d["distribution"], _pct(d["sink_mass"]), _pct(d["middle_mass"]), _pct(d["recent_mass"]), _pct(d["current_mass"]),
+            _pct(d["history_mass"]), _pct(d["uniform_history"]), _pct(d["history_q10"]), _pct(d["history_median"]),
+            _pct(d["history_q90"]), _pct(d["history_lt_10"]), _pct(d["history_gt_50"])] for d in dsum]
+    out.append(tabulate(tab, headers=["distribution", "sink", "middle", "recent", "current", "history", "uniform history",
+                                      "history q10", "median", "q90", "history <10%", "history >50%"], tablefmt="github"))
+    out.append("\nBlock predictability: mean Jaccard overlap of the top-mass key-block sets (fewest blocks carrying "
+               f"{_pct(params['coverage'], 0)} of a row's mass; a block is a latent frame, or {params['block_tokens']} "
+               "tokens) between neighbouring queries and between neighbouring query blocks (chunks of queries).\n")
+    out.append(tabulate([[d["distribution"], _pct(d["jaccard_query"], 1), _pct(d["jaccard_block"], 1)] for d in dsum],
+                        headers=["distribution", "Jaccard neighbouring queries", "Jaccard neighbouring query blocks"],
+                        tablefmt="github"))
+    heads = [r for r in rows if r["scope"] == "head"]
+    if heads:
+        out.append("\nBy head (median over cases of each head's median support; pooled means otherwise).\n")
+        acc = defaultdict(list)
+        for r in heads:
+            acc[(r.get("distribution", r["case"]), r["head"])].append(r)
+        tab = []
+        for (dist, hh), rs in acc.items():
+            tab.append([dist, hh, rs[0].get("concentration"), len(rs), _spread(rs, "support_median"), _pct(_pooled(rs, "top10_mean")),
+                        _pct(_pooled(rs, "sink_mass")), _pct(_pooled(rs, "current_mass")), _pct(_pooled(rs, "history_mass")),
+                        _pct(_pooled(rs, "jaccard_query"), 1)])
+        out.append(tabulate(tab, headers=["distribution", "head", "concentration", "cases", "median support [range over cases]",
+                                          "mean top10%", "sink", "current", "history", "Jaccard queries"], tablefmt="github"))
+    layers = [r for r in rows if r["scope"] == "case" and r.get("layer") is not None]
+    if layers:
+        out.append("\nBy layer (pooled over the layer's cases).\n")
+        acc = defaultdict(list)
+        for r in layers:
+            acc[(r.get("distribution", r["case"]), r["layer"])].append(r)
+        tab = [[dist, layer, len(rs), _pct(_pooled(rs, "sink_mass")), _pct(_pooled(rs, "recent_mass")),
+                _pct(_pooled(rs, "current_mass")), _pct(_pooled(rs, "history_mass")), _pct(_med([r["support_median"] for r in rs]))]
+               for (dist, layer), rs in sorted(acc.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
+        out.append(tabulate(tab, headers=["distribution", "layer", "cases", "sink", "recent", "current", "history",
+                                          "median support"], tablefmt="github"))
+    cases = [r for r in rows if r["scope"] == "case"]
+    out.append("\nBy position: query block (frame) of the chunk, in order; pooled over cases of the distribution.\n")
+    tab = []
+    for dist in dict.fromkeys(r.get("distribution", r["case"]) for r in cases):
+        sel = [r for r in cases if r.get("distribution", r["case"]) == dist]
+        nb = min(len(r["by_query_block"]["block"]) for r in sel)
+        for i in range(nb):
+            n = sum(r["by_query_block"]["rows"][i] for r in sel)
+            hist = [r["by_query_block"]["history_mass"][i] for r in sel]
+            hm = None if None in hist else sum(x * r["by_query_block"]["rows"][i] for x, r in zip(hist, sel)) / n
+            tab.append([dist, i, n, _pct(hm), _pct(_med([r["by_query_block"]["support_median"][i] for r in sel]))])
+    out.append(tabulate(tab, headers=["distribution", "query block", "rows", "history mass", "median support (median over cases)"],
+                        tablefmt="github"))
+    for dist in dict.fromkeys(r.get("distribution", r["case"]) for r in cases):
+        sel = [r for r in cases if r.get("distribution", r["case"]) == dist]
+        if any(r["heatmap"] is None for r in sel):
+            continue
+        shapes = {(len(r["heatmap"]), len(r["heatmap"][0])) for r in sel}
+        if len(shapes) != 1:
+            continue
+        qb, kb = shapes.pop()
+        mean = [[sum(r["heatmap"][i][j] for r in sel) / len(sel) for j in range(kb)] for i in range(qb)]
+        out.append(f"\nTemporal heatmap of `{dist}` (mean over cases and heads): query block x key block "
+                   f"({sel[0]['frame']} tokens each), each row sums to 100%.\n")
+        out.append(tabulate([[f"q{i}"] + [f"{100 * x:.1f}" for x in row] for i, row in enumerate(mean)],
+                            headers=["query \\ key"] + [f"k{j}" for j in range(kb)], tablefmt="github"))
+    return "\n".join(out).rstrip()

@@ -1,0 +1,263 @@
+"""Audit of ablation rows: rebuild each ablation from the layout, decode the quantized cache, and
+recompute the masked renormalized softmax directly (key by key, one head at a time) in float64.
+
+Independent of ``testbed.ablation``: the dropped spans are derived here from the layout and the
+ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
+as a mask on the scores (no atoms, no merging), and every reported number is recomputed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from .common import decode_tensor
+
+REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
+
+
+def _regions(case) -> dict:
+    return {r["name"]: (int(r["start"]), int(r["stop"])) for r in case["layout"]}
+
+
+def _history(case):
+    cur = _regions(case).get("current")
+    return None if cur is None else (0, cur[0])
+
+
+def _control(case, case_id, target, seed):
+    regions = _regions(case)
+    keys = case["k"].shape[1]
+    if target not in regions or regions[target][1] == regions[target][0]:
+        return None
+    r0, r1 = regions[target]
+    size = r1 - r0
+    hist = _history(case) or (0, keys)
+    tpf = case.get("tokens_per_frame")
+    step = tpf if tpf and size % tpf == 0 else 1
+    cands = []
+    mid = regions.get("middle")
+    if mid is not None and mid[1] - mid[0] >= size and target != "middle":
+        cands = [(a, 0) for a in range(mid[0], mid[1] - size + 1) if a % step == 0]
+    if not cands:
+        allc = []
+        for a in range(hist[0], hist[1] - size + 1):
+            if a % step == 0:
+                allc.append((a, max(0, min(a + size, r1) - max(a, r0))))
+        if not allc:
+            return None
+        least = min(o for _, o in allc)
+        cands = [c for c in allc if c[1] == least]
+    rng = random.Random(f"control:{seed}:{case_id}:{target}")
+    a, overlap = cands[rng.randrange(len(cands))]
+    return a, a + size, overlap
+
+
+def expected_spans(case, case_id, name, seed):
+    """The dropped spans of ablation ``name`` for this case, or None when not applicable."""
+    regions = _regions(case)
+    keys = case["k"].shape[1]
+    if name == "none":
+        return []
+    if name == "drop_history":
+        hist = _history(case)
+        return None if hist is None or hist[1] == 0 else [hist]
+    if name == "keep_current_only":
+        cur = regions.get("current")
+        if cur is None:
+            return None
+        spans = [s for s in ((0, cur[0]), (cur[1], keys)) if s[1] > s[0]]
+        return spans or None
+    if name.startswith("control_"):
+        blk = _control(case, case_id, name[len("control_"):], seed)
+        return None if blk is None else [(blk[0], blk[1])]
+    if name.startswith("drop_"):
+        r = regions.get(name[len("drop_"):])
+        return None if r is None or r[1] == r[0] else [r]
+    raise ValueError(f"unknown ablation {name!r}")
+
+
+def decode_cache(arrays: dict, cfg: dict, shape: tuple):
+    """Float32 K and V of a residual-window payload (``sink.*``, ``key.*``/``value.*``, ``recent.*``).
+
+    The inner quantizers' own headers are not stored (the pair shares one), so the (N, D) header of
+    the quantized span is rebuilt here for decoders that check it."""
+    *lead, n, d = shape
+    header = arrays["header"]
+    if header.dtype != np.int64 or header.tolist() != [n, d]:
+        raise ValueError(f"header {header.tolist()} does not match (N, D) = ({n}, {d})")
+    start = min(cfg["sink"], n)
+    stop = max(start, n - cfg["recent"])
+    ks, vs = [], []
+    if start > 0:
+        ks.append(arrays["sink.k"])
+        vs.append(arrays["sink.v"])
+    if stop > start:
+        for label, out in (("key", ks), ("value", vs)):
+            inner = {a[len(label) + 1:]: x for a, x in arrays.items() if a.startswith(label + ".")}
+            inner["header"] = np.array([stop - start, d], dtype=np.int64)
+            out.append(np.asarray(decode_tensor(inner, cfg[label], (*lead, stop - start, d)), dtype=np.float32))
+    if stop < n:
+        ks.append(arrays["recent.k"])
+        vs.append(arrays["recent.v"])
+    for x in ks + vs:
+        if x.dtype != np.float32:
+            raise ValueError(f"cache part has dtype {x.dtype}, expected float32")
+    return np.concatenate(ks, axis=-2), np.concatenate(vs, axis=-2)
+
+
+def _kv(row, ctx, case):
+    """The arm's K and V (history decoded from the packed arrays, current chunk exact), checking
+    this row's byte counts and array references."""
+    k, v = case["k"], case["v"]
+    keys = k.shape[1]
+    hist = _history(case)
+    stop = hist[1] if hist is not None else keys
+    if row["arm"] == "float32":
+        if row.get("quant") is not None or row["arrays"]:
+            raise ValueError("the float32 arm has no quantizer and no packed arrays")
+        ctx.equal(row, "baseline_bytes", row["baseline_bytes"], 2 * k.size * 4)
+        ctx.equal(row, "payload_bytes", row["payload_bytes"], 2 * k.size * 4)
+        return k, v
+    ctx.equal(row, "quantized_tokens", row["quantized_tokens"], stop)
+    owner = row
+    if row["ablation"] == "none":
+        if "packed" not in row["arrays"] or not isinstance(row.get("quant"), dict):
+            raise ValueError("the 'none' row of a quantized arm must name its packed arrays and quantizer config")
+    else:
+        if row["arrays"] != {"packed_in": "none"} or "quant" in row:
+            raise ValueError("a quantized row other than 'none' must point to the 'none' row (packed_in: none)")
+        owners = [r for r in _siblings(ctx, row) if r.get("ablation") == "none"]
+        if len(owners) != 1:
+            raise ValueError(f"expected one 'none' row of arm {row['arm']} naming the packed arrays, found {len(owners)}")
+        owner = owners[0]
+    arrays = {name: ctx.load(path) for name, path in owner["arrays"]["packed"].items()}
+    ctx.equal(row, "payload_bytes", row["payload_bytes"], int(sum(a.nbytes for a in arrays.values())))
+    ctx.equal(row, "baseline_bytes", row["baseline_bytes"], 2 * k.shape[0] * stop * k.shape[2] * 4)
+
+    def build():
+        kh, vh = decode_cache(arrays, owner["quant"], (k.shape[0], stop, k.shape[2]))
+        return np.concatenate([kh, k[:, stop:]], axis=1), np.concatenate([vh, v[:, stop:]], axis=1)
+
+    return ctx.cached(("ablation-kv", row["study"], row["case"], row["arm"]), build)
+
+
+def _derive(case, k, v, spans: dict, ref):
+    """Per ablation: per-row tau and TV [H, Tq] (NaN where undefined), per-head sums, outputs."""
+    q = case["q"]
+    h, tq, d = q.shape
+    keys = k.shape[1]
+    group = h // k.shape[0]
+    qp = case["query_positions"]
+    vis = (np.arange(keys)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, keys), dtype=bool)
+    regions = dict(_regions(case))
+    if _history(case) is not None:
+        regions["history"] = _history(case)
+    out = {name: {"tau": np.full((h, tq), np.nan), "tv": np.full((h, tq), np.nan), "undefined": np.zeros(h, np.int64),
+                  "err2": np.zeros(h), "ref2": np.zeros(h), "dot": np.zeros(h), "out2": np.zeros(h),
+                  "own_err2": np.zeros(h), "own_ref2": np.zeros(h)} for name in spans}
+    masses = {name: np.zeros((h, tq)) for name in regions}
+    full_out = np.zeros((h, tq, d))
+    for hh in range(h):
+        kk = k[hh // group].astype(np.float64)
+        vv = v[hh // group].astype(np.float64)
+        s = q[hh].astype(np.float64) @ kk.T / np.sqrt(np.float64(d))
+        s = np.where(vis, s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        o_full = p @ vv
+        full_out[hh] = o_full
+        o_ref = o_full if ref is None else ref[hh]
+        for name, (a, b) in regions.items():
+            masses[name][hh] = p[:, a:b].sum(axis=1)
+        for name, sp in spans.items():
+            keep = np.ones(keys, dtype=bool)
+            for a, b in sp:
+                keep[a:b] = False
+            allowed = vis & keep[None, :]
+            ok = allowed.any(axis=1)
+            sa = np.where(allowed, s, -np.inf)
+            mx = np.where(ok, sa.max(axis=1), 0.0)
+            ea = np.where(allowed, np.exp(sa - mx[:, None]), 0.0)
+            z = ea.sum(axis=1)
+            pa = ea / np.where(ok, z, 1.0)[:, None]
+            oa = pa @ vv
+            r = out[name]
+            r["tau"][hh] = np.where(ok, p[:, ~keep].sum(axis=1), np.nan)
+            r["tv"][hh] = np.where(ok, 0.5 * np.abs(p - pa).sum(axis=1), np.nan)
+            r["undefined"][hh] = int((~ok).sum())
+            r["err2"][hh] = ((oa - o_ref)[ok] ** 2).sum()
+            r["ref2"][hh] = (o_ref[ok] ** 2).sum()
+            r["dot"][hh] = (oa[ok] * o_ref[ok]).sum()
+            r["out2"][hh] = (oa[ok] ** 2).sum()
+            r["own_err2"][hh] = ((oa - o_full)[ok] ** 2).sum()
+            r["own_ref2"][hh] = (o_full[ok] ** 2).sum()
+    return out, masses, full_out
+
+
+def _finite_mean(x):
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if x.size else None
+
+
+def _finite_median(x):
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if x.size else None
+
+
+def _ratio(num, den):
+    return None if den == 0 else float(np.sqrt(num / den))
+
+
+def _siblings(ctx, row):
+    return [r for r in ctx.results["rows"] if isinstance(r, dict) and r.get("analysis") == "ablation"
+            and r.get("study") == row["study"] and r.get("case") == row["case"] and r.get("arm") == row["arm"]]
+
+
+def check(row: dict, ctx) -> None:
+    case = ctx.case(row)
+    seed = row.get("control_seed", 0)
+    spans = expected_spans(case, row["case"], row["ablation"], seed)
+    ctx.numbers += 1
+    if row["applicable"] is not (spans is not None):
+        ctx.fail(row, f"applicable: reported {row['applicable']!r}, audit derives {spans is not None!r}")
+        return
+    k, v = _kv(row, ctx, case)
+    ref = None
+    if row["arm"] != "float32":
+        ref_key = ("ablation-ref", row["study"], row["case"])
+        ref = ctx.cached(ref_key, lambda: _derive(case, case["k"], case["v"], {}, None)[2])
+
+    def derive_arm():
+        names = {}
+        for r in _siblings(ctx, row):
+            sp = expected_spans(case, r["case"], r["ablation"], r.get("control_seed", 0))
+            if sp is not None:
+                names[r["ablation"]] = sp
+        return _derive(case, k, v, names, ref)
+
+    derived, masses, _ = ctx.cached(("ablation-arm", row["study"], row["case"], row["arm"]), derive_arm)
+    for name in REGION_FIELDS:
+        ctx.close(row, f"{name}_mass", row.get(f"{name}_mass"), float(masses[name].mean()) if name in masses else None)
+    if spans is None:
+        for key in ("dropped_spans", "dropped_mass", "tv", "rel_l2", "cosine"):
+            ctx.equal(row, key, row.get(key), None)
+        return
+    ctx.equal(row, "dropped_spans", [list(s) for s in row["dropped_spans"]], [list(s) for s in spans])
+    ctx.equal(row, "dropped_keys", row["dropped_keys"], sum(b - a for a, b in spans))
+    if row["ablation"].startswith("control_"):
+        blk = _control(case, row["case"], row["ablation"][len("control_"):], seed)
+        ctx.equal(row, "control_of", row["control_of"], row["ablation"][len("control_"):])
+        ctx.close(row, "control_overlap", row["control_overlap"], blk[2] / (blk[1] - blk[0]))
+    d = derived[row["ablation"]]
+    ctx.equal(row, "undefined_rows", row["undefined_rows"], int(d["undefined"].sum()))
+    ctx.close(row, "dropped_mass", row["dropped_mass"], _finite_mean(d["tau"]))
+    ctx.close(row, "dropped_mass_median", row["dropped_mass_median"], _finite_median(d["tau"]))
+    ctx.close(row, "tv", row["tv"], _finite_mean(d["tv"]))
+    ctx.close(row, "rel_l2", row["rel_l2"], _ratio(d["err2"].sum(), d["ref2"].sum()))
+    ctx.close(row, "rel_l2_own", row["rel_l2_own"], _ratio(d["own_err2"].sum(), d["own_ref2"].sum()))
+    den = float(np.sqrt(d["out2"].sum() * d["ref2"].sum()))
+    ctx.close(row, "cosine", row["cosine"], None if den == 0 else float(d["dot"].sum()) / den)
+    heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
+    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r) for e, r in zip(d["err2"], d["ref2"])])

@@ -1,0 +1,196 @@
+"""Audit of observation rows: recompute the attention topology of a case from its q, k and layout.
+
+numpy only, one head at a time: float64 softmax over the visible keys, entropy-equivalent
+support, top-k mass by sorting, the float32 softmax's strict zeros, region and history mass,
+key-block masses, top-block sets, Jaccard overlaps and the temporal heatmap.
+
+The strict-zero rate is compared with an absolute tolerance of ``ZERO_ATOL``: an entry that sits
+at float32's underflow boundary can round either way depending on summation order, which two
+implementations need not share. Everything else uses the protocol's tolerances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+REGIONS = ("sink", "middle", "recent", "current", "history")
+PERCENTS = (1, 5, 10)
+COVERAGE_EPS = 1e-9
+ZERO_ATOL = 1e-3
+HEATMAP_INLINE_MAX = 1024
+
+
+def _top_sets(m: np.ndarray, coverage: float) -> np.ndarray:
+    order = np.argsort(-m, axis=-1, kind="stable")
+    srt = np.take_along_axis(m, order, axis=-1)
+    csum = np.cumsum(srt, axis=-1)
+    target = coverage * m.sum(axis=-1, keepdims=True) - COVERAGE_EPS
+    needed = np.minimum((csum < target).sum(axis=-1, keepdims=True) + 1, m.shape[-1])
+    inset = np.arange(m.shape[-1])[None, :] < needed
+    out = np.zeros(m.shape, dtype=bool)
+    np.put_along_axis(out, order, inset, axis=-1)
+    return out
+
+
+def _jaccard(a, b):
+    inter = (a & b).sum(axis=-1)
+    union = (a | b).sum(axis=-1)
+    return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
+
+
+def derive(case, frame: int, coverage: float) -> dict:
+    q, k = case["q"], case["k"]
+    h, tq, d = q.shape
+    keys = k.shape[1]
+    group = h // k.shape[0]
+    qp = case["query_positions"].astype(np.int64)
+    vis = (np.arange(keys)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, keys), dtype=bool)
+    nvis = vis.sum(axis=1).astype(np.float64)
+    regions = {r["name"]: (int(r["start"]), int(r["stop"])) for r in case["layout"]}
+    if "current" in regions:
+        regions["history"] = (0, regions["current"][0])
+    nkb = -(-keys // frame)
+    qb = qp // frame
+    blocks = sorted(set(qb.tolist()))
+    qbi = np.array([blocks.index(b) for b in qb.tolist()])
+    rows = {name: np.zeros((h, tq)) for name in ("visible_keys", "support", "top1", "top5", "top10", "zero_rate")}
+    rows.update({f"{name}_mass": np.zeros((h, tq)) for name in regions})
+    heat = np.zeros((h, len(blocks), nkb))
+    jq = np.zeros((h, max(tq - 1, 0)))
+    size = np.zeros((h, tq))
+    for hh in range(h):
+        s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
+        s = np.where(vis, s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        rows["visible_keys"][hh] = nvis
+        logp = np.log(np.where(p > 0, p, 1.0))
+        rows["support"][hh] = np.exp(-(p * logp).sum(axis=1)) / nvis
+        csum = np.cumsum(-np.sort(-p, axis=1), axis=1)
+        for pc in PERCENTS:
+            cnt = np.maximum((pc * nvis.astype(np.int64) + 99) // 100, 1)
+            rows[f"top{pc}"][hh] = csum[np.arange(tq), np.minimum(cnt, keys) - 1]
+        s32 = s.astype(np.float32)
+        e32 = np.exp(s32 - s32.max(axis=1, keepdims=True))
+        p32 = e32 / e32.sum(axis=1, keepdims=True)
+        rows["zero_rate"][hh] = ((p32 == 0) & vis).sum(axis=1) / nvis
+        for name, (a, b) in regions.items():
+            rows[f"{name}_mass"][hh] = p[:, a:b].sum(axis=1)
+        pp = np.concatenate([p, np.zeros((tq, nkb * frame - keys))], axis=1) if nkb * frame != keys else p
+        bm = pp.reshape(tq, nkb, frame).sum(axis=2)
+        sets = _top_sets(bm, coverage)
+        size[hh] = sets.sum(axis=1)
+        if tq > 1:
+            jq[hh] = _jaccard(sets[1:], sets[:-1])
+        for i in range(len(blocks)):
+            heat[hh, i] = bm[qbi == i].mean(axis=0)
+    bsets = _top_sets(heat, coverage)
+    jb = _jaccard(bsets[:, 1:], bsets[:, :-1]) if len(blocks) > 1 else np.zeros((h, 0))
+    hist_uniform = None
+    if "history" in regions:
+        hv = np.minimum(qp + 1, regions["history"][1]).astype(np.float64) if case["causal"] else np.full(tq, float(regions["history"][1]))
+        hist_uniform = np.broadcast_to(hv / nvis, (h, tq))
+    return {"rows": rows, "heat": heat, "jq": jq, "jb": jb, "size": size, "blocks": blocks, "qbi": qbi,
+            "hist_uniform": hist_uniform, "nkb": nkb}
+
+
+def _q(x, qs):
+    return float(np.quantile(x, qs))
+
+
+def _expected_stats(rows, sel, hist_uniform) -> dict:
+    sup = rows["support"][sel].ravel()
+    out = {"support_mean": float(sup.mean()), "support_median": _q(sup, 0.5), "support_q10": _q(sup, 0.1),
+           "support_q25": _q(sup, 0.25), "support_q75": _q(sup, 0.75), "support_q90": _q(sup, 0.9),
+           "support_le_10": float((sup <= 0.10).mean()), "support_le_25": float((sup <= 0.25).mean()),
+           "support_ge_75": float((sup >= 0.75).mean())}
+    for pc in PERCENTS:
+        t = rows[f"top{pc}"][sel].ravel()
+        out[f"top{pc}_mean"] = float(t.mean())
+        out[f"top{pc}_median"] = _q(t, 0.5)
+    out["top10_ge_80"] = float((rows["top10"][sel] >= 0.80).mean())
+    for r in REGIONS:
+        key = f"{r}_mass"
+        out[key] = float(rows[key][sel].mean()) if key in rows else None
+    if "history_mass" in rows:
+        hm = rows["history_mass"][sel].ravel()
+        out.update(history_median=_q(hm, 0.5), history_q10=_q(hm, 0.1), history_q25=_q(hm, 0.25),
+                   history_q75=_q(hm, 0.75), history_q90=_q(hm, 0.9), history_lt_10=float((hm < 0.10).mean()),
+                   history_gt_50=float((hm > 0.50).mean()), uniform_history=float(hist_uniform[sel].mean()))
+    else:
+        out.update(history_lt_10=None, history_gt_50=None, uniform_history=None)
+    vk = rows["visible_keys"][sel]
+    out["visible_keys"] = float(vk.mean())
+    return out
+
+
+def _zero_close(ctx, row, name, reported, derived, atol=ZERO_ATOL) -> None:
+    a = np.asarray(reported, dtype=np.float64)
+    b = np.asarray(derived, dtype=np.float64)
+    ctx.numbers += 1
+    if a.shape != b.shape or not bool(np.all(np.abs(a - b) <= atol)):
+        ctx.fail(row, f"{name}: strict zeros differ from the audit's float32 softmax by more than {atol:.3g}")
+
+
+def check(row: dict, ctx) -> None:
+    case = ctx.case(row)
+    tpf = case.get("tokens_per_frame")
+    frame = int(tpf) if tpf else int(row["block_tokens"])
+    ctx.equal(row, "frame", row["frame"], frame)
+    coverage = float(row["coverage"])
+    der = ctx.cached(("observation", row["study"], row["case"], frame, coverage), lambda: derive(case, frame, coverage))
+    rows = der["rows"]
+    h, tq = rows["support"].shape
+    ctx.equal(row, "key_blocks", row["key_blocks"], der["nkb"])
+    ctx.equal(row, "query_blocks", row["query_blocks"], der["blocks"])
+    ctx.equal(row, "keys", row["keys"], case["k"].shape[1])
+    sink = [r for r in case["layout"] if r["name"] == "sink"]
+    ctx.equal(row, "sink_tokens", row["sink_tokens"], (sink[0]["stop"] - sink[0]["start"]) if sink else 0)
+    if row["scope"] == "case":
+        sel = (slice(None), slice(None))
+        ctx.equal(row, "rows", row["rows"], h * tq)
+        ctx.close(row, "jaccard_query", row["jaccard_query"], float(der["jq"].mean()) if der["jq"].size else None)
+        ctx.close(row, "jaccard_block", row["jaccard_block"], float(der["jb"].mean()) if der["jb"].size else None)
+        ctx.close(row, "block_set_size", row["block_set_size"], float(der["size"].mean()))
+        mean_heat = der["heat"].mean(axis=0)
+        ctx.close(row, "heatmap", row["heatmap"], mean_heat if mean_heat.size <= HEATMAP_INLINE_MAX else None)
+        ctx.close(row, "arrays.heatmap", ctx.load(row["arrays"]["heatmap"]), der["heat"])
+        ctx.close(row, "heatmap row sums", der["heat"].sum(axis=-1), np.ones(der["heat"].shape[:-1]))
+        if "rows" in row["arrays"]:
+            stored = ctx.load(row["arrays"]["rows"])
+            fields = row["row_fields"]
+            ctx.equal(row, "row_fields", fields, [f for f in ("visible_keys", "support", "top1", "top5", "top10", "zero_rate",
+                                                              *[f"{r}_mass" for r in REGIONS]) if f in rows])
+            for i, f in enumerate(fields):
+                if f == "zero_rate":
+                    _zero_close(ctx, row, f"arrays.rows[{f}]", stored[i], rows[f])
+                else:
+                    ctx.close(row, f"arrays.rows[{f}]", stored[i].astype(np.float64), rows[f])
+        by = row["by_query_block"]
+        ctx.equal(row, "by_query_block.block", by["block"], der["blocks"])
+        for i in range(len(der["blocks"])):
+            m = der["qbi"] == i
+            ctx.equal(row, f"by_query_block.rows[{i}]", by["rows"][i], int(h * m.sum()))
+            ctx.close(row, f"by_query_block.support_median[{i}]", by["support_median"][i], _q(rows["support"][:, m].ravel(), 0.5))
+            for key in ("history_mass", "current_mass"):
+                ctx.close(row, f"by_query_block.{key}[{i}]", by[key][i], float(rows[key][:, m].mean()) if key in rows else None)
+    else:
+        hh = int(row["head"])
+        sel = (hh, slice(None))
+        ctx.equal(row, "rows", row["rows"], tq)
+        ctx.equal(row, "kv_head", row["kv_head"], case["head_map"][hh])
+        conc = case["meta"].get("head_concentration")
+        ctx.equal(row, "concentration", row["concentration"], conc[hh] if conc and hh < len(conc) else None)
+        ctx.close(row, "jaccard_query", row["jaccard_query"], float(der["jq"][hh].mean()) if der["jq"].shape[1] else None)
+        ctx.close(row, "jaccard_block", row["jaccard_block"], float(der["jb"][hh].mean()) if der["jb"].shape[1] else None)
+        ctx.close(row, "block_set_size", row["block_set_size"], float(der["size"][hh].mean()))
+    for key, val in _expected_stats(rows, sel, der["hist_uniform"]).items():
+        ctx.close(row, key, row.get(key), val)
+    z = rows["zero_rate"][sel].ravel()
+    _zero_close(ctx, row, "zero_rate_mean", row["zero_rate_mean"], float(z.mean()))
+    _zero_close(ctx, row, "zero_rate_median", row["zero_rate_median"], _q(z, 0.5))
+    # one row flipping at the underflow boundary moves this share by 1/rows
+    _zero_close(ctx, row, "zero_row_share", row["zero_row_share"], float((z > 0).mean()), max(ZERO_ATOL, 1.0 / z.size))
+    vk = rows["visible_keys"][sel]
+    ctx.equal(row, "visible_keys_min", row["visible_keys_min"], int(vk.min()))
+    ctx.equal(row, "visible_keys_max", row["visible_keys_max"], int(vk.max()))
