@@ -351,3 +351,26 @@ def test_example_script_writes_a_loadable_trace(smollm2, tmp_path, capsys):
     for c in cases:
         assert c.keys == 100 and c.region("current").size == 4 and c.q.shape == (9, 4, 64)
         assert int(c.query_positions.max()) == 99 and int(c.query_positions.min()) >= 96
+
+
+def test_a_load_failure_is_excluded_with_its_stage(tmp_path, monkeypatch, capsys):
+    def broken(**kw):
+        raise OSError("model.safetensors: truncated file")
+
+    monkeypatch.setattr(capture, "load_model", broken)
+    ctx = RunContext(ArrayStore(tmp_path), study="cap", progress=lambda m: None)
+    assert list(capture.cases(small_params(), ctx)) == []
+    (entry,) = ctx.excluded
+    assert entry == {"id": f"cap/{capture.MODEL_ID}", "stage": "load_model", "error": "OSError: model.safetensors: truncated file"}
+    assert ctx.gates == {}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not load" in err[0] and "truncated" in err[0]
+    assert json.loads(ctx.extra_files["cap/capture_manifest.json"])["excluded"] == [entry]
+
+
+def test_a_missing_gguf_path_in_the_environment_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("TESTBED_SMOLLM2_GGUF", str(tmp_path / "nope.gguf"))
+    monkeypatch.setattr(capture, "_missing_modules", lambda: [])
+    with pytest.raises(capture.CaptureUnavailable, match="TESTBED_SMOLLM2_GGUF=.*nope.gguf is not a file") as info:
+        capture.load_model()
+    assert info.value.stage == "locate_model"

