@@ -121,13 +121,13 @@ def test_refuses_non_finite_values_and_names_the_index(tmp_path):
 def test_refuses_integer_q(tmp_path):
     c, t, h = _good()
     t[f"{c.id}/q"] = t[f"{c.id}/q"].to(torch.int32)
-    _refused(_write(tmp_path, t, h), c.id, "q has dtype torch.int32")
+    _refused(_write(tmp_path, t, h), c.id, "q has dtype int32")
 
 
 def test_refuses_float64(tmp_path):
     c, t, h = _good()
     t[f"{c.id}/v"] = t[f"{c.id}/v"].to(torch.float64)
-    _refused(_write(tmp_path, t, h), "v has dtype torch.float64", "float32")
+    _refused(_write(tmp_path, t, h), "v has dtype float64", "float32")
 
 
 def test_refuses_mismatched_shapes(tmp_path):
@@ -223,3 +223,14 @@ def test_trace_source_validation_names_the_key():
 
     with pytest.raises(ProtocolError, match=r"source.files: expected a list"):
         SOURCES["trace"].validate({"kind": "trace", "files": "a.safetensors"}, "p.source")
+
+
+def test_trace_source_selects_records_and_refuses_unknown_ones(tmp_path):
+    from testbed.sources import traces
+
+    trace = save_trace(tmp_path / "v.safetensors", [video_case("clip-a", seed=1), video_case("clip-b", seed=2)])
+    got = list(traces.cases({"kind": "trace", "files": [str(trace)], "records": ["clip-b"]}))
+    assert [c.id for c in got] == ["clip-b"] and got[0].meta["trace_file"] == "v.safetensors"
+    with pytest.raises(ValueError, match=r"trace records \['clip-z'\] were not found"):
+        list(traces.cases({"kind": "trace", "files": [str(trace)], "records": ["clip-z"]}))
+    assert traces.estimate_bytes({"files": [str(trace)]}) > 0

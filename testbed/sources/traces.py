@@ -41,13 +41,12 @@ import torch
 from ..case import Case, Region
 from ..protocol import ProtocolError, check_object
 
-__all__ = ["TraceError", "METADATA_KEY", "VERSION", "save_trace", "load_trace", "validate", "cases"]
+__all__ = ["TraceError", "METADATA_KEY", "VERSION", "save_trace", "load_trace", "iter_trace", "validate", "cases",
+           "estimate_bytes"]
 
 METADATA_KEY = "testbed.trace"
 VERSION = 1
 FIELDS = ("q", "k", "v", "query_positions")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INT_DTYPES = (torch.int64, torch.int32)
 _ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -92,18 +91,22 @@ def _fail(path: Path, msg: str) -> TraceError:
     return TraceError(f"{path.name}: {msg}")
 
 
-def _read(path: Path):
+# safetensors dtype codes accepted for each field, with the names the errors use.
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_FLOAT_CODES = ("F32", "F16", "BF16")
+_INT_CODES = ("I64", "I32")
+
+
+def _open(path: Path):
     from safetensors import safe_open
 
     if not path.is_file():
         raise _fail(path, f"no such trace file ({path})")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        return safe_open(str(path), framework="pt")
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise _fail(path, f"not a readable safetensors file ({type(e).__name__}: {e})") from None
-    return meta, tensors
 
 
 def _check_layout(path: Path, rid: str, layout) -> tuple[Region, ...]:
@@ -123,10 +126,9 @@ def _check_layout(path: Path, rid: str, layout) -> tuple[Region, ...]:
     return tuple(out)
 
 
-def load_trace(path: str | Path) -> list[Case]:
-    """Read and validate a trace file; returns its Cases (q, k, v as float32) in file order."""
-    path = Path(path)
-    meta, tensors = _read(path)
+def _records(path: Path, f) -> list[dict]:
+    """Validate the header and every record's tensor names, dtypes and ranks; nothing is read yet."""
+    meta = f.metadata() or {}
     if METADATA_KEY not in meta:
         raise _fail(path, f"metadata has no {METADATA_KEY!r} entry (not a testbed trace; see testbed/sources/traces.py)")
     try:
@@ -139,7 +141,8 @@ def load_trace(path: str | Path) -> list[Case]:
     records = header.get("records")
     if not isinstance(records, list) or not records:
         raise _fail(path, "metadata 'records' must be a non-empty list")
-    used, out = set(), []
+    keys = set(f.keys())
+    used, ids, out = set(), set(), []
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise _fail(path, f"records[{i}] must be an object")
@@ -147,8 +150,9 @@ def load_trace(path: str | Path) -> list[Case]:
         if unknown:
             raise _fail(path, f"records[{i}] has unknown key(s) {sorted(unknown)}")
         rid = rec.get("id")
-        if not isinstance(rid, str) or not _ID.match(rid) or rid in {c.id for c in out}:
+        if not isinstance(rid, str) or not _ID.match(rid) or rid in ids:
             raise _fail(path, f"records[{i}].id {rid!r} must be a unique name of letters, digits, '-', '_', '.'")
+        ids.add(rid)
         if not isinstance(rec.get("causal"), bool):
             raise _fail(path, f"record {rid!r}: causal must be true or false, got {rec.get('causal')!r}")
         tpf = rec.get("tokens_per_frame")
@@ -158,33 +162,58 @@ def load_trace(path: str | Path) -> list[Case]:
         if not isinstance(rmeta, dict):
             raise _fail(path, f"record {rid!r}: meta must be an object")
         layout = _check_layout(path, rid, rec.get("layout"))
-        fields = {}
         for name in FIELDS:
             key = f"{rid}/{name}"
-            if key not in tensors:
+            if key not in keys:
                 raise _fail(path, f"record {rid!r}: tensor {key!r} is missing")
-            t = tensors[key]
             used.add(key)
+            sl = f.get_slice(key)
+            code, rank = sl.get_dtype(), len(sl.get_shape())
+            dname = _DTYPE_NAMES.get(code, code)
             if name == "query_positions":
-                if t.dtype not in INT_DTYPES or t.dim() != 1:
-                    raise _fail(path, f"record {rid!r}: {name} must be a 1-D int64/int32 tensor, got {t.dtype} {tuple(t.shape)}")
-                fields[name] = t.to(torch.int64)
-            else:
-                if t.dtype not in FLOAT_DTYPES:
-                    raise _fail(path, f"record {rid!r}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
-                fields[name] = t.to(torch.float32)
-        try:
-            case = Case(id=rid, causal=rec["causal"], layout=layout, tokens_per_frame=tpf, meta=rmeta, **fields)
-        except ValueError as e:
-            raise _fail(path, f"record {rid!r}: {e}") from None
-        out.append(case)
-    extra = sorted(set(tensors) - used)
+                if code not in _INT_CODES or rank != 1:
+                    raise _fail(path, f"record {rid!r}: {name} must be a 1-D int64/int32 tensor, got {dname} "
+                                      f"{tuple(sl.get_shape())}")
+            elif code not in _FLOAT_CODES:
+                raise _fail(path, f"record {rid!r}: {name} has dtype {dname}; expected float32, float16 or bfloat16")
+        out.append({"id": rid, "causal": rec["causal"], "layout": layout, "tokens_per_frame": tpf, "meta": rmeta})
+    extra = sorted(keys - used)
     if extra:
         raise _fail(path, f"tensor(s) {extra[:3]} belong to no record")
     return out
 
 
+def iter_trace(path: str | Path) -> Iterator[Case]:
+    """Validate a trace file's header and tensor table, then read and validate one record at a time
+    (so a large trace never has to fit in memory at once). Yields Cases with float32 q, k, v."""
+    path = Path(path)
+    with _open(path) as f:
+        for rec in _records(path, f):
+            rid = rec["id"]
+            fields = {}
+            for name in FIELDS:
+                t = f.get_tensor(f"{rid}/{name}")
+                fields[name] = t.to(torch.int64) if name == "query_positions" else t.to(torch.float32)
+            try:
+                yield Case(**rec, **fields)
+            except ValueError as e:
+                raise _fail(path, f"record {rid!r}: {e}") from None
+
+
+def load_trace(path: str | Path) -> list[Case]:
+    """Read and validate a whole trace file; returns its Cases (q, k, v as float32) in file order."""
+    return list(iter_trace(path))
+
+
 # -- the source ---------------------------------------------------------------------------
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
 
 def _resolve(p: str) -> Path:
     from ..evidence import REPO_ROOT
@@ -235,10 +264,11 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     seen, listing = set(), []
     for f in params["files"]:
         path = _resolve(f)
-        loaded = load_trace(path)
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        listing.append({"file": f, "sha256": digest, "records": [c.id for c in loaded]})
-        for case in loaded:
+        digest = _sha256_file(path) if path.is_file() else None
+        entry = {"file": f, "sha256": digest, "records": []}
+        listing.append(entry)
+        for case in iter_trace(path):
+            entry["records"].append(case.id)
             if wanted is not None and case.id not in wanted:
                 continue
             seen.add(case.id)
