@@ -85,6 +85,38 @@ def test_logits_are_identical_with_and_without_the_observer(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+def test_an_eager_model_stays_eager_and_identical(smollm2, prose_ids):
+    model, _, _ = smollm2
+    ids = prose_ids[:, :48]
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            ref = model(ids).logits
+        obs = capture.Observer(layers=[0, 29], queries=4, keep_output=True)
+        with obs.attach(model):
+            assert model.config._attn_implementation == capture.DELEGATES["eager"]
+            with torch.no_grad():
+                got = model(ids).logits
+        assert model.config._attn_implementation == "eager"
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(got, ref)
+    for r in obs.records:
+        out = attention(r.q, r.k, r.v, r.query_positions, r.causal)
+        assert r.causal and float((out - r.output.double()).abs().max()) <= 1e-5 * max(float(r.output.abs().max()), 1.0)
+
+
+@pytest.mark.capture
+def test_other_attention_implementations_are_refused(smollm2):
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flex_attention"))
+    with pytest.raises(ValueError, match="runs 'flex_attention' attention; it can observe 'sdpa' or 'eager'"):
+        with capture.Observer().attach(fake):
+            pass
+
+
+@pytest.mark.capture
 def test_records_reproduce_the_kernel_output(smollm2, prose_ids):
     """float64 attention over the recorded post-RoPE Q/K/V equals what the SDPA kernel returned."""
     model, _, _ = smollm2
@@ -284,7 +316,7 @@ def test_validation_names_the_key():
            ({"kv_heads": [3]}, "source.kv_heads[0]: 3 is outside [0, 2]"),
            ({"record_chunks": [3]}, "source.record_chunks[0]: 3 is outside the 3 chunks"),
            ({"queries": 33}, "source.queries: 33 is outside [1, 32]"),
-           ({"prompts": [good["prompts"][0], good["prompts"][0]]}, "source.prompts[1].id: 'prose' appears twice"),
+           ({"prompts": [good["prompts"][0], {**good["prompts"][1], "id": "prose"}]}, "source.prompts[1].id: 'prose' appears twice"),
            ({"prompts": [{"id": "x", "text": "y"}]}, "source.prompts[0].kind: missing required key"),
            ({"sink_tokens": 60}, "leaves no room for sink + recent + chunk")]
     for over, msg in bad:

@@ -4,10 +4,11 @@ The observer is an attention function registered through transformers' ``Attenti
 (https://huggingface.co/docs/transformers/attention_interface). The model calls it exactly where
 it would call SDPA, with the post-RoPE query ``[B, H, Tq, D]`` and the cache-concatenated key and
 value ``[B, H_kv, Tk, D]``; it copies the selected slices and then delegates, unchanged, to the
-registered ``"sdpa"`` function, so the model's output is bit-identical with and without it. GQA
+function the model was using (``"sdpa"``, or the model's own eager attention), so the model's
+output is bit-identical with and without it. GQA
 heads are kept as the kernel sees them (``H`` query heads over ``H_kv`` key/value heads) and the
-mapping travels in the `Case`. The matching mask function (``sdpa_mask``) is registered under the
-same name, otherwise transformers would hand a custom kernel no mask at all.
+mapping travels in the `Case`. The delegate's mask function (``sdpa_mask`` / ``eager_mask``) is
+registered under the same name, otherwise transformers would hand a custom kernel no mask at all.
 
 Memory stays bounded: only the chosen layers, forwards, KV-head groups and sampled queries are
 copied (float32), and a ``reduce`` callback can turn each record into a few numbers on the fly.
@@ -98,35 +99,51 @@ class Record:
 
 
 _ACTIVE: list = []
-_DELEGATE: dict = {}
+# The observer delegates to the implementation the model was using: SDPA (the default) or the
+# model's own eager function. Each gets its own registered name and its own mask builder.
+DELEGATES = {"sdpa": ATTN_NAME, "eager": ATTN_NAME + "_eager"}
 
 
-def _observed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    obs = _ACTIVE[-1] if _ACTIVE else None
-    delegate = _DELEGATE["sdpa"]
-    if obs is None:
-        return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    pending = obs._observe(module, query, key, value, attention_mask, scaling, kwargs)
-    out = delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if pending is not None and obs.keep_output:
-        # The kernel returns [B, Tq, H, D]; keep the same rows and heads as the record.
-        rec, b = pending
-        o = out[0][b].detach().transpose(0, 1)
-        rec.output = o[rec.q_heads][:, rec.query_index].to(torch.float32).cpu().clone()
-    return out
+def _eager_of(module):
+    import sys as _sys
+
+    fn = getattr(_sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"observer: {type(module).__name__} has no module-level eager_attention_forward to delegate to")
+    return fn
 
 
-def register() -> str:
-    """Register the observer (and SDPA's mask builder) under ``ATTN_NAME``; idempotent."""
+def _make_observed(kind: str):
+    def observed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        delegate = ALL_ATTENTION_FUNCTIONS["sdpa"] if kind == "sdpa" else _eager_of(module)
+        obs = _ACTIVE[-1] if _ACTIVE else None
+        pending = None if obs is None else obs._observe(module, query, key, value, attention_mask, scaling, kwargs)
+        out = delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if pending is not None and obs.keep_output:
+            # Both kernels return [B, Tq, H, D]; keep the same rows and heads as the record.
+            rec, b = pending
+            o = out[0][b].detach().transpose(0, 1)
+            rec.output = o[rec.q_heads][:, rec.query_index].to(torch.float32).cpu().clone()
+        return out
+
+    observed_attention.__name__ = f"observed_{kind}_attention"
+    return observed_attention
+
+
+_OBSERVED = {kind: _make_observed(kind) for kind in DELEGATES}
+
+
+def register() -> dict:
+    """Register the observer under one name per delegate (with that delegate's mask builder); idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if "sdpa" not in _DELEGATE:
-        _DELEGATE["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    AttentionInterface.register(ATTN_NAME, _observed_attention)
-    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return ATTN_NAME
+    for kind, name in DELEGATES.items():
+        AttentionInterface.register(name, _OBSERVED[kind])
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[kind])
+    return dict(DELEGATES)
 
 
 class Observer:
@@ -164,7 +181,10 @@ class Observer:
         """Route ``model``'s attention through the observer for the duration of the block."""
         register()
         previous = model.config._attn_implementation
-        model.set_attn_implementation(ATTN_NAME)
+        if previous not in DELEGATES:
+            raise ValueError(f"observer: the model runs {previous!r} attention; it can observe 'sdpa' or 'eager' "
+                             "(load the model with attn_implementation='sdpa')")
+        model.set_attn_implementation(DELEGATES[previous])
         hooks = [model.register_forward_pre_hook(self._pre_hook), model.register_forward_hook(self._post_hook)]
         _ACTIVE.append(self)
         try:
