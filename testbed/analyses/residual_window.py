@@ -61,7 +61,6 @@ def evaluate(case, params, ctx) -> list[dict]:
     n = case.keys
     ref = attention_case(case)
     probs = probabilities(case.q, case.k, case.query_positions, case.causal)
-    base = ctx.store.save(f"{ctx.study}/{case.id}/reference_output", ref)
     baseline_bytes = 2 * case.k.numel() * 4
     focus = case.meta.get("focus_span")
     focus_mass = float(probs[..., focus[0]:focus[1]].sum(-1).mean()) if focus else None
@@ -78,7 +77,6 @@ def evaluate(case, params, ctx) -> list[dict]:
             payload = packed.nbytes
             packed_paths = ctx.store.save_packed(f"{ctx.study}/{case.id}/{arm}", packed)
             quant = packer.config()
-        out_path = ctx.store.save(f"{ctx.study}/{case.id}/{arm}/output", out.to(torch.float64))
         r = packer.recent if packer is not None else n
         window = r if r > 0 else params["recent_mass_window"]
         recent_mass = float(probs[..., n - min(window, n):].sum(-1).mean())
@@ -102,7 +100,8 @@ def evaluate(case, params, ctx) -> list[dict]:
             "protected_mass": protected,
             "focus_mass": focus_mass,
             "quant": quant,
-            "arrays": {"reference_output": base, "output": out_path, "packed": packed_paths},
+            # outputs are not stored: the audit recomputes them from q and the packed K/V
+            "arrays": {"packed": packed_paths},
         })
     for repeat in range(ctx.timing_repeats):
         for arm, packer in ctx.shuffled(plan):
