@@ -281,12 +281,12 @@ class Audit:
             got = manifest.get("schema_version") if isinstance(manifest, dict) else type(manifest).__name__
             self.fail("manifest.json", f"schema_version {got!r} is not the supported {SCHEMA_VERSION}")
             return
-        self.manifest = manifest
         arrays = manifest.get("arrays")
         files = manifest.get("files")
         if not isinstance(arrays, dict) or not isinstance(files, dict):
             self.fail("manifest.json", "arrays and files must be objects")
             return
+        self.manifest = manifest
         expected = set(arrays) | set(files) | {"manifest.json"}
         present, links = _present_files(root)
         for rel in sorted(links):

@@ -9,7 +9,8 @@ A protocol is a JSON object::
      "audit": {"rtol": 1e-6, "atol": 1e-9}}           # tolerances the audit applies
 
 Every key is checked before anything runs; an error names the offending key by its path
-(``source.seeds[2]``), so a malformed protocol is one clear line and nothing is written. The JSON
+(``source.seeds[2]``), so a malformed protocol is one clear line and nothing is written. Lists are
+the axes of a study grid, so a repeated item is refused too. The JSON
 itself is read strictly: UTF-8, no duplicate keys (``json`` would silently keep the last one),
 no NaN/Infinity literals, no absurd nesting.
 """
@@ -36,6 +37,12 @@ def _type_name(t) -> str:
     return {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}.get(t, str(t))
 
 
+def key_name(key: str) -> str:
+    """A key as it appears in an error path: plain when it is a printable word, else quoted (so a key
+    holding a newline cannot split the one-line error)."""
+    return key if key and key.isprintable() and not any(c in key for c in " .[]'\"") else repr(key)
+
+
 def check_value(value: Any, spec, where: str) -> Any:
     """Check one value against ``spec``: a type, ``("list", spec, min_len)``, ``("range", type, lo, hi)``
     or ``("choice", options)``."""
@@ -43,7 +50,16 @@ def check_value(value: Any, spec, where: str) -> Any:
         _, inner, min_len = spec
         if not isinstance(value, list) or len(value) < min_len:
             raise ProtocolError(f"{where}: expected a list of at least {min_len} item(s), got {value!r}")
-        return [check_value(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        out = [check_value(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        # Protocol lists are the axes of a study grid: a repeated item would repeat cases, arms and
+        # array names (and fail mid-run), so it is refused here by its index.
+        seen: dict[str, int] = {}
+        for i, v in enumerate(out):
+            key = json.dumps(v, sort_keys=True, default=repr)
+            if key in seen:
+                raise ProtocolError(f"{where}[{i}]: {v!r} repeats {where}[{seen[key]}]")
+            seen[key] = i
+        return out
     if isinstance(spec, tuple) and spec and spec[0] == "range":
         _, typ, lo, hi = spec
         check_value(value, typ, where)
@@ -74,7 +90,8 @@ def check_object(obj: Any, where: str, required: dict, optional: dict | None = N
         raise ProtocolError(f"{where}: expected an object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(required) - set(optional))
     if unknown:
-        raise ProtocolError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(sorted(set(required) | set(optional)))})")
+        raise ProtocolError(f"{where}.{key_name(unknown[0])}: unknown key "
+                            f"(allowed: {', '.join(sorted(set(required) | set(optional)))})")
     out = {}
     for key, spec in required.items():
         if key not in obj:
@@ -102,7 +119,7 @@ def validate_protocol(raw: Any, where: str = "protocol") -> dict:
     if not proto["name"].replace("_", "").isalnum():
         raise ProtocolError(f"{where}.name: {proto['name']!r} must be letters, digits and underscores")
     kind = proto["source"].get("kind")
-    if kind not in SOURCES:
+    if not isinstance(kind, str) or kind not in SOURCES:
         raise ProtocolError(f"{where}.source.kind: {kind!r} is not one of {sorted(SOURCES)}")
     proto["source"] = SOURCES[kind].validate(proto["source"], f"{where}.source")
     if not proto["analyses"]:
@@ -110,7 +127,7 @@ def validate_protocol(raw: Any, where: str = "protocol") -> dict:
     analyses = {}
     for name, params in proto["analyses"].items():
         if name not in ANALYSES:
-            raise ProtocolError(f"{where}.analyses.{name}: unknown analysis (known: {', '.join(sorted(ANALYSES))})")
+            raise ProtocolError(f"{where}.analyses.{key_name(name)}: unknown analysis (known: {', '.join(sorted(ANALYSES))})")
         analyses[name] = ANALYSES[name].validate(params, f"{where}.analyses.{name}")
     proto["analyses"] = analyses
     proto["timing"] = check_object(proto["timing"], f"{where}.timing", {}, {

@@ -262,6 +262,11 @@ def sweep_stale_partials(parent: Path) -> list[Path]:
     return removed
 
 
+def _one_line(e) -> str:
+    """An error message as exactly one line, whatever a protocol value or key held."""
+    return " ".join(str(e).splitlines()) or type(e).__name__
+
+
 def _on_sigterm(signum, frame):
     raise Terminated()
 
@@ -285,7 +290,7 @@ def main(argv=None) -> int:
         protocols = [(p, *load_protocol(p)) for p in paths]
         memory = None if args.no_memory_guard else check_memory([proto for _, proto, _ in protocols])
     except (ProtocolError, ResourceError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     if memory is not None:
@@ -318,7 +323,7 @@ def main(argv=None) -> int:
         return code
     except (ProtocolError, ValueError, FileExistsError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
