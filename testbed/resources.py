@@ -20,6 +20,9 @@ __all__ = ["ResourceError", "attention_chain_bytes", "estimate_protocol", "avail
            "format_bytes", "synthetic_estimate_bytes"]
 
 
+OVERHEAD = 256 << 20
+
+
 class ResourceError(ValueError):
     """A protocol whose largest Case cannot fit in the memory available now."""
 
@@ -27,28 +30,31 @@ class ResourceError(ValueError):
 def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int) -> int:
     """Peak bytes of one Case ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` through the analysis chain.
 
-    Counted (each term is alive at the same time at the peak of an analysis pass):
+    Counted, as an upper bound (each coefficient is above the peak resident memory measured for
+    the residual-window analysis on this term alone, tests/test_resource_guard.py):
 
     - the Case itself in float32 (q, k, v) and its int64 query positions;
-    - the float64 score / probability matrices ``[H, Tq, Tk]``: the logits, their softmax and one
-      temporary of the same size (3 copies; analyses that keep the reference probabilities while
-      computing a quantized arm's hold these);
-    - K and V expanded to H heads and cast to float64 for the reference attention (2 copies), and
-      the float32 dequantized K and V of one arm plus the group-padded float32 working copies of
-      the quantizer (6 float32 copies of K/V in all);
-    - the float64 reference and arm outputs ``[H, Tq, D]`` (3 copies).
+    - 4 float64 score / probability matrices ``[H, Tq, Tk]``: the full reference probabilities
+      kept by the analyses, their logits while they are computed, and the logits and softmax of
+      one chunk of queries of an attention pass (about 3.3 copies measured);
+    - 3 float64 copies of K or V expanded to H heads (the reference attention; about 2.3 measured);
+    - 16 float32 copies of K or V at H_kv heads: dequantized K and V, the quantizers' group-padded
+      working copies and their temporaries (about 14 measured);
+    - 3 float64 outputs ``[H, Tq, D]``;
+    - a fixed ``OVERHEAD`` (256 MiB) for what does not scale with the Case: the first compilation
+      of the fused kernels (about 70 MiB measured) and memory the allocator keeps after freeing
+      mid-sized temporaries.
 
-    Deliberately an upper bound (peak resident memory measured on the synthetic protocol stays
-    below it, tests/test_resource_guard.py), not a prediction.
+    An analysis with a larger working set than the attention chain should be given its own term.
     """
     f32, f64 = 4, 8
     q = heads * queries * head_dim
     kv = kv_heads * keys * head_dim
     case = (q + 2 * kv) * f32 + queries * 8
-    probs = 3 * heads * queries * keys * f64
-    kv_work = 2 * heads * keys * head_dim * f64 + 6 * kv * f32
+    probs = 4 * heads * queries * keys * f64
+    kv_work = 3 * heads * keys * head_dim * f64 + 16 * kv * f32
     outputs = 3 * q * f64
-    return int(case + probs + kv_work + outputs)
+    return int(case + probs + kv_work + outputs + OVERHEAD)
 
 
 def synthetic_estimate_bytes(params: dict) -> int:
