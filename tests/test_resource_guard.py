@@ -1,0 +1,141 @@
+"""Resource guard: before allocating, the run estimates the peak memory of its largest Case and
+refuses, with the estimate, a protocol that cannot fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed import resources
+from testbed.protocol import validate_protocol
+from testbed.run import main as run_main
+from tests._reliability import reliability  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def synthetic(name="guard", **source) -> dict:
+    src = {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["clean"], "head_dim": 16,
+           "queries": 4, "focus_tokens": 8}
+    src.update(source)
+    return {"name": name, "source": src,
+            "analyses": {"residual_window": {"bits": 4, "group_size": 16, "residuals": [0, 16], "early_window": 8,
+                                             "recent_mass_window": 8}},
+            "timing": {"repeats": 0, "seed": 0}}
+
+
+ABSURD = dict(seeds=[1], lengths=[1 << 20], queries=1 << 16, heads=256, kv_heads=256, head_dim=4096)
+
+
+def test_absurd_protocol_refused_with_its_estimate(tmp_path, capsys, reliability):
+    path = tmp_path / "absurd.json"
+    path.write_text(json.dumps(synthetic(**ABSURD)))
+    out = tmp_path / "runs" / "out"
+    rc = run_main(["--quiet", "--out", str(out), "--protocol", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    reliability("resource guard", "synthetic protocol: 256 heads x 65,536 queries x 1,048,576 keys x 4096 dims",
+                "exit 2 naming the estimate and the available memory; nothing written", err[-1] if err else "")
+    assert rc == 2 and len(err) == 1
+    assert "estimated" in err[0] and "TiB" in err[0] and "available" in err[0] and "guard" in err[0]
+    assert not out.exists() and not out.parent.exists()
+
+
+@pytest.mark.parametrize("available,flag,expect", [(1 << 20, [], 2), (1 << 40, [], 0), (1 << 20, ["--no-memory-guard"], 0)])
+def test_guard_compares_with_available_memory(tmp_path, monkeypatch, capsys, available, flag, expect, reliability):
+    monkeypatch.setattr(resources, "available_bytes", lambda: available)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(synthetic()))
+    out = tmp_path / "out"
+    rc = run_main(["--quiet", "--out", str(out), "--protocol", str(path), *flag])
+    err = capsys.readouterr().err.strip()
+    reliability("resource guard", f"small protocol with {resources.format_bytes(available)} available {' '.join(flag)}".strip(),
+                f"exit {expect}", f"exit {rc}: {err}")
+    assert rc == expect
+    assert out.exists() == (expect == 0)
+    if expect == 0 and not flag:
+        guard = json.loads((out / "manifest.json").read_text())["memory_guard"]
+        assert guard["available_bytes"] == available and guard["estimated_peak_bytes"]["guard"] > 0
+
+
+def test_source_without_estimate_is_not_guarded(tmp_path, monkeypatch, capsys, reliability):
+    monkeypatch.setattr(resources, "_FALLBACK", {})
+    monkeypatch.setattr(resources, "available_bytes", lambda: 1)  # would refuse anything estimated
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(synthetic()))
+    out = tmp_path / "out"
+    rc = run_main(["--out", str(out), "--protocol", str(path)])
+    err = capsys.readouterr().err
+    reliability("resource guard", "source without estimate_bytes()", "guard skipped with a note; estimate null in the manifest",
+                err.splitlines()[0])
+    assert rc == 0 and "memory guard skipped" in err
+    assert json.loads((out / "manifest.json").read_text())["memory_guard"]["estimated_peak_bytes"] == {"guard": None}
+
+
+def test_available_bytes_is_read():
+    avail = resources.available_bytes()
+    total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    except OSError:
+        pytest.skip("no /proc/meminfo")
+    assert avail is not None and 0 < avail <= total
+
+
+def test_estimate_grows_with_every_dimension():
+    base = dict(heads=2, kv_heads=1, queries=64, keys=1024, head_dim=32)
+    ref = resources.attention_chain_bytes(**base)
+    for key in base:
+        assert resources.attention_chain_bytes(**dict(base, **{key: base[key] * 2})) > ref, key
+
+
+MEASURE = r"""
+import json, resource, sys, tempfile
+from pathlib import Path
+from testbed.protocol import validate_protocol
+from testbed.resources import estimate_protocol
+from testbed.run import run_protocols
+def proto(name, **kw):
+    src = {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["recent_focus"], "head_dim": 32,
+           "queries": 4, "focus_tokens": 16}
+    src.update(kw)
+    return validate_protocol({"name": name, "source": src, "analyses": {"residual_window": {"bits": 4, "group_size": 32,
+        "residuals": [0, 64], "early_window": 16}}, "timing": {"repeats": 1, "seed": 0}}, "p")
+d = Path(tempfile.mkdtemp())
+(d / "warm").mkdir()
+run_protocols(d / "warm", [(Path("w.json"), proto("warm"), b"{}")], progress=lambda m: None)  # imports, lazy modules
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+p = proto("big", **json.loads(sys.argv[1]))
+(d / "big").mkdir()
+run_protocols(d / "big", [(Path("b.json"), p, b"{}")], progress=lambda m: None)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"estimate": estimate_protocol(p), "measured": peak - base}))
+"""
+
+
+@pytest.mark.parametrize("shape", [
+    dict(heads=8, kv_heads=2, queries=128, lengths=[4096], head_dim=128),   # GQA, expanded K/V dominate
+    dict(heads=2, kv_heads=1, queries=64, lengths=[16384], head_dim=64),    # long cache, few queries
+    dict(heads=2, kv_heads=2, queries=1024, lengths=[4096], head_dim=32),   # probabilities dominate
+], ids=["gqa", "long-keys", "many-queries"])
+def test_estimate_bounds_measured_peak(shape, reliability):
+    """Peak resident memory of a real run of one Case (ru_maxrss growth in a fresh process, first
+    kernel compilation included) stays under the estimate, and the estimate is not absurdly loose."""
+    r = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(shape)], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    est, measured = got["estimate"], got["measured"]
+    reliability("resource guard", f"estimate vs measured peak, {shape}", "measured <= estimate <= 4 x measured",
+                f"estimate {resources.format_bytes(est)}, measured {resources.format_bytes(measured)}")
+    assert measured <= est <= 4 * measured
+
+
+def test_estimate_uses_the_longest_length():
+    p = validate_protocol(synthetic(lengths=[64, 4096, 128]), "p")
+    assert resources.estimate_protocol(p) == resources.attention_chain_bytes(1, 1, 4, 4096, 16)
