@@ -57,7 +57,7 @@ def check_value(value: Any, spec, where: str) -> Any:
         for i, v in enumerate(out):
             key = json.dumps(v, sort_keys=True, default=repr)
             if key in seen:
-                raise ProtocolError(f"{where}[{i}]: {v!r} repeats {where}[{seen[key]}]")
+                raise ProtocolError(f"{where}[{i}]: {v!r} is listed twice (also at index {seen[key]})")
             seen[key] = i
         return out
     if isinstance(spec, tuple) and spec and spec[0] == "range":

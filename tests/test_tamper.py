@@ -593,7 +593,7 @@ def test_forged_bit_flip_in_every_array_of_a_case(run, reliability):
             ok, failures = check(run)
         hit = [f for f in failures if "results.json row" in f or rel in f]
         why = UNREAD.get(role(rel))
-        desc = f"{'sign bit' if np.load(path).dtype.kind == 'f' else 'bit 0'} of {role(rel)}.npy flipped, sha256 updated"
+        desc = f"{'sign bit' if np.load(path, allow_pickle=False).dtype.kind == 'f' else 'bit 0'} of {role(rel)}.npy flipped, sha256 updated"
         if why:
             reliability("gap", desc, f"not caught: {why}", hit[0] if hit else "audit PASSED")
         else:
@@ -608,7 +608,7 @@ def test_forged_lowest_bit_in_every_float_array(run, reliability):
     re-derived number by more than the tolerance (rtol 1e-6, atol 1e-9): recorded, not required."""
     seen = 0
     for rel in case_arrays(run):
-        if np.load(run / rel).dtype.kind != "f":
+        if np.load(run / rel, allow_pickle=False).dtype.kind != "f":
             continue
         with restored(run, rel) as path:
             flip_bit(path, "lsb")
