@@ -103,6 +103,7 @@ _TMP = re.compile(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+")
 
 def clean(text: str, limit: int = 140) -> str:
     text = _TMP.sub("<tmp>", str(text)).replace(str(REPO), "<repo>").replace("|", "\\|").replace("\n", " ")
+    text = re.sub(r"\.partial-\d+", ".partial-PID", text)  # PIDs change from run to run
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
