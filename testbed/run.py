@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import json
 import os
 import re
 import shutil
@@ -86,50 +87,97 @@ def _save_case(case, ctx: RunContext) -> dict:
 
 
 def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progress=None, *, threads: int | None = 1,
-                  memory: dict | None = None) -> dict:
+                  memory: dict | None = None, jobs: int = 1, quiet: bool = False) -> dict:
     """Run each (path, protocol, raw bytes) into ``root`` (which must exist and be empty).
 
     ``threads``: torch intra-op threads for the run (None keeps the current setting); ``memory``:
-    the memory guard's estimates, recorded in the manifest."""
-    with pinned_torch(threads):
-        return _run_protocols(root, protocols, progress, memory)
-
-
-def _run_protocols(root, protocols, progress, memory) -> dict:
+    the memory guard's estimates, recorded in the manifest; ``jobs``: protocols run in that many
+    worker processes at once (each study is a cell: its arrays, rows and timings depend on
+    nothing else, so the merged result is the serial one, byte for byte)."""
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
-    store = ArrayStore(root)
+    names = [proto["name"] for _, proto, _ in protocols]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ProtocolError(f"two protocols are named {dup[0]!r}")
     (root / "protocols").mkdir()
-    rows, cases, timings, gates, excluded, files = [], {}, [], {}, [], {}
     # Hashed before the run (the code and protocols it imports and copies now), compared after it.
     sources = source_hashes()
-    proto_entries = []
     t_run = time.perf_counter()
-    for path, proto, raw in protocols:
-        study = proto["name"]
-        if study in cases:
-            raise ProtocolError(f"two protocols are named {study!r}")
-        rel = f"protocols/{study}.json"
-        (root / rel).write_bytes(raw)
-        proto_entries.append({"name": study, "path": _display_path(path), "sha256": sha256_bytes(raw), "copy": rel})
-        ctx = RunContext(store, study=study, timing_repeats=proto["timing"]["repeats"],
-                         timing_seed=proto["timing"]["seed"], progress=progress)
-        cases[study] = {}
-        source = _source(proto)
-        t0 = time.perf_counter()
-        for i, case in enumerate(_built_cases(source, proto, ctx), 1):
-            if case.id in cases[study]:
-                raise ProtocolError(f"{study}: two cases are named {case.id!r}")
-            cases[study][case.id] = _save_case(case, ctx)
-            for name, params in proto["analyses"].items():
-                rows.extend(_analysis(name).evaluate(case, params, ctx))
-            progress(f"[{study}] case {i} {case.id}: {len(rows)} rows so far ({time.perf_counter() - t0:.1f} s)")
-        timings.extend(ctx.timings)
-        gates.update({f"{study}.{k}": v for k, v in ctx.gates.items()})
-        excluded.extend(ctx.excluded)
-        for rel_extra, data in ctx.extra_files.items():
-            (root / rel_extra).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel_extra).write_bytes(data)
-            files[rel_extra] = sha256_bytes(data)
+    if jobs > 1 and len(protocols) > 1:
+        studies = _run_parallel(root, protocols, threads, jobs, progress, quiet)
+    else:
+        with pinned_torch(threads):
+            studies = [_run_study(root, path, proto, raw, progress) for path, proto, raw in protocols]
+    return _finish(root, protocols, studies, sources, memory, t_run)
+
+
+def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
+    """One protocol (a cell): cases, rows, timings, gates and extra files, all inside ``root``."""
+    study = proto["name"]
+    store = ArrayStore(root)
+    rel = f"protocols/{study}.json"
+    (root / rel).write_bytes(raw)
+    entry = {"name": study, "path": _display_path(path), "sha256": sha256_bytes(raw), "copy": rel}
+    ctx = RunContext(store, study=study, timing_repeats=proto["timing"]["repeats"],
+                     timing_seed=proto["timing"]["seed"], progress=progress)
+    cases, rows, files = {}, [], {}
+    source = _source(proto)
+    t0 = time.perf_counter()
+    for i, case in enumerate(_built_cases(source, proto, ctx), 1):
+        if case.id in cases:
+            raise ProtocolError(f"{study}: two cases are named {case.id!r}")
+        cases[case.id] = _save_case(case, ctx)
+        for name, params in proto["analyses"].items():
+            rows.extend(_analysis(name).evaluate(case, params, ctx))
+        progress(f"[{study}] case {i} {case.id}: {len(rows)} rows so far ({time.perf_counter() - t0:.1f} s)")
+    for rel_extra, data in ctx.extra_files.items():
+        (root / rel_extra).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel_extra).write_bytes(data)
+        files[rel_extra] = sha256_bytes(data)
+    return {"entry": entry, "cases": cases, "rows": rows, "timings": ctx.timings,
+            "gates": {f"{study}.{k}": v for k, v in ctx.gates.items()}, "excluded": ctx.excluded,
+            "files": files, "arrays": store.entries}
+
+
+def _study_worker(root: str, path: str, proto: dict, raw: bytes, threads, quiet: bool) -> str:
+    """Worker-process entry: run one study, hand the result back as JSON text (no pickled objects
+    cross back: floats round-trip exactly through JSON, so the merged rows equal a serial run's)."""
+    progress = (lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    with pinned_torch(threads):
+        result = _run_study(Path(root), Path(path), proto, raw, progress)
+    return json.dumps(result, allow_nan=True)
+
+
+def _run_parallel(root, protocols, threads, jobs, progress, quiet=False) -> list[dict]:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no forked torch thread pools
+    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(protocols)), mp_context=ctx) as pool:
+        futures = [pool.submit(_study_worker, str(root), str(path), proto, raw, threads, quiet)
+                   for path, proto, raw in protocols]
+        try:
+            results = [json.loads(f.result()) for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    for r in results:
+        progress(f"[{r['entry']['name']}] done in a worker: {len(r['rows'])} rows")
+    return results
+
+
+def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
+    rows, cases, timings, gates, excluded, files, arrays = [], {}, [], {}, [], {}, {}
+    for st in studies:
+        cases[st["entry"]["name"]] = st["cases"]
+        rows.extend(st["rows"])
+        timings.extend(st["timings"])
+        gates.update(st["gates"])
+        excluded.extend(st["excluded"])
+        files.update(st["files"])
+        arrays.update(st["arrays"])
+    proto_entries = [st["entry"] for st in studies]
     failed = [k for k, g in gates.items() if g.get("expected") != g.get("actual")]
     if failed:
         raise RuntimeError(f"capture gate(s) failed: {', '.join(failed)}")
@@ -158,7 +206,7 @@ def _run_protocols(root, protocols, progress, memory) -> dict:
         files[rel] = sha256_file(root / rel)
     for e in proto_entries:
         files[e["copy"]] = e["sha256"]
-    manifest["arrays"] = dict(sorted(store.entries.items()))
+    manifest["arrays"] = dict(sorted(arrays.items()))
     manifest["files"] = dict(sorted(files.items()))
     manifest["wall_seconds"] = round(time.perf_counter() - t_run, 3)
     write_json(root / "manifest.json", manifest)
@@ -214,6 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     ap.add_argument("--threads", type=int, default=1, metavar="N",
                     help="torch intra-op threads for the run (default 1: the same bytes on any number of cores)")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="run up to N protocols at once in worker processes (results identical to a serial run)")
     ap.add_argument("--no-memory-guard", action="store_true",
                     help="run even when the largest case's estimated memory exceeds the available memory")
     return ap
@@ -280,6 +330,9 @@ def main(argv=None) -> int:
     if _PARTIAL.fullmatch(out.name):
         print(f"error: --out {out} is named like a partial run folder; choose another name", file=sys.stderr)
         return 2
+    if not 1 <= args.jobs <= 64:
+        print(f"error: --jobs {args.jobs} must be between 1 and 64", file=sys.stderr)
+        return 2
     if args.threads is not None and not 1 <= args.threads <= 1024:
         print(f"error: --threads {args.threads} must be between 1 and 1024", file=sys.stderr)
         return 2
@@ -308,7 +361,8 @@ def main(argv=None) -> int:
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     renamed = False
     try:
-        manifest = run_protocols(tmp, protocols, progress, threads=args.threads, memory=memory)
+        manifest = run_protocols(tmp, protocols, progress, threads=args.threads, memory=memory, jobs=args.jobs,
+                                 quiet=args.quiet)
         if out.exists() or out.is_symlink():
             raise FileExistsError(f"--out {out} appeared while the run was going; results left unwritten")
         os.rename(tmp, out)

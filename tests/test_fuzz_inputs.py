@@ -91,14 +91,11 @@ def test_quantizers_refuse_malformed_tensors(scheme, kind, shape, pos, reliabili
     assert "probe" in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="known bug: quantize() asks kernels.use_fast(x) for x.device before check_input, so a "
-                          "non-tensor gives AttributeError; remove this mark when fixed")
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("kind", NOT_TENSORS)
 def test_quantizers_refuse_non_tensors(scheme, kind, reliability):
-    reliability("bug", "every registered quantizer given a numpy array, a list or None",
-                "known bug (testbed/quant/kernels.py): AttributeError from use_fast(x) instead of a ValueError")
+    reliability("bad input: tensors", "every registered quantizer given a numpy array, a list or None",
+                "ValueError naming the tensor")
     with pytest.raises(ValueError) as e:
         quant.get(scheme).quantize(bad_tensor(kind, (2, 8, 8), 0), name="probe")
     assert "probe" in str(e.value)

@@ -16,6 +16,7 @@ import math
 import os
 
 import numpy as np
+import torch
 
 try:  # numba is a declared dependency; keep the testbed usable if a platform lacks a wheel
     import numba
@@ -35,8 +36,8 @@ def available() -> bool:
 
 def use_fast(x) -> bool:
     """Whether the fused kernels serve this tensor (CPU, float32-convertible, large enough)."""
-    if numba is None or os.environ.get("TESTBED_FAST", "1") == "0":
-        return False
+    if numba is None or os.environ.get("TESTBED_FAST", "1") == "0" or not isinstance(x, torch.Tensor):
+        return False  # anything that is not a tensor goes to the reference path, which refuses it clearly
     return x.device.type == "cpu" and x.numel() >= MIN_FAST_ELEMENTS
 
 

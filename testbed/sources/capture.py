@@ -572,6 +572,12 @@ def _hardware() -> dict:
     return hw
 
 
+def _timing(ctx, study: str, op: str, seconds: float, **extra) -> None:
+    if ctx is not None:
+        ctx.timings.append({"study": study, "case": extra.pop("prompt", None), "arm": "capture", "op": op,
+                            "repeat": 0, "seconds": seconds, **extra})
+
+
 def _write_manifest(ctx, manifest: dict) -> None:
     if ctx is not None:
         ctx.extra_files[f"{ctx.study}/capture_manifest.json"] = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
@@ -609,13 +615,11 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         line = f"[{study}] capture skipped: {e}; install with: {INSTALL_HINT}"
         print(line, file=sys.stderr, flush=True)
         exclude(f"{study}/{params['model']}", e.stage, f"{e}; install with: {INSTALL_HINT}")
-        manifest["total_wall_time_s"] = time.perf_counter() - t_total
         _write_manifest(ctx, manifest)
         return
     except Exception as e:  # noqa: BLE001 - anything before the first forward is an exclusion, not a result
         print(f"[{study}] capture skipped: the model could not load ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         exclude(f"{study}/{params['model']}", "load_model", f"{type(e).__name__}: {e}")
-        manifest["total_wall_time_s"] = time.perf_counter() - t_total
         _write_manifest(ctx, manifest)
         return
     cfg = model.config
@@ -624,7 +628,11 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     got = {"layers": n_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads}
     if any(dims[k] != v for k, v in got.items()):
         raise ValueError(f"{study}: the loaded model has {got}, not the {params['model']} dimensions {dims}")
-    manifest["load"] = info
+    # How and how fast the model loaded varies between runs (cold cache or not): it goes to
+    # timings.json with the other wall times, so the capture manifest is the same bytes every run.
+    _timing(ctx, study, "load_model", info["load_seconds"], loaded_from=info["loaded_from"])
+    manifest["load"] = {k: v for k, v in info.items() if k not in ("load_seconds", "loaded_from")}
+    manifest["wall_times"] = "in timings.json (ops load_model and capture_prompt of this study)"
     manifest["config"].update({
         "transformer_layers": n_layers, "query_heads": cfg.num_attention_heads, "kv_heads_in_model": cfg.num_key_value_heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -666,8 +674,8 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             "sink_token_text": sink_text, "records": len(obs.records),
             "expected_top_level_forwards": n_chunks, "actual_top_level_forwards": counts["forwards"],
             "expected_observer_calls": n_chunks * n_layers, "actual_observer_calls": counts["calls"],
-            "wall_time_s": round(time.perf_counter() - t_prompt, 3),
         })
+        _timing(ctx, study, "capture_prompt", time.perf_counter() - t_prompt, prompt=pid)
         progress(f"[{study}] {pid}: {forwards} forwards of {params['chunk']} tokens, {len(obs.records)} records "
                  f"({time.perf_counter() - t_prompt:.1f} s)")
         records = sorted(obs.records, key=lambda r: (r.forward, r.layer))
@@ -681,8 +689,6 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
                     "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0, "layout_kind": "llm_stream",
                     "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size}
             yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta)
-    # Capture time (load + forwards) apart from the total, which also holds the analyses that ran
-    # on each case between yields.
-    manifest["capture_wall_time_s"] = round(info["load_seconds"] + sum(r["wall_time_s"] for r in manifest["runs"]), 3)
-    manifest["total_wall_time_s"] = round(time.perf_counter() - t_total, 3)
+    # The total also holds the analyses that ran on each case between yields.
+    _timing(ctx, study, "capture_total", time.perf_counter() - t_total)
     _write_manifest(ctx, manifest)
