@@ -15,11 +15,13 @@ def check(row: dict, ctx) -> None:
                             lambda: softmax_attention(q, k, v, case["query_positions"], case["causal"]))
     baseline = 2 * k.size * 4
     ctx.equal(row, "baseline_bytes", row["baseline_bytes"], baseline)
+    _check_labels(row, ctx, n)
     if row["quant"] is None:
         # the float32 arm is float32 arithmetic on the original K/V: the audit computes it in float32
         # too, so its (tiny) error is compared with an absolute tolerance of float32 rounding
         _, out = softmax_attention(q, k, v, case["query_positions"], case["causal"], dtype=np.float32)
-        if abs(row["rel_l2"] - rel_l2(out, ref)) > 1e-6 or abs(row["max_abs"] - max_abs(out, ref)) > 1e-5:
+        if (abs(row["rel_l2"] - rel_l2(out, ref)) > 1e-6 or abs(row["max_abs"] - max_abs(out, ref)) > 1e-5
+                or abs(row["cosine"] - cosine(out, ref)) > 1e-6):
             ctx.fail(row, f"float32 arm: rel_l2 {row['rel_l2']:.3g} / max_abs {row['max_abs']:.3g} not reproduced "
                           f"within float32 rounding ({rel_l2(out, ref):.3g} / {max_abs(out, ref):.3g})")
         ctx.equal(row, "payload_bytes", row["payload_bytes"], baseline)
@@ -46,3 +48,24 @@ def check(row: dict, ctx) -> None:
     focus = case["meta"].get("focus_span")
     if focus:
         ctx.close(row, "focus_mass", row["focus_mass"], float(probs[..., focus[0]:focus[1]].sum(-1).mean()))
+
+
+def _check_labels(row: dict, ctx, n: int) -> None:
+    """The arm, scheme and window labels follow from the recorded quantizer configuration."""
+    cfg = row["quant"]
+    if cfg is None:
+        arm, scheme, sink = "float32", "float32", None
+    else:
+        key = cfg["key"]
+        scheme = f"int{key['bits']}_grouped_g{key['group_size']}+residual"
+        sink = cfg["sink"]
+        arm = f"first{sink}" if sink and not cfg["recent"] else f"R={cfg['recent']}"
+        if sink and cfg["recent"]:
+            arm = f"first{sink}+R={cfg['recent']}"
+        if cfg["value"].get("bits") != key.get("bits") or cfg["value"].get("group_size") != key.get("group_size"):
+            scheme = f"{scheme}(value {cfg['value'].get('bits')}-bit g{cfg['value'].get('group_size')})"
+    ctx.equal(row, "arm", row["arm"], arm)
+    ctx.equal(row, "scheme", row["scheme"], scheme)
+    ctx.equal(row, "sink_window", row["sink_window"], sink)
+    if not 1 <= row["recent_mass_window"] <= n:
+        ctx.fail(row, f"recent_mass_window {row['recent_mass_window']!r} is outside [1, {n}]")
