@@ -71,7 +71,7 @@ def make_case(distribution: str, seed: int, n: int, head_dim: int = 32, queries:
 def validate(params: dict, where: str) -> dict:
     return check_object(params, where, required={
         "kind": ("choice", ("synthetic",)),
-        "seeds": ("list", int, 1),
+        "seeds": ("list", ("range", int, 0, (1 << 31) - 1), 1),
         "lengths": ("list", ("range", int, 2, 1 << 20), 1),
         "distributions": ("list", ("choice", DISTRIBUTIONS), 1),
     }, optional={
