@@ -1,0 +1,1064 @@
+"""Fused streaming analysis of one record: every observational metric, the MX Q/K and P paths and
+the region ablations from one pass over tiles of queries, with one score matrix per tile.
+
+`observe` (metrics), `ablate` (ablation) and the ``mx_paths`` analysis each recompute ``Q Kᵀ``
+and the softmax, and the P path materializes ``P [H, Tq, Tk]``. At the seed study's scale (32
+heads, 2,340 queries x 6,240 keys, D = 128: 467 M scores per path) that costs minutes and gigabytes.
+`analyze` computes, per tile of one KV head's query-head group (GQA) x a slice of queries:
+
+1. the scores ``S = (Q / sqrt(D)) Kᵀ`` once (one matmul);
+2. in one numba kernel per row: the max per key *atom* (atoms are the key spans cut at every
+   region, ablation-span and key-block boundary), ``e = exp(S - max)`` written in place with the
+   sums ``Z_a`` per atom and ``sum e (S - max)`` (the entropy without a logarithm per key), the
+   argmax, and the top 1/5/10 % mass by an exact radix select on the bits of ``e`` (a histogram of
+   1/8-octave buckets, then the few keys of the boundary bucket sorted) -- no sort of the row;
+3. the P path: ``float32(e / Z)`` quantized MX (E8M0 FLOOR scale per 32-key block, elements
+   rounded to nearest even and saturated) and decoded in the same kernel, bit-identical to
+   `testbed.quant.mx.MX` (checked by the tests), with its numerical-zero count, row sum and TV;
+4. per Q/K rotation: the scores of the MX-decoded ``Q̂, K̂`` (quantized once per record with the
+   fast kernel), their softmax, TV against ``P`` and argmax;
+5. the P·V products: ``e`` per ablation atom (``sum_a e_a V_a = Z O``, so the ablations cost no
+   extra matmul: dropping a region is merging the other atoms, as in `testbed.ablation`), and the
+   Q/K and P paths' ``P̂ V``; a small kernel turns them into per-row output errors.
+
+Only per-row results (a few floats per head x query) and per-head sums are kept, never
+``[H, Tq, Tk]``. A tile holds about ``max_scores`` scores per path.
+
+Precision. ``dtype=torch.float64`` follows the testbed's reference (float64 scores, softmax and
+P·V) and agrees with `observe`, `ablate` and ``mx_paths`` to rounding (~1e-12, tests). The fast
+path is ``float32``: scores, softmax and P·V in float32 (the precision of the Case's Q, K, V and
+of the attention kernels being simulated), with float64 accumulation of every row sum, mass and
+error. It halves the memory traffic and the matmul time; on the video record its reported
+medians and means differ from float64 by well under 1e-4 absolute (`benchmarks/bench_streaming.py`
+measures it on a sample). Deviations by design, each small and stated:
+
+- ``exp`` is a range-reduced polynomial (Cody-Waite, ``2^t`` from its bits; ~1 ulp in float32,
+  ~1e-16 in float64) so that it vectorizes; ``exp(x)`` below ``-87`` (float32) / ``-708``
+  (float64) is clamped to a tiny positive value instead of flushing to 0, so "reference-positive
+  keys" are all visible keys, as in float64;
+- the strict-zero rate of `observe` is that of torch's float32 softmax; a row can only have such
+  zeros when its logits span more than ~87 nats, so rows spanning more than 80 are recomputed
+  exactly by `metrics.strict_zero_rate` (counted in ``fallback_rows["zero_rate"]``);
+- an ablation whose kept keys all lie more than 60 (float32) / 600 (float64) nats below the row
+  max would renormalize underflowed values; such rows are recomputed by `testbed.ablation.ablate`
+  itself (``fallback_rows["ablation"]``);
+- argmax is the first key of largest ``e`` (the first largest score), i.e. ties are those of the
+  scores, as for a float64 softmax.
+
+References: the Catnip week-10 KV-cache attention study (seed 000) for the metrics and the
+ablations; OCP Microscaling Formats v1.0 for MX (see `testbed.quant.mx`); the online-softmax
+merge of partial sums (Milakov and Gimelshein 2018; FlashAttention, Dao et al. 2022).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .ablation import ArmResult, ablate, history_span, make_ablation
+from .metrics import Observation, TOP_PERCENTS, frame_size, jaccard, strict_zero_rate, top_blocks, top_counts
+from .quant import kernels
+from .quant.mx import ELEMENTS, MX
+
+__all__ = ["analyze", "StreamResult", "QKPath", "PPath", "DEFAULT_ABLATIONS", "DEFAULT_MAX_SCORES"]
+
+DEFAULT_ABLATIONS = ("drop_sink", "drop_recent", "drop_history")
+DEFAULT_MAX_SCORES = 1 << 20
+ZERO_GATE = 80.0                     # nats: below this span a float32 softmax row has no exact zeros
+FRAGILE = {torch.float32: 60.0, torch.float64: 600.0}
+_SENTINEL = -3.0e38
+_NB = 1024                           # top-k histogram buckets, spanning each row's own range of e
+_GCAP = 512                          # keys per boundary bucket held in the preallocated gather scratch
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - numba is a declared dependency
+    numba = None
+
+
+# ------------------------------------------------------------------------------------------------
+# numba kernels. Helpers that reduce are compiled with fastmath (so the reductions vectorize);
+# the MX rounding helper is strict, because it relies on ``(y + C) - C`` rounding exactly once.
+# ------------------------------------------------------------------------------------------------
+
+if numba is not None:
+    # Every helper loops over a whole (sliced) array from index 0: numba's negative-index
+    # wraparound otherwise keeps LLVM from vectorizing a loop that starts at a run-time offset.
+
+    @njit(fastmath=True, cache=True)
+    def _max_all(x):
+        """max of x (len >= 1); eight independent lanes so that the reduction vectorizes."""
+        n = x.shape[0]
+        m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = x[0]
+        n8 = n // 8 * 8
+        for j in range(0, n8, 8):
+            m0 = max(m0, x[j]); m1 = max(m1, x[j + 1]); m2 = max(m2, x[j + 2]); m3 = max(m3, x[j + 3])
+            m4 = max(m4, x[j + 4]); m5 = max(m5, x[j + 5]); m6 = max(m6, x[j + 6]); m7 = max(m7, x[j + 7])
+        m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+        for j in range(n8, n):
+            m = max(m, x[j])
+        return m
+
+    @njit(cache=True)
+    def _first_eq(x, val):
+        """First index j with x[j] == val (len(x) when none); 64-key chunks tested vectorized."""
+        n = x.shape[0]
+        n64 = n // 64 * 64
+        for c0 in range(0, n64, 64):
+            hit = False
+            for u in range(64):
+                hit |= x[c0 + u] == val
+            if hit:
+                for u in range(64):
+                    if x[c0 + u] == val:
+                        return c0 + u
+        for j in range(n64, n):
+            if x[j] == val:
+                return j
+        return n
+
+    @njit(fastmath=True, cache=True)
+    def _exp32(x, m, gate):
+        """x <- exp(x - m) in float32 (Cody-Waite reduction, degree-7 Taylor, 2^t built from its
+        bits); returns (sum e, sum e (x - m), keys below m - gate) with float64 sums."""
+        l2e = np.float32(1.4426950408889634)
+        h = np.float32(0.693145751953125)
+        lo = np.float32(1.4286067653301870e-06)
+        xmin = np.float32(-87.0)                    # 2^t stays a normal float32 (t >= -126)
+        half = np.float32(0.5)
+        c2 = np.float32(0.5)
+        c3 = np.float32(1.0 / 6)
+        c4 = np.float32(1.0 / 24)
+        c5 = np.float32(1.0 / 120)
+        c6 = np.float32(1.0 / 720)
+        c7 = np.float32(1.0 / 5040)
+        one = np.float32(1.0)
+        mm = np.float32(m)
+        g = np.float32(-gate)
+        z = 0.0
+        hh = 0.0
+        far = 0
+        for j in range(x.shape[0]):
+            d = np.float32(x[j]) - mm
+            far += d < g
+            d = d if d > xmin else xmin
+            t = np.floor(d * l2e + half)
+            r = d - t * h - t * lo
+            p = c7
+            p = p * r + c6
+            p = p * r + c5
+            p = p * r + c4
+            p = p * r + c3
+            p = p * r + c2
+            p = p * r + one
+            p = p * r + one
+            e = p * np.int32((np.int32(t) + 127) << 23).view(np.float32)
+            x[j] = e
+            z += np.float64(e)
+            hh += np.float64(e) * np.float64(d)
+        return z, hh, far
+
+    @njit(fastmath=True, cache=True)
+    def _exp64(x, m, gate):
+        """float64 version of `_exp32` (degree-13 Taylor: ~1e-16 relative)."""
+        l2e = 1.4426950408889634
+        h = 0.6931471803691238
+        lo = 1.9082149292705877e-10
+        xmin = -708.0                               # 2^t stays a normal float64 (t >= -1022)
+        g = -gate
+        z = 0.0
+        hh = 0.0
+        far = 0
+        for j in range(x.shape[0]):
+            d = np.float64(x[j]) - m
+            far += d < g
+            d = d if d > xmin else xmin
+            t = np.floor(d * l2e + 0.5)
+            r = d - t * h - t * lo
+            p = 1.0 / 6227020800.0
+            p = p * r + 1.0 / 479001600.0
+            p = p * r + 1.0 / 39916800.0
+            p = p * r + 1.0 / 3628800.0
+            p = p * r + 1.0 / 362880.0
+            p = p * r + 1.0 / 40320.0
+            p = p * r + 1.0 / 5040.0
+            p = p * r + 1.0 / 720.0
+            p = p * r + 1.0 / 120.0
+            p = p * r + 1.0 / 24.0
+            p = p * r + 1.0 / 6.0
+            p = p * r + 0.5
+            p = p * r + 1.0
+            p = p * r + 1.0
+            e = p * np.int64((np.int64(t) + 1023) << 52).view(np.float64)
+            x[j] = e
+            z += e
+            hh += e * d
+        return z, hh, far
+
+    @njit(cache=True)
+    def _exp(x, m, gate, wide):
+        if wide:
+            return _exp64(x, m, gate)
+        return _exp32(x, m, gate)
+
+    @njit(cache=True)
+    def _fill_zero(x):
+        for j in range(x.shape[0]):
+            x[j] = 0
+
+    @njit(cache=True)
+    def _softmax_row(x, n, cuts, wide, gate, amax, asum):
+        """Scores x[:n] -> e = exp(x - max) in place (0 beyond n). Per atom f (``cuts[f]:cuts[f+1]``
+        clipped to n): ``amax[f]`` its max score (sentinel when empty), ``asum[f]`` its sum of e.
+        Returns (max, sum e (x - max), keys below max - gate)."""
+        nf = cuts.shape[0] - 1
+        m = _SENTINEL
+        for f in range(nf):
+            a = cuts[f]
+            b = min(cuts[f + 1], n)
+            if b > a:
+                v = np.float64(_max_all(x[a:b]))
+                amax[f] = v
+                if v > m:
+                    m = v
+            else:
+                amax[f] = _SENTINEL
+        hh = 0.0
+        far = 0
+        for f in range(nf):
+            a = cuts[f]
+            b = min(cuts[f + 1], n)
+            if b > a:
+                z, h1, f1 = _exp(x[a:b], m, gate, wide)
+                asum[f] = z
+                hh += h1
+                far += f1
+            else:
+                asum[f] = 0.0
+        _fill_zero(x[n:])
+        return m, hh, far
+
+    # -- top-k mass: exact radix select on the bits of e (monotone for non-negative floats) ----------
+
+    @njit(cache=True)
+    def _min_bits(xi):
+        m0 = m1 = m2 = m3 = xi[0]
+        n4 = xi.shape[0] // 4 * 4
+        for j in range(0, n4, 4):
+            m0 = min(m0, xi[j]); m1 = min(m1, xi[j + 1]); m2 = min(m2, xi[j + 2]); m3 = min(m3, xi[j + 3])
+        m = min(min(m0, m1), min(m2, m3))
+        for j in range(n4, xi.shape[0]):
+            m = min(m, xi[j])
+        return m
+
+    @njit(cache=True)
+    def _bucket_pass(xi, bone, shift, B):
+        """B[j] = bucket of x[j]: its bit distance below the float with bits ``bone``, >> shift."""
+        for j in range(xi.shape[0]):
+            B[j] = (bone - xi[j]) >> shift
+
+    @njit(fastmath=True, cache=True)
+    def _sum_above3(x, h0, h1, h2):
+        """Sums of x over the keys above h0, h1, h2 (each the upper edge of a boundary bucket)."""
+        s0 = 0.0
+        s1 = 0.0
+        s2 = 0.0
+        for j in range(x.shape[0]):
+            v = x[j]
+            w = np.float64(v)
+            s0 += w if v > h0 else 0.0
+            s1 += w if v > h1 else 0.0
+            s2 += w if v > h2 else 0.0
+        return s0, s1, s2
+
+    @njit(fastmath=True, cache=True)
+    def _chunk_hits(x, l0, h0, l1, h1, l2, h2, flags):
+        """flags[c] = number of keys of 64-key chunk c in any of the buckets (l_u, h_u]."""
+        for c in range(flags.shape[0]):
+            k = 0
+            for u in range(64):
+                v = x[c * 64 + u]
+                k += (v > l0) * (v <= h0) + (v > l1) * (v <= h1) + (v > l2) * (v <= h2)
+            flags[c] = k
+
+    @njit(cache=True)
+    def _compress(xb, l0, h0, l1, h1, l2, h2, out, c):
+        """Append the keys of xb in any bucket to out[c:] without branches; returns the new count."""
+        for u in range(xb.shape[0]):
+            v = xb[u]
+            out[c] = v
+            c += ((v > l0) & (v <= h0)) | ((v > l1) & (v <= h1)) | ((v > l2) & (v <= h2))
+        return c
+
+    @njit(cache=True)
+    def _gather(x, lo, hi, flags, out):
+        """The keys of x in any of the three buckets (lo[u], hi[u]] into out; returns their count.
+        Chunks without any are found by a vectorized count and skipped."""
+        n = x.shape[0]
+        nc = n // 64
+        l0 = lo[0]; l1 = lo[1]; l2 = lo[2]
+        h0 = hi[0]; h1 = hi[1]; h2 = hi[2]
+        _chunk_hits(x, l0, h0, l1, h1, l2, h2, flags[:nc])
+        c = 0
+        for ci in range(nc):
+            if flags[ci]:
+                c = _compress(x[ci * 64:(ci + 1) * 64], l0, h0, l1, h1, l2, h2, out, c)
+        return _compress(x[nc * 64:], l0, h0, l1, h1, l2, h2, out, c)
+
+    @njit(cache=True)
+    def _top_in(u_vals, lo, hi, need, tmp):
+        """Sum of the ``need`` largest gathered keys in (lo, hi] (insertion sort of the few)."""
+        m = 0
+        for i in range(u_vals.shape[0]):
+            v = u_vals[i]
+            if v > lo and v <= hi:
+                j = m
+                while j > 0 and tmp[j - 1] < v:
+                    tmp[j] = tmp[j - 1]
+                    j -= 1
+                tmp[j] = v
+                m += 1
+        t = 0.0
+        for i in range(need):
+            t += np.float64(tmp[i])
+        return t
+
+    @njit(cache=True)
+    def _set_bits(dst, i, bits, tmp):
+        """dst[i] = the float (dst's dtype) with bit pattern ``bits`` (tmp: 1-element int view)."""
+        tmp[0] = bits
+        dst[i] = tmp.view(dst.dtype)[0]
+
+    @njit(cache=True)
+    def _top_sums(x, xi, ks, bone, out, B, cnt, vals, flags):
+        """out[i] = sum of the ks[i] largest of x (x >= 0, at most the float with bits ``bone``),
+        exact, without sorting the row: a histogram of the bit distances below ``bone`` in _NB
+        buckets spanning the row's own range gives each k's boundary bucket; the keys above it are
+        summed, and the boundary buckets' few keys (gathered in one pass) are sorted. ``ks`` must be
+        non-decreasing. Scratch: B [n] uint16, cnt [4 * _NB] int32, vals [_GCAP + 64], flags [n/64]."""
+        n = x.shape[0]
+        span = bone - _min_bits(xi)
+        shift = 0
+        while (span >> shift) >= _NB:
+            shift += 1
+        _bucket_pass(xi, bone, shift, B)
+        for b in range(4 * _NB):
+            cnt[b] = 0
+        n4 = n // 4 * 4
+        for j in range(0, n4, 4):
+            cnt[B[j]] += 1
+            cnt[_NB + B[j + 1]] += 1
+            cnt[2 * _NB + B[j + 2]] += 1
+            cnt[3 * _NB + B[j + 3]] += 1
+        for j in range(n4, n):
+            cnt[B[j]] += 1
+        for b in range(_NB):
+            cnt[b] += cnt[_NB + b] + cnt[2 * _NB + b] + cnt[3 * _NB + b]
+        npc = ks.shape[0]
+        lo = np.empty(3, x.dtype)
+        hi = np.empty(3, x.dtype)
+        tmp = np.empty(1, xi.dtype)
+        nd = np.zeros(3, np.int64)
+        bb = np.zeros(3, np.int64)
+        for i0 in range(0, npc, 3):
+            cum = 0
+            b = 0
+            tot = 0
+            for u in range(3):
+                if i0 + u < npc:
+                    k = ks[i0 + u]
+                    while cum + cnt[b] < k:
+                        cum += cnt[b]
+                        b += 1
+                    nd[u] = k - cum
+                    bb[u] = b
+                    # bucket b holds the keys with bits in (bone - ((b+1) << shift), bone - (b << shift)]
+                    _set_bits(hi, u, bone - (b << shift), tmp)
+                    if bone - ((b + 1) << shift) >= 0:
+                        _set_bits(lo, u, bone - ((b + 1) << shift), tmp)
+                    else:
+                        lo[u] = -1.0
+                    if u == 0 or bb[u] != bb[u - 1]:
+                        tot += cnt[b]
+                else:
+                    hi[u] = -2.0
+                    lo[u] = -1.0
+            s0, s1, s2 = _sum_above3(x, hi[0], hi[1], hi[2])
+            for u in range(1, 3):                     # a bucket shared with the previous k: gather once
+                if bb[u] == bb[u - 1] and i0 + u < npc:
+                    lo[u] = -1.0
+                    hi[u] = -2.0
+            if tot <= vals.shape[0] - 64:
+                g = vals
+            else:
+                g = np.empty(tot + 64, x.dtype)
+            m = _gather(x, lo, hi, flags, g)
+            srt = np.empty(m, x.dtype)
+            for u in range(3):
+                if i0 + u < npc:
+                    v = u
+                    while v > 0 and bb[v] == bb[v - 1]:
+                        v -= 1
+                    t = _top_in(g[:m], lo[v], hi[v], nd[u], srt)
+                    out[i0 + u] = (s0 if u == 0 else (s1 if u == 1 else s2)) + t
+
+    @njit(parallel=True, cache=True)
+    def _ref_tile(S, Si, nvis, cuts, wide, gate, ks, bone, amax, asum, mx, inv, ent, arg, far, top,
+                  Bs, cnts, vals, flags):
+        """Reference softmax rows of a tile: S -> e in place and every per-row statistic
+        (Bs, cnts, vals, flags: per-row scratch for `_top_sums`)."""
+        R = S.shape[0]
+        for r in prange(R):
+            x = S[r]
+            n = nvis[r]
+            m, hh, fr = _softmax_row(x, n, cuts, wide, gate, amax[r], asum[r])
+            z = 0.0
+            for f in range(asum.shape[1]):
+                z += asum[r, f]
+            mx[r] = m
+            inv[r] = 1.0 / z
+            ent[r] = math.log(z) - hh / z
+            far[r] = fr
+            arg[r] = _first_eq(x[:n], 1.0)
+            _top_sums(x[:n], Si[r, :n], ks[r], bone, top[r], Bs[r, :n], cnts[r], vals[r], flags[r])
+            for i in range(top.shape[1]):
+                top[r, i] = top[r, i] / z
+
+    @njit(fastmath=True, cache=True)
+    def _tv_row(xh, invh, x, inv):
+        tv = 0.0
+        for j in range(x.shape[0]):
+            tv += abs(np.float64(xh[j]) * invh - np.float64(x[j]) * inv)
+        return 0.5 * tv
+
+    @njit(parallel=True, cache=True)
+    def _arm_tile(SH, nvis, wide, E, inv, invh, tv, arg):
+        """Q/K-path rows: SH -> e-hat in place, TV against the reference row, argmax."""
+        for r in prange(SH.shape[0]):
+            x = SH[r]
+            n = nvis[r]
+            m = np.float64(_max_all(x[:n]))
+            z, h1, f1 = _exp(x[:n], m, 1e30, wide)
+            _fill_zero(x[n:])
+            invh[r] = 1.0 / z
+            tv[r] = _tv_row(x[:n], 1.0 / z, E[r, :n], inv[r])
+            arg[r] = _first_eq(x[:n], 1.0)
+
+    # -- P path: MX fake quantization of float32(e / Z), bit-identical to testbed.quant.mx --------
+
+    @njit(fastmath=True, cache=True)
+    def _block_max(e, block, bm):
+        for k in range(bm.shape[0]):
+            bm[k] = _max_all(e[k * block:min((k + 1) * block, e.shape[0])])
+
+    @njit(cache=True)
+    def _mx_block(eb, invc, ob, sc, down, up, emin, mbits, maxv):
+        """ob = decode(encode(float32(eb * invc))) with block scale 2^sc: y = v 2^-sc is exact,
+        ``(y + c) - c`` with ``c = quantum * 2^23`` rounds it to nearest even on the element's
+        quantum (``2^(max(floor(log2 y), emin) - mbits)``), then saturation."""
+        for u in range(eb.shape[0]):
+            v = np.float32(eb[u] * invc)
+            ey = ((np.float32(v).view(np.int32) >> 23) & 255) - 127 - sc
+            ee = ey if ey > emin else emin
+            c = np.int32((ee - mbits + 150) << 23).view(np.float32)
+            y = v * down
+            q = (y + c) - c
+            q = q if q < maxv else maxv
+            ob[u] = q * up
+
+    @njit(cache=True)
+    def _mx_block_slow(eb, invc, ob, sc, emin, mbits, maxv):
+        """The same in float64 arithmetic, for blocks so small that float32 bits are subnormal."""
+        for u in range(eb.shape[0]):
+            y = np.float64(np.float32(eb[u] * invc)) * math.ldexp(1.0, -sc)
+            q = 0.0
+            if y > 0:
+                _, ey = math.frexp(y)
+                ee = max(ey - 1, emin)
+                qu = math.ldexp(1.0, ee - mbits)
+                q = min(np.rint(y / qu) * qu, np.float64(maxv))
+            ob[u] = np.float32(q * math.ldexp(1.0, sc))
+
+    @njit(fastmath=True, cache=True)
+    def _p_stats(e, inv, ph):
+        tv = 0.0
+        rs = 0.0
+        zeros = 0
+        pos = 0
+        for j in range(e.shape[0]):
+            p = np.float64(e[j]) * inv
+            h = np.float64(ph[j])
+            tv += abs(h - p)
+            rs += h
+            zeros += (p > 0) & (h == 0)
+            pos += p > 0
+        return 0.5 * tv, rs, zeros, pos
+
+    @njit(parallel=True, cache=True)
+    def _p_tile(E, nvis, inv, block, emax, emin, mbits, maxv, PH, tv, rsum, zrate, arg):
+        """P-path rows: PH = MX fake-quantized float32(E * inv) (0 beyond the visible keys), and
+        its TV, row sum, numerical-zero rate and argmax."""
+        R, T = E.shape
+        mvf = np.float32(maxv)
+        nbk = (T + block - 1) // block
+        for r in prange(R):
+            e = E[r]
+            ph = PH[r]
+            n = nvis[r]
+            cvt = np.empty(1, E.dtype)
+            cvt[0] = inv[r]
+            invc = cvt[0]
+            bm = np.empty(nbk, E.dtype)
+            _block_max(e, block, bm)
+            for k in range(nbk):
+                a = k * block
+                b = min(a + block, T)
+                if a >= n:
+                    _fill_zero(ph[a:b])
+                    continue
+                amax = np.float32(bm[k] * invc)
+                if amax == 0:
+                    _fill_zero(ph[a:b])
+                    continue
+                field = (np.float32(amax).view(np.int32) >> 23) & 255
+                sc = min(max(field - 127 - emax, -127), 127)
+                if field == 0 or sc < -127 - emin:
+                    if field == 0:
+                        _, ex = math.frexp(amax)
+                        sc = min(max(ex - 1 - emax, -127), 127)
+                    _mx_block_slow(e[a:b], invc, ph[a:b], sc, emin, mbits, mvf)
+                else:
+                    down = np.int32((127 - sc) << 23).view(np.float32)
+                    up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
+                    _mx_block(e[a:b], invc, ph[a:b], sc, down, up, emin, mbits, mvf)
+            t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n])
+            tv[r] = t
+            rsum[r] = s
+            zrate[r] = z / max(pos, 1)
+            arg[r] = _first_eq(ph[:n], _max_all(ph[:n]))
+
+    # -- MX Q/K: signed Hadamard (fast Walsh-Hadamard transform in float64) + MX decode(encode(.)) ----
+
+    @njit(fastmath=True, cache=True)
+    def _absmax(x):
+        m = abs(x[0])
+        for j in range(x.shape[0]):
+            m = max(m, abs(x[j]))
+        return m
+
+    @njit(cache=True)
+    def _mx_signed_block(v, ob, sc, down, up, emin, mbits, maxv):
+        """ob = decode(encode(v)) for one block of signed float32 values with block scale 2^sc."""
+        for u in range(v.shape[0]):
+            a = abs(v[u])
+            ey = ((np.float32(a).view(np.int32) >> 23) & 255) - 127 - sc
+            ee = ey if ey > emin else emin
+            c = np.int32((ee - mbits + 150) << 23).view(np.float32)
+            q = (a * down + c) - c
+            q = q if q < maxv else maxv
+            ob[u] = math.copysign(q * up, v[u])
+
+    @njit(parallel=True, cache=True)
+    def _mx_rows(X, signs, hb, block, emax, emin, mbits, maxv, out):
+        """out[r] = MX decode(encode(rotate(X[r]))), the values `MX.decode_rotated(MX.quantize(X))`
+        returns. ``signs`` empty: no rotation; else ``x -> (x * signs) blockdiag(H_hb) / sqrt(hb)``
+        in float64 by butterflies (the same sums as SignedHadamard's dense product), rounded to
+        float32 as SignedHadamard.apply does."""
+        N, D = X.shape
+        sq = math.sqrt(hb)
+        nbk = (D + block - 1) // block
+        mvf = np.float32(maxv)
+        for r in prange(N):
+            v = np.empty(D, np.float32)
+            if signs.shape[0] > 0:
+                y = np.empty(D)
+                for i in range(D):
+                    y[i] = np.float64(X[r, i]) * signs[i]
+                for b0 in range(0, D, hb):
+                    h = 1
+                    while h < hb:
+                        for i in range(b0, b0 + hb, 2 * h):
+                            for jj in range(i, i + h):
+                                a = y[jj]
+                                b = y[jj + h]
+                                y[jj] = a + b
+                                y[jj + h] = a - b
+                        h *= 2
+                for i in range(D):
+                    v[i] = np.float32(y[i] / sq)
+            else:
+                for i in range(D):
+                    v[i] = X[r, i]
+            o = out[r]
+            for k in range(nbk):
+                a0 = k * block
+                b0 = min(a0 + block, D)
+                amax = np.float32(_absmax(v[a0:b0]))
+                if amax == 0:
+                    for i in range(a0, b0):
+                        o[i] = v[i]                       # +-0 keep their sign, as the codes do
+                    continue
+                field = (np.float32(amax).view(np.int32) >> 23) & 255
+                sc = min(max(field - 127 - emax, -127), 127)
+                if field == 0 or sc < -127 - emin:
+                    if field == 0:
+                        _, ex = math.frexp(amax)
+                        sc = min(max(ex - 1 - emax, -127), 127)
+                    for i in range(a0, b0):
+                        y1 = abs(np.float64(v[i])) * math.ldexp(1.0, -sc)
+                        q = 0.0
+                        if y1 > 0:
+                            _, ey = math.frexp(y1)
+                            qu = math.ldexp(1.0, max(ey - 1, emin) - mbits)
+                            q = min(np.rint(y1 / qu) * qu, np.float64(maxv))
+                        o[i] = math.copysign(np.float32(q * math.ldexp(1.0, sc)), v[i])
+                else:
+                    down = np.int32((127 - sc) << 23).view(np.float32)
+                    up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
+                    _mx_signed_block(v[a0:b0], o[a0:b0], sc, down, up, emin, mbits, mvf)
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _post_tile(NA, zc, inv, OH, invh, drop, kept_vis, out_ref, ref2, err_arm, ab_err2, ab_dot, ab_out2,
+                   ab_tau, ab_tv, ab_ok):
+        """Per-row outputs and errors from the P.V partial products.
+
+        NA [A, R, D]: e_a V_a per ablation atom; zc [R, A]: sum e per atom; OH [P, R, D]: the paths'
+        P-hat V (scaled by invh [P, R]). drop [B, A]: the atoms each ablation drops.
+        """
+        A, R, D = NA.shape
+        P = OH.shape[0]
+        B = drop.shape[0]
+        for r in prange(R):
+            o = np.zeros(D)
+            for a in range(A):
+                for d in range(D):
+                    o[d] += np.float64(NA[a, r, d])
+            s = 0.0
+            for d in range(D):
+                o[d] *= inv[r]
+                out_ref[r, d] = o[d]
+                s += o[d] * o[d]
+            ref2[r] = s
+            for p in range(P):
+                s = 0.0
+                for d in range(D):
+                    t = np.float64(OH[p, r, d]) * invh[p, r] - o[d]
+                    s += t * t
+                err_arm[p, r] = s
+            vk = np.empty(D)
+            for i in range(B):
+                kz = 0.0
+                vis = 0
+                for d in range(D):
+                    vk[d] = 0.0
+                for a in range(A):
+                    if not drop[i, a]:
+                        kz += zc[r, a]
+                        vis += kept_vis[r, a]
+                        for d in range(D):
+                            vk[d] += np.float64(NA[a, r, d])
+                if vis == 0 or kz == 0:
+                    ab_ok[i, r] = False
+                    continue
+                ab_ok[i, r] = True
+                e2 = 0.0
+                dt = 0.0
+                o2 = 0.0
+                for d in range(D):
+                    v = vk[d] / kz
+                    e2 += (v - o[d]) * (v - o[d])
+                    dt += v * o[d]
+                    o2 += v * v
+                ab_err2[i, r] = e2
+                ab_dot[i, r] = dt
+                ab_out2[i, r] = o2
+                tau = 0.0
+                tv = 0.0
+                for a in range(A):
+                    w = zc[r, a] * inv[r]
+                    if drop[i, a]:
+                        tau += w
+                        tv += w
+                    else:
+                        tv += abs(w - zc[r, a] / kz)
+                ab_tau[i, r] = tau
+                ab_tv[i, r] = 0.5 * tv
+
+
+# ------------------------------------------------------------------------------------------------
+# results
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class QKPath:
+    """MXFP8 on Q and K (one rotation): per-row TV and argmax agreement ``[H, Tq]``, and per-head
+    sums of ``||O-hat - O||^2`` and ``||O||^2`` (``rel_l2`` is over the whole record, as ``mx_paths``)."""
+
+    rotation: str
+    scheme: str
+    tv: torch.Tensor
+    argmax_agree: torch.Tensor
+    err2: torch.Tensor
+    ref2: torch.Tensor
+
+    @property
+    def rel_l2(self) -> float:
+        return float((self.err2.sum() / self.ref2.sum()).sqrt())
+
+
+@dataclass
+class PPath:
+    """MX on the probabilities (32-key blocks): per-row TV, argmax agreement, numerical-zero rate and
+    row sum of the decoded P ``[H, Tq]``; per-head error sums."""
+
+    scheme: str
+    tv: torch.Tensor
+    argmax_agree: torch.Tensor
+    zero_rate: torch.Tensor
+    row_sum: torch.Tensor
+    err2: torch.Tensor
+    ref2: torch.Tensor
+
+    @property
+    def rel_l2(self) -> float:
+        return float((self.err2.sum() / self.ref2.sum()).sqrt())
+
+
+@dataclass
+class StreamResult:
+    """Everything `analyze` measured on one record.
+
+    ``observation``: a `metrics.Observation` with the same rows, heatmap and Jaccard arrays as
+    `metrics.observe`. ``ablation``: a `ablation.ArmResult` for the float arm measured against its
+    own full output (``err2 == own_err2``); ``output`` is the full ``[H, Tq, D]`` output only with
+    ``keep_output=True``, else None. ``qk``: one `QKPath` per rotation; ``p``: the `PPath` or None.
+    ``seconds``: wall time per stage; ``fallback_rows``: rows recomputed by the reference code.
+    """
+
+    dtype: torch.dtype
+    observation: Observation
+    ablation: ArmResult
+    qk: dict
+    p: PPath | None
+    seconds: dict = field(default_factory=dict)
+    tiles: int = 0
+    fallback_rows: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------
+
+def _cuts(keys: int, frame: int, layout, spans: dict) -> tuple[list[int], list[int]]:
+    """Fine cuts (regions, ablation spans, key blocks) and coarse cuts (regions, spans)."""
+    coarse = {0, keys}
+    for r in layout:
+        coarse.update((r.start, r.stop))
+    for sp in spans.values():
+        for a, b in sp:
+            coarse.update((a, b))
+    coarse = sorted(c for c in coarse if 0 <= c <= keys)
+    fine = sorted(set(coarse) | set(range(0, keys, frame)))
+    return fine, coarse
+
+
+def _group_of(fine: list[int], bounds: list[tuple[int, int]]) -> np.ndarray:
+    """One-hot ``[F, G]``: which of the spans ``bounds`` each fine atom lies in."""
+    f = len(fine) - 1
+    m = np.zeros((f, len(bounds)), np.float64)
+    for i in range(f):
+        a, b = fine[i], fine[i + 1]
+        for g, (s, t) in enumerate(bounds):
+            if s <= a and b <= t:
+                m[i, g] = 1.0
+    return m
+
+
+class _Clock:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        t = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + (t - self._t)
+        self._t = t
+
+
+def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "signed_hadamard"),
+            p_path: bool = True, ablations=DEFAULT_ABLATIONS, element: str = "e4m3", block_size: int = 32,
+            rotation_seed: int = 0, block_tokens: int = 16, coverage: float = 0.9, percents=TOP_PERCENTS,
+            max_scores: int = DEFAULT_MAX_SCORES, keep_output: bool = False) -> StreamResult:
+    """Fused single-pass analysis of ``case`` (see the module docstring).
+
+    Parameters mirror the non-fused implementations: ``rotations``/``element``/``block_size``/
+    ``rotation_seed``/``p_path`` those of ``mx_paths``; ``ablations`` names ablations of
+    `testbed.ablation` (non-applicable ones are skipped, ``none`` is implied); ``block_tokens``/
+    ``coverage``/``percents`` those of `metrics.observe`. ``dtype`` is float32 (fast) or float64
+    (the reference precision). ``max_scores`` bounds the scores of one tile (per path).
+    """
+    if numba is None:  # pragma: no cover
+        raise RuntimeError("testbed.streaming needs numba")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if element not in ELEMENTS:
+        raise ValueError(f"element must be one of {sorted(ELEMENTS)}, got {element!r}")
+    for rot in rotations:
+        if rot not in ("none", "signed_hadamard"):
+            raise ValueError(f"rotation must be 'none' or 'signed_hadamard', got {rot!r}")
+    clock = _Clock()
+    wide = dtype == torch.float64
+    np_dt = np.float64 if wide else np.float32
+    h, tq, d = case.q.shape
+    hkv, tk, _ = case.k.shape
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d)
+    percents = tuple(percents)
+    order = sorted(range(len(percents)), key=lambda i: percents[i])        # the kernel wants k ascending
+
+    # ---- layout: atoms (fine: regions, spans, key blocks; coarse: regions, spans) -------------
+    frame = frame_size(case, block_tokens)
+    nkb = -(-tk // frame)
+    spans = {}
+    for name in ablations:
+        sp = make_ablation(name).dropped(case)
+        if sp is not None and name != "none":
+            spans[name] = sp
+    names = list(spans)
+    nab = len(names)
+    fine, coarse = _cuts(tk, frame, case.layout, spans)
+    cuts = np.asarray(fine, np.int64)
+    nf = len(fine) - 1
+    coarse_b = list(zip(coarse[:-1], coarse[1:]))
+    na = len(coarse_b)
+    fine_to_coarse = _group_of(fine, coarse_b)                                           # [F, A]
+    coarse_of_fine = fine_to_coarse.argmax(axis=1)
+    fine_to_block = _group_of(fine, [(b * frame, min(tk, (b + 1) * frame)) for b in range(nkb)])
+    region_bounds = {r.name: (r.start, r.stop) for r in case.layout}
+    hist = history_span(case.layout)
+    if hist is not None:
+        region_bounds["history"] = hist
+    rnames = list(region_bounds)
+    fine_to_region = _group_of(fine, list(region_bounds.values()))                       # [F, regions]
+    drop = np.zeros((nab, na), np.bool_)
+    for i, nm in enumerate(names):
+        for a, (s, t) in enumerate(coarse_b):
+            drop[i, a] = any(x <= s and t <= y for x, y in spans[nm])
+    coarse_lo = np.array([s for s, _ in coarse_b], np.int64)
+    coarse_hi = np.array([t for _, t in coarse_b], np.int64)
+
+    qpos = case.query_positions.to(torch.int64).cpu()
+    nvis_q = (torch.clamp(qpos + 1, max=tk) if case.causal else torch.full((tq,), tk, dtype=torch.int64)).numpy()
+    ks_q = np.stack([top_counts(torch.from_numpy(nvis_q), percents[i]).numpy() for i in order], axis=1)
+    qblock = qpos // frame
+    qblocks = sorted(set(qblock.tolist()))
+    qb_index = torch.tensor([qblocks.index(b) for b in qblock.tolist()], dtype=torch.int64)
+
+    # ---- MX Q/K: quantize Q and K once per record --------------------------------------------
+    fmt = ELEMENTS[element]
+    arms = []
+    for rot in rotations:
+        mx = MX(element, block_size, None if rot == "none" else rot, rotation_seed)
+        r = mx.rotation_for(d)
+        signs = r.signs.to(torch.float64).numpy() if r is not None else np.empty(0)
+        hb = r.block if r is not None else 1
+        out = []
+        for x in (case.q, case.k):
+            x2 = x.detach().to(torch.float32).reshape(-1, d).contiguous().numpy()
+            y = np.empty_like(x2)
+            _mx_rows(x2, signs, hb, block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, y)
+            out.append(torch.from_numpy(y).view(x.shape))
+        arms.append((rot, mx.name, (out[0].to(dtype) * scale), out[1]))
+    clock.lap("setup (MX Q/K quantize, layout)")
+
+    # ---- per-row and per-head results (numpy, returned as torch views) ------------------------
+    f64 = np.float64
+    pnames = [f"top{pc}" for pc in percents]
+    row_keys = ["visible_keys", "support", *pnames, "zero_rate", *[f"{r}_mass" for r in rnames]]
+    rows = {key: np.empty((h, tq), f64) for key in row_keys}
+    heat = torch.zeros(h, len(qblocks), nkb, dtype=torch.float64)
+    counts = torch.bincount(qb_index, minlength=len(qblocks)).to(torch.float64)
+    jq = torch.empty(h, max(tq - 1, 0), dtype=torch.float64)
+    set_size = torch.empty(h, tq, dtype=torch.float64)
+    prev = {}
+    dropped_mass = np.full((nab, h, tq), np.nan)
+    ab_tv = np.full((nab, h, tq), np.nan)
+    undefined = np.zeros((nab, h), np.int64)
+    sums = {key: np.zeros((nab, h)) for key in ("err2", "ref2", "dot", "out2")}
+    output = np.empty((h, tq, d)) if keep_output else None
+    npaths = len(arms) + (1 if p_path else 0)
+    path_tv = np.empty((npaths, h, tq))
+    path_agree = np.empty((npaths, h, tq), np.bool_)
+    path_err2 = np.zeros((npaths, h))
+    ref2_head = np.zeros(h)
+    if p_path:
+        pp_zero = np.empty((h, tq))
+        pp_sum = np.empty((h, tq))
+    fallback = {"zero_rate": 0, "ablation": 0}
+
+    # ---- tile buffers, reused ----------------------------------------------------------------
+    step = max(1, int(max_scores) // (g * tk))
+    rmax = g * min(step, tq)
+    S = np.empty((rmax, tk), np_dt)
+    X = np.empty((max(npaths, 1) * rmax, tk), np_dt)                     # Q/K arms' e-hat, then P-hat
+    NA = np.empty((na, rmax, d), np_dt)
+    OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
+    bone = int(np.array(1.0, np_dt).view(np.int64 if wide else np.int32))
+    Bs = np.empty((rmax, tk), np.uint16)
+    cnts = np.empty((rmax, 4 * _NB), np.int32)
+    gvals = np.empty((rmax, _GCAP + 64), np_dt)
+    gflags = np.empty((rmax, tk // 64 + 1), np.int64)
+    amax = np.empty((rmax, nf))
+    asum = np.empty((rmax, nf))
+    mx_, inv, ent = np.empty(rmax), np.empty(rmax), np.empty(rmax)
+    far, arg = np.empty(rmax, np.int64), np.empty(rmax, np.int64)
+    top = np.empty((rmax, len(percents)))
+    invh = np.ones((max(npaths, 1), rmax))
+    ptv = np.empty((max(npaths, 1), rmax))
+    parg = np.empty((max(npaths, 1), rmax), np.int64)
+    rs, zr = np.empty(rmax), np.empty(rmax)
+    out_ref, ref2 = np.empty((rmax, d)), np.empty(rmax)
+    err_arm = np.empty((max(npaths, 1), rmax))
+    e2, dt_, o2, tau, tv2 = (np.zeros((max(nab, 1), rmax)) for _ in range(5))
+    ok = np.zeros((max(nab, 1), rmax), np.bool_)
+    qs_all = case.q.to(dtype) * scale
+    fragile = FRAGILE[dtype]
+    tiles = 0
+    for j in range(hkv):
+        kj = case.k[j].to(dtype)
+        vj = case.v[j].to(dtype)
+        arm_k = [kh[j].to(dtype) for _, _, _, kh in arms]
+        heads = slice(j * g, (j + 1) * g)
+        for s0 in range(0, tq, step):
+            qs = slice(s0, min(tq, s0 + step))
+            c = qs.stop - qs.start
+            R = g * c
+            tiles += 1
+            Sv = S[:R]
+            torch.matmul(qs_all[heads, qs].reshape(R, d), kj.T, out=torch.from_numpy(Sv))
+            clock.lap("QK^T matmul (reference)")
+            nv = np.tile(nvis_q[qs], g)
+            ks = np.tile(ks_q[qs], (g, 1))
+            _ref_tile(Sv, Sv.view(np.int64 if wide else np.int32), nv, cuts, wide, ZERO_GATE, ks, bone,
+                      amax[:R], asum[:R], mx_[:R], inv[:R], ent[:R], arg[:R], far[:R], top[:R],
+                      Bs[:R], cnts[:R], gvals[:R], gflags[:R])
+            clock.lap("softmax + observational kernel")
+
+            for ai, (rot, _, aq, _) in enumerate(arms):
+                Xa = X[ai * R:(ai + 1) * R]
+                torch.matmul(aq[heads, qs].reshape(R, d), arm_k[ai].T, out=torch.from_numpy(Xa))
+                clock.lap("QK^T matmul (MX Q/K arms)")
+                _arm_tile(Xa, nv, wide, Sv, inv[:R], invh[ai, :R], ptv[ai, :R], parg[ai, :R])
+                clock.lap("Q/K arm kernel")
+            if p_path:
+                pi = len(arms)
+                _p_tile(Sv, nv, inv[:R], block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, X[pi * R:(pi + 1) * R],
+                        ptv[pi, :R], rs[:R], zr[:R], parg[pi, :R])
+                invh[pi, :R] = 1.0
+                clock.lap("P-path MX kernel")
+
+            # P.V: e per ablation atom (sums to Z O), and the paths' P-hat V in one product
+            for a, (s, t) in enumerate(coarse_b):
+                torch.matmul(torch.from_numpy(Sv[:, s:t]), vj[s:t], out=torch.from_numpy(NA[a, :R]))
+            if npaths:
+                torch.matmul(torch.from_numpy(X[: npaths * R]), vj, out=torch.from_numpy(OH[: npaths * R]))
+            clock.lap("P.V matmuls")
+
+            zc = asum[:R] @ fine_to_coarse
+            kept_vis = np.clip(np.minimum(nv[:, None], coarse_hi[None, :]) - coarse_lo[None, :], 0, None)
+            _post_tile(NA[:, :R], zc, inv[:R], OH[: max(npaths, 1) * R].reshape(max(npaths, 1), R, d)[:npaths],
+                       invh[:npaths, :R], drop, kept_vis, out_ref[:R], ref2[:R], err_arm[:, :R],
+                       e2[:, :R], dt_[:, :R], o2[:, :R], tau[:, :R], tv2[:, :R], ok[:, :R])
+            clock.lap("output errors kernel")
+
+            # ---- per-row results into [H, Tq] ----
+            gc = (g, c)
+            r2 = ref2[:R].reshape(gc)
+            ref2_head[heads] += r2.sum(axis=1)
+            for pi in range(npaths):
+                path_tv[pi, heads, qs] = ptv[pi, :R].reshape(gc)
+                path_agree[pi, heads, qs] = (parg[pi, :R] == arg[:R]).reshape(gc)
+                path_err2[pi, heads] += err_arm[pi, :R].reshape(gc).sum(axis=1)
+            if p_path:
+                pp_zero[heads, qs] = zr[:R].reshape(gc)
+                pp_sum[heads, qs] = rs[:R].reshape(gc)
+            if keep_output:
+                output[heads, qs] = out_ref[:R].reshape(g, c, d)
+            if nab:
+                amax_c = np.full((R, na), _SENTINEL)
+                for a in range(na):
+                    amax_c[:, a] = amax[:R, coarse_of_fine == a].max(axis=1)
+                for i, nm in enumerate(names):
+                    kept_max = np.where(drop[i][None, :], _SENTINEL, amax_c).max(axis=1)
+                    bad = np.nonzero(ok[i, :R] & (mx_[:R] - kept_max > fragile))[0]
+                    for rr in bad:                  # kept keys far below the max: `ablate` recomputes the row
+                        fallback["ablation"] += 1
+                        hh_, qq = j * g + rr // c, s0 + rr % c
+                        res = ablate(case.q[hh_:hh_ + 1, qq:qq + 1], case.k[j:j + 1], case.v[j:j + 1],
+                                     case.query_positions[qq:qq + 1], case.causal, case.layout, {nm: spans[nm]})
+                        e2[i, rr], dt_[i, rr], o2[i, rr] = float(res.err2[0, 0]), float(res.dot[0, 0]), float(res.out2[0, 0])
+                        tau[i, rr], tv2[i, rr] = float(res.dropped_mass[0, 0, 0]), float(res.tv[0, 0, 0])
+                    oki = ok[i, :R].reshape(gc)
+                    dropped_mass[i, heads, qs] = np.where(oki, tau[i, :R].reshape(gc), np.nan)
+                    ab_tv[i, heads, qs] = np.where(oki, tv2[i, :R].reshape(gc), np.nan)
+                    undefined[i, heads] += (~oki).sum(axis=1)
+                    sums["err2"][i, heads] += np.where(oki, e2[i, :R].reshape(gc), 0.0).sum(axis=1)
+                    sums["ref2"][i, heads] += np.where(oki, r2, 0.0).sum(axis=1)
+                    sums["dot"][i, heads] += np.where(oki, dt_[i, :R].reshape(gc), 0.0).sum(axis=1)
+                    sums["out2"][i, heads] += np.where(oki, o2[i, :R].reshape(gc), 0.0).sum(axis=1)
+
+            nvf = nv.astype(f64).reshape(gc)
+            rows["visible_keys"][heads, qs] = nvf
+            rows["support"][heads, qs] = np.exp(ent[:R]).reshape(gc) / nvf
+            for col, i in enumerate(order):
+                rows[pnames[i]][heads, qs] = top[:R, col].reshape(gc)
+            zero = np.zeros(R)
+            for rr in np.nonzero(far[:R] > 0)[0]:  # logits spanning > ZERO_GATE nats: torch's float32 softmax
+                fallback["zero_rate"] += 1
+                hh_, qq = j * g + rr // c, s0 + rr % c
+                s64 = (case.q[hh_, qq:qq + 1].to(torch.float64) @ case.k[j].to(torch.float64).T) * scale
+                vis = torch.arange(tk).unsqueeze(0) < int(nv[rr])
+                p32 = torch.softmax(s64.to(torch.float32).masked_fill(~vis, float("-inf")), dim=-1)
+                zero[rr] = float(strict_zero_rate(p32, vis if case.causal else None)[0])
+            rows["zero_rate"][heads, qs] = zero.reshape(gc)
+            mass = asum[:R] * inv[:R, None]                                               # [R, F]
+            rm = mass @ fine_to_region
+            for ri, rn in enumerate(rnames):
+                rows[f"{rn}_mass"][heads, qs] = rm[:, ri].reshape(gc)
+            bm = torch.from_numpy(mass @ fine_to_block).view(g, c, nkb)
+            heat[heads].index_add_(1, qb_index[qs], bm)
+            sets = top_blocks(bm, coverage)
+            set_size[heads, qs] = sets.sum(dim=-1).to(torch.float64)
+            for gi, hh in enumerate(range(heads.start, heads.stop)):
+                cur = sets[gi]
+                if qs.start > 0:
+                    cur_prev = torch.cat([prev[hh].unsqueeze(0), cur], dim=0)
+                    jq[hh, qs.start - 1:qs.stop - 1] = jaccard(cur_prev[1:], cur_prev[:-1])
+                elif cur.shape[0] > 1:
+                    jq[hh, : qs.stop - 1] = jaccard(cur[1:], cur[:-1])
+                prev[hh] = cur[-1]
+            clock.lap("per-tile bookkeeping")
+
+    heat = heat / counts.view(1, -1, 1)
+    bsets = top_blocks(heat, coverage)
+    jb = jaccard(bsets[:, 1:], bsets[:, :-1]) if len(qblocks) > 1 else torch.empty(h, 0, dtype=torch.float64)
+    T = torch.from_numpy
+    obs = Observation({k: T(v) for k, v in rows.items()}, heat, qblocks, frame, jq, jb, set_size)
+    rmass = {rn: T(rows[f"{rn}_mass"]) for rn in rnames}
+    arm = ArmResult(names, T(dropped_mass), T(ab_tv), T(undefined), T(sums["err2"]), T(sums["ref2"]), T(sums["dot"]),
+                    T(sums["out2"]), T(sums["err2"].copy()), T(sums["ref2"].copy()), rmass,
+                    None if output is None else T(output))
+    qk = {rot: QKPath(rot, name, T(path_tv[ai]), T(path_agree[ai]), T(path_err2[ai]), T(ref2_head.copy()))
+          for ai, (rot, name, _, _) in enumerate(arms)}
+    pres = None
+    if p_path:
+        pi = len(arms)
+        pres = PPath(MX(element, block_size).name, T(path_tv[pi]), T(path_agree[pi]), T(pp_zero), T(pp_sum),
+                     T(path_err2[pi]), T(ref2_head.copy()))
+    clock.lap("finish")
+    return StreamResult(dtype, obs, arm, qk, pres, clock.seconds, tiles, fallback)
