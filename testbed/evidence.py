@@ -18,6 +18,7 @@ audit can check the file before parsing it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import platform
@@ -57,25 +58,46 @@ class ArrayStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.entries: dict[str, dict] = {}
+        self._by_content: dict[tuple[str, str], str] = {}
 
     def save(self, relpath: str, array) -> str:
-        """Save ``array`` (numpy or torch) as ``arrays/<relpath>.npy``; returns the run-relative path."""
+        """Save ``array`` (numpy or torch) under ``arrays/``; returns the run-relative path.
+
+        ``relpath`` is ``STUDY/CASE/...``: the first two levels become folders and any deeper levels
+        are joined with dots into the file name (``STUDY/CASE/R=16/key.codes`` is stored as
+        ``arrays/STUDY/CASE/R=16.key.codes.npy``), which keeps the evidence to one folder per case
+        (every folder costs a file-system block).
+
+        Within one study the store is content-addressed: an array whose bytes equal one already
+        saved in that study (a payload header, query positions) is not written again and the
+        earlier path is returned. Studies never share files, so a study run alone or in a worker
+        (``--jobs``) stores exactly what it stores in a full run."""
         if isinstance(array, torch.Tensor):
             array = array.detach().cpu().numpy()
         array = np.ascontiguousarray(array)
         if array.dtype == object:
             raise ValueError(f"{relpath}: object arrays cannot be stored")
-        rel = f"arrays/{relpath}.npy"
+        parts = relpath.split("/")
+        if len(parts) > 3:
+            parts = parts[:2] + [".".join(parts[2:])]
+        rel = "arrays/" + "/".join(parts) + ".npy"
         if rel in self.entries:
             raise ValueError(f"{rel}: stored twice in one run")
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             raise ValueError(f"{rel}: array paths must stay inside the run")
+        buf = io.BytesIO()
+        np.save(buf, array, allow_pickle=False)
+        data = buf.getvalue()
+        digest = sha256_bytes(data)
+        seen = self._by_content.get((parts[0], digest))
+        if seen is not None:
+            return seen
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            np.save(f, array, allow_pickle=False)
+        path.write_bytes(data)
+        self._by_content[(parts[0], digest)] = rel
         self.entries[rel] = {
-            "sha256": sha256_file(path),
+            "sha256": digest,
             "nbytes": int(array.nbytes),
             "dtype": array.dtype.str,
             "shape": list(array.shape),

@@ -103,12 +103,12 @@ def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progres
     # Hashed before the run (the code and protocols it imports and copies now), compared after it.
     sources = source_hashes()
     t_run = time.perf_counter()
-    if jobs > 1 and len(protocols) > 1:
-        studies = _run_parallel(root, protocols, threads, jobs, progress, quiet)
-    else:
-        with pinned_torch(threads):
+    with pinned_torch(threads):  # also while the manifest records the environment
+        if jobs > 1 and len(protocols) > 1:
+            studies = _run_parallel(root, protocols, threads, jobs, progress, quiet)
+        else:
             studies = [_run_study(root, path, proto, raw, progress) for path, proto, raw in protocols]
-    return _finish(root, protocols, studies, sources, memory, t_run)
+        return _finish(root, protocols, studies, sources, memory, t_run)
 
 
 def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:

@@ -109,6 +109,11 @@ def proto(name, **kw):
 d = Path(tempfile.mkdtemp())
 (d / "warm").mkdir()
 run_protocols(d / "warm", [(Path("w.json"), proto("warm"), b"{}")], progress=lambda m: None)  # imports, lazy modules
+import torch
+from testbed.quant import IntGrouped
+for axis in ("channel", "token"):  # the fused kernels (compiled, or loaded from numba's cache) before the baseline
+    q = IntGrouped(4, 32, axis)
+    q.dequantize(q.quantize(torch.randn(1, 4096, 32)))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 p = proto("big", **json.loads(sys.argv[1]))
 (d / "big").mkdir()
