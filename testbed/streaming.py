@@ -67,7 +67,7 @@ from .quant.mx import ELEMENTS, MX
 __all__ = ["analyze", "StreamResult", "QKPath", "PPath", "DEFAULT_ABLATIONS", "DEFAULT_MAX_SCORES"]
 
 DEFAULT_ABLATIONS = ("drop_sink", "drop_recent", "drop_history")
-DEFAULT_MAX_SCORES = 1 << 20
+DEFAULT_MAX_SCORES = 1 << 22
 ZERO_GATE = 80.0                     # nats: below this span a float32 softmax row has no exact zeros
 FRAGILE = {torch.float32: 60.0, torch.float64: 600.0}
 _SENTINEL = -3.0e38
@@ -411,7 +411,7 @@ if numba is not None:
     def _ref_tile(S, Si, nvis, cuts, wide, gate, ks, bone, amax, asum, mx, inv, ent, arg, far, top,
                   Bs, cnts, vals, flags):
         """Reference softmax rows of a tile: S -> e in place and every per-row statistic
-        (Bs, cnts, vals, flags: per-row scratch for `_top_sums`)."""
+        (Bs, cnts, vals, flags: scratch for `_top_sums`, one row per thread)."""
         R = S.shape[0]
         for r in prange(R):
             x = S[r]
@@ -425,7 +425,8 @@ if numba is not None:
             ent[r] = math.log(z) - hh / z
             far[r] = fr
             arg[r] = _first_eq(x[:n], 1.0)
-            _top_sums(x[:n], Si[r, :n], ks[r], bone, top[r], Bs[r, :n], cnts[r], vals[r], flags[r])
+            t = numba.get_thread_id()
+            _top_sums(x[:n], Si[r, :n], ks[r], bone, top[r], Bs[t, :n], cnts[t], vals[t], flags[t])
             for i in range(top.shape[1]):
                 top[r, i] = top[r, i] / z
 
@@ -453,36 +454,52 @@ if numba is not None:
 
     @njit(fastmath=True, cache=True)
     def _block_max(e, block, bm):
-        for k in range(bm.shape[0]):
-            bm[k] = _max_all(e[k * block:min((k + 1) * block, e.shape[0])])
+        """bm[k] = max of block k of e (full blocks; lanes of 8 when the block allows it)."""
+        nbk = e.shape[0] // block
+        if block % 8 == 0:
+            for k in range(nbk):
+                o = k * block
+                m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = e[o]
+                for u in range(0, block, 8):
+                    m0 = max(m0, e[o + u]); m1 = max(m1, e[o + u + 1]); m2 = max(m2, e[o + u + 2])
+                    m3 = max(m3, e[o + u + 3]); m4 = max(m4, e[o + u + 4]); m5 = max(m5, e[o + u + 5])
+                    m6 = max(m6, e[o + u + 6]); m7 = max(m7, e[o + u + 7])
+                bm[k] = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+        else:
+            for k in range(nbk):
+                bm[k] = _max_all(e[k * block:(k + 1) * block])
+        if nbk * block < e.shape[0]:
+            bm[nbk] = _max_all(e[nbk * block:])
 
     @njit(cache=True)
-    def _mx_block(eb, invc, ob, sc, down, up, emin, mbits, maxv):
-        """ob = decode(encode(float32(eb * invc))) with block scale 2^sc: y = v 2^-sc is exact,
-        ``(y + c) - c`` with ``c = quantum * 2^23`` rounds it to nearest even on the element's
-        quantum (``2^(max(floor(log2 y), emin) - mbits)``), then saturation."""
-        for u in range(eb.shape[0]):
-            v = np.float32(eb[u] * invc)
-            ey = ((np.float32(v).view(np.int32) >> 23) & 255) - 127 - sc
-            ee = ey if ey > emin else emin
-            c = np.int32((ee - mbits + 150) << 23).view(np.float32)
-            y = v * down
-            q = (y + c) - c
-            q = q if q < maxv else maxv
-            ob[u] = q * up
+    def _mx_row(e, invc, block, scs, downs, ups, emin, mbits, maxv, ph):
+        """ph = decode(encode(float32(e * invc))) over whole blocks with scales 2^scs[k]: y = v 2^-sc
+        is exact, ``(y + c) - c`` with ``c = quantum * 2^23`` rounds it to nearest even on the
+        element's quantum ``2^(max(floor(log2 y), emin) - mbits)``; then saturation (strict float32)."""
+        nbk = e.shape[0] // block
+        for k in range(nbk):
+            sc = scs[k]
+            down = downs[k]
+            up = ups[k]
+            o = k * block
+            for u in range(block):
+                v = np.float32(e[o + u] * invc)
+                ey = ((np.float32(v).view(np.int32) >> 23) & 255) - 127 - sc
+                ee = ey if ey > emin else emin
+                c = np.int32((ee - mbits + 150) << 23).view(np.float32)
+                q = (v * down + c) - c
+                q = q if q < maxv else maxv
+                ph[o + u] = q * up
 
     @njit(cache=True)
-    def _mx_block_slow(eb, invc, ob, sc, emin, mbits, maxv):
-        """The same in float64 arithmetic, for blocks so small that float32 bits are subnormal."""
-        for u in range(eb.shape[0]):
-            y = np.float64(np.float32(eb[u] * invc)) * math.ldexp(1.0, -sc)
-            q = 0.0
-            if y > 0:
-                _, ey = math.frexp(y)
-                ee = max(ey - 1, emin)
-                qu = math.ldexp(1.0, ee - mbits)
-                q = min(np.rint(y / qu) * qu, np.float64(maxv))
-            ob[u] = np.float32(q * math.ldexp(1.0, sc))
+    def _mx_one(v, sc, emin, mbits, maxv):
+        """decode(encode(v)) of one non-negative float32 with block scale 2^sc, in float64 (exact)."""
+        y = np.float64(v) * math.ldexp(1.0, -sc)
+        if y <= 0:
+            return 0.0
+        _, ey = math.frexp(y)
+        qu = math.ldexp(1.0, max(ey - 1, emin) - mbits)
+        return min(np.rint(y / qu) * qu, np.float64(maxv)) * math.ldexp(1.0, sc)
 
     @njit(fastmath=True, cache=True)
     def _p_stats(e, inv, ph):
@@ -501,11 +518,13 @@ if numba is not None:
 
     @njit(parallel=True, cache=True)
     def _p_tile(E, nvis, inv, block, emax, emin, mbits, maxv, PH, tv, rsum, zrate, arg):
-        """P-path rows: PH = MX fake-quantized float32(E * inv) (0 beyond the visible keys), and
-        its TV, row sum, numerical-zero rate and argmax."""
+        """P-path rows: PH = MX fake-quantized float32(E * inv) (E is 0 beyond the visible keys),
+        bit-identical to `testbed.quant.mx.MX` on float32(P); its TV against P, row sum,
+        numerical-zero rate and argmax (first key of the largest decoded value)."""
         R, T = E.shape
         mvf = np.float32(maxv)
         nbk = (T + block - 1) // block
+        full = T // block
         for r in prange(R):
             e = E[r]
             ph = PH[r]
@@ -514,33 +533,50 @@ if numba is not None:
             cvt[0] = inv[r]
             invc = cvt[0]
             bm = np.empty(nbk, E.dtype)
-            _block_max(e, block, bm)
+            scs = np.empty(nbk, np.int64)
+            downs = np.empty(nbk, np.float32)
+            ups = np.empty(nbk, np.float32)
+            if block == 32:                 # literal call sites: the block loops get constant trip counts
+                _block_max(e, 32, bm)
+            else:
+                _block_max(e, block, bm)
+            slow = False
+            best_in = np.float32(0.0)
+            best_k = 0
             for k in range(nbk):
-                a = k * block
-                b = min(a + block, T)
-                if a >= n:
-                    _fill_zero(ph[a:b])
-                    continue
                 amax = np.float32(bm[k] * invc)
-                if amax == 0:
-                    _fill_zero(ph[a:b])
-                    continue
                 field = (np.float32(amax).view(np.int32) >> 23) & 255
                 sc = min(max(field - 127 - emax, -127), 127)
-                if field == 0 or sc < -127 - emin:
-                    if field == 0:
-                        _, ex = math.frexp(amax)
-                        sc = min(max(ex - 1 - emax, -127), 127)
-                    _mx_block_slow(e[a:b], invc, ph[a:b], sc, emin, mbits, mvf)
-                else:
-                    down = np.int32((127 - sc) << 23).view(np.float32)
-                    up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
-                    _mx_block(e[a:b], invc, ph[a:b], sc, down, up, emin, mbits, mvf)
+                if field == 0 and amax > 0:
+                    _, ex = math.frexp(amax)
+                    sc = min(max(ex - 1 - emax, -127), 127)
+                if amax > 0 and (field == 0 or sc < -127 - emin):
+                    slow = True
+                scs[k] = sc
+                downs[k] = np.int32((127 - sc) << 23).view(np.float32)
+                ups[k] = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
+                if amax > best_in:                          # quantization is monotone: decode the largest
+                    best_in = amax
+                    best_k = k
+            if block == 32 and mbits == 3 and emin == -6:         # MXFP8 E4M3: constants inlined
+                _mx_row(e[:full * block], invc, 32, scs, downs, ups, -6, 3, mvf, ph)
+            else:
+                _mx_row(e[:full * block], invc, block, scs, downs, ups, emin, mbits, mvf, ph)
+            if full < nbk:                                      # last, partial block
+                _mx_row(e[full * block:], invc, T - full * block, scs[full:], downs[full:], ups[full:],
+                        emin, mbits, mvf, ph[full * block:])
+            if slow:                                            # blocks whose bits go subnormal: float64 route
+                for k in range(nbk):
+                    amax = np.float32(bm[k] * invc)
+                    if amax > 0 and (((np.float32(amax).view(np.int32) >> 23) & 255) == 0 or scs[k] < -127 - emin):
+                        for j in range(k * block, min((k + 1) * block, T)):
+                            ph[j] = np.float32(_mx_one(np.float32(e[j] * invc), scs[k], emin, mbits, maxv))
+            best = _mx_one(best_in, scs[best_k], emin, mbits, maxv) if best_in > 0 else 0.0
             t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n])
             tv[r] = t
             rsum[r] = s
             zrate[r] = z / max(pos, 1)
-            arg[r] = _first_eq(ph[:n], _max_all(ph[:n]))
+            arg[r] = _first_eq(ph[:n], best)
 
     # -- MX Q/K: signed Hadamard (fast Walsh-Hadamard transform in float64) + MX decode(encode(.)) ----
 
@@ -622,7 +658,7 @@ if numba is not None:
                     up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
                     _mx_signed_block(v[a0:b0], o[a0:b0], sc, down, up, emin, mbits, mvf)
 
-    @njit(parallel=True, fastmath=True, cache=True)
+    @njit(fastmath=True, cache=True)
     def _post_tile(NA, zc, inv, OH, invh, drop, kept_vis, out_ref, ref2, err_arm, ab_err2, ab_dot, ab_out2,
                    ab_tau, ab_tv, ab_ok):
         """Per-row outputs and errors from the P.V partial products.
@@ -633,7 +669,7 @@ if numba is not None:
         A, R, D = NA.shape
         P = OH.shape[0]
         B = drop.shape[0]
-        for r in prange(R):
+        for r in range(R):
             o = np.zeros(D)
             for a in range(A):
                 for d in range(D):
@@ -737,7 +773,8 @@ class StreamResult:
     `metrics.observe`. ``ablation``: a `ablation.ArmResult` for the float arm measured against its
     own full output (``err2 == own_err2``); ``output`` is the full ``[H, Tq, D]`` output only with
     ``keep_output=True``, else None. ``qk``: one `QKPath` per rotation; ``p``: the `PPath` or None.
-    ``seconds``: wall time per stage; ``fallback_rows``: rows recomputed by the reference code.
+    ``seconds`` / ``cpu_seconds``: wall and process CPU time per stage; ``fallback_rows``: rows
+    recomputed by the reference code.
     """
 
     dtype: torch.dtype
@@ -746,6 +783,7 @@ class StreamResult:
     qk: dict
     p: PPath | None
     seconds: dict = field(default_factory=dict)
+    cpu_seconds: dict = field(default_factory=dict)
     tiles: int = 0
     fallback_rows: dict = field(default_factory=dict)
 
@@ -780,14 +818,19 @@ def _group_of(fine: list[int], bounds: list[tuple[int, int]]) -> np.ndarray:
 
 
 class _Clock:
+    """Wall time per stage (``seconds``) and process CPU time per stage (``cpu_seconds``)."""
+
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self._t = time.perf_counter()
+        self._c = time.process_time()
 
     def lap(self, name: str) -> None:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         self.seconds[name] = self.seconds.get(name, 0.0) + (t - self._t)
-        self._t = t
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + (c - self._c)
+        self._t, self._c = t, c
 
 
 def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "signed_hadamard"),
@@ -909,10 +952,11 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     NA = np.empty((na, rmax, d), np_dt)
     OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
     bone = int(np.array(1.0, np_dt).view(np.int64 if wide else np.int32))
-    Bs = np.empty((rmax, tk), np.uint16)
-    cnts = np.empty((rmax, 4 * _NB), np.int32)
-    gvals = np.empty((rmax, _GCAP + 64), np_dt)
-    gflags = np.empty((rmax, tk // 64 + 1), np.int64)
+    nthr = numba.config.NUMBA_NUM_THREADS                                 # scratch: one row per thread
+    Bs = np.empty((nthr, tk), np.uint16)
+    cnts = np.empty((nthr, 4 * _NB), np.int32)
+    gvals = np.empty((nthr, _GCAP + 64), np_dt)
+    gflags = np.empty((nthr, tk // 64 + 1), np.int64)
     amax = np.empty((rmax, nf))
     asum = np.empty((rmax, nf))
     mx_, inv, ent = np.empty(rmax), np.empty(rmax), np.empty(rmax)
@@ -946,7 +990,7 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
             ks = np.tile(ks_q[qs], (g, 1))
             _ref_tile(Sv, Sv.view(np.int64 if wide else np.int32), nv, cuts, wide, ZERO_GATE, ks, bone,
                       amax[:R], asum[:R], mx_[:R], inv[:R], ent[:R], arg[:R], far[:R], top[:R],
-                      Bs[:R], cnts[:R], gvals[:R], gflags[:R])
+                      Bs, cnts, gvals, gflags)
             clock.lap("softmax + observational kernel")
 
             for ai, (rot, _, aq, _) in enumerate(arms):
@@ -1061,4 +1105,4 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
         pres = PPath(MX(element, block_size).name, T(path_tv[pi]), T(path_agree[pi]), T(pp_zero), T(pp_sum),
                      T(path_err2[pi]), T(ref2_head.copy()))
     clock.lap("finish")
-    return StreamResult(dtype, obs, arm, qk, pres, clock.seconds, tiles, fallback)
+    return StreamResult(dtype, obs, arm, qk, pres, clock.seconds, clock.cpu_seconds, tiles, fallback)
