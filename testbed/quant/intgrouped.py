@@ -139,17 +139,37 @@ class IntGrouped(Quantizer):
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
-        codes = p.tensors["codes"]
-        if kernels.use_fast(codes) and codes.numel() * 2 >= kernels.MIN_FAST_ELEMENTS:
-            *lead, n, d = p.shape
-            kernels.set_threads(torch.get_num_threads())
-            fn = kernels.int_dequantize_channel if self.axis == "channel" else kernels.int_dequantize_token
-            c3 = codes.reshape(-1, *codes.shape[-2:]).contiguous().numpy()
-            s3 = p.tensors["scale"].reshape(-1, *p.tensors["scale"].shape[-2:]).numpy().astype(np.float32)
-            z3 = p.tensors["zero"].reshape(-1, *p.tensors["zero"].shape[-2:]).numpy().astype(np.float32)
-            out = torch.from_numpy(fn(c3, s3, z3, self.group_size, self.bits, n, d)).reshape(p.shape)
+        if kernels.use_fast(p.tensors["codes"]) and p.tensors["codes"].numel() * 2 >= kernels.MIN_FAST_ELEMENTS:
+            out = torch.empty(p.shape, dtype=torch.float32)
+            self._dequantize_fast(p, out)
             return out.to(p.dtype)
         return self.dequantize_reference(p)
+
+    def dequantize_into(self, p: Packed, out: torch.Tensor) -> torch.Tensor:
+        """Decode into ``out`` (float32, shape ``p.shape``; may be a token span of a larger cache)."""
+        self._check_packed(p)
+        *_, n, d = p.shape
+        if (kernels.use_fast(p.tensors["codes"]) and out.device.type == "cpu" and out.dtype == torch.float32
+                and p.tensors["codes"].numel() * 2 >= kernels.MIN_FAST_ELEMENTS):
+            try:
+                target = out.view(-1, n, d)  # a view or nothing: the kernel must write into out itself
+            except RuntimeError:
+                target = None
+            if target is not None:
+                self._dequantize_fast(p, target)
+                return out
+        out.copy_(self.dequantize(p))
+        return out
+
+    def _dequantize_fast(self, p: Packed, out: torch.Tensor) -> None:
+        *lead, n, d = p.shape
+        codes = p.tensors["codes"]
+        kernels.set_threads(torch.get_num_threads())
+        fn = kernels.int_dequantize_channel if self.axis == "channel" else kernels.int_dequantize_token
+        c3 = codes.reshape(-1, *codes.shape[-2:]).contiguous().numpy()
+        s3 = p.tensors["scale"].reshape(-1, *p.tensors["scale"].shape[-2:]).numpy().astype(np.float32)
+        z3 = p.tensors["zero"].reshape(-1, *p.tensors["zero"].shape[-2:]).numpy().astype(np.float32)
+        fn(c3, s3, z3, self.group_size, self.bits, n, d, out=out.view(-1, n, d).numpy())
 
     def dequantize_reference(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)

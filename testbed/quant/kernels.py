@@ -179,20 +179,25 @@ if numba is not None:
 
     @njit(parallel=True, cache=True)
     def _int_dq_channel(codes, scale, zero, g, bits, out):
+        # codes are unpacked a row at a time into a float buffer, then one multiply-add per feature
         B, T, D = out.shape
         per = 8 // bits
         mask = (1 << bits) - 1
         nbytes = codes.shape[2]
-        for row in prange(B * T):
-            b = row // T
-            t = row - b * T
-            gi = t // g
-            for k in range(nbytes):
-                byte = codes[b, t, k]
-                for j in range(per):
-                    d = k * per + j
-                    if d < D:
-                        out[b, t, d] = np.float32((byte >> (bits * j)) & mask) * scale[b, gi, d] + zero[b, gi, d]
+        rows = B * T
+        ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ntask):
+            c = np.empty(nbytes * per, np.float32)
+            for row in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
+                b = row // T
+                t = row - b * T
+                gi = t // g
+                for k in range(nbytes):
+                    byte = codes[b, t, k]
+                    for j in range(per):
+                        c[k * per + j] = np.float32((byte >> (bits * j)) & mask)
+                for d in range(D):
+                    out[b, t, d] = c[d] * scale[b, gi, d] + zero[b, gi, d]
 
     @njit(parallel=True, cache=True)
     def _int_dq_token(codes, scale, zero, g, bits, out):
@@ -360,6 +365,30 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _slabs(x: np.ndarray):
+    """Yield ``(b0, b1)`` ranges over the first axis such that ``x[b0:b1]`` is C-contiguous: all of
+    it when ``x`` is, one slab at a time when only the inner [T, D] slabs are (a token span cut out
+    of a [B, N, D] cache), and None when neither holds (the caller copies)."""
+    if x.flags.c_contiguous:
+        yield 0, x.shape[0]
+        return
+    if x.shape[0] and all(x[b:b + 1].flags.c_contiguous for b in range(x.shape[0])):
+        for b in range(x.shape[0]):
+            yield b, b + 1
+        return
+    yield None
+
+
+def _over_slabs(kernel, x, outs, *args):
+    """Run ``kernel(x_slab, *args, *out_slabs)`` over contiguous slabs of ``x`` (copying if needed)."""
+    for span in _slabs(x):
+        if span is None:
+            kernel(np.ascontiguousarray(x), *args, *outs)
+        else:
+            b0, b1 = span
+            kernel(x[b0:b1], *args, *(o[b0:b1] for o in outs))
+
+
 def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, Tp, ceil(D*bits/8)], scale f32, zero f32 [B, Tp/g, D],
     any non-finite input)."""
@@ -368,8 +397,12 @@ def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     codes = np.empty((B, ng * g, _ceil_div(D, 8 // bits)), np.uint8)
     scale = np.empty((B, ng, D), np.float32)
     zero = np.empty((B, ng, D), np.float32)
-    bad = np.zeros(B * ng, np.bool_)
-    _int_q_channel(x, g, bits, codes, scale, zero, bad)
+    bad = np.zeros((B, ng), np.bool_)
+
+    def run(xs, g_, bits_, c, s, z, bd):
+        _int_q_channel(xs, g_, bits_, c, s, z, bd.reshape(-1))
+
+    _over_slabs(run, x, (codes, scale, zero, bad), g, bits)
     return codes, scale, zero, bool(bad.any())
 
 
@@ -381,18 +414,35 @@ def int_quantize_token(x: np.ndarray, bits: int, g: int):
     codes = np.empty((B, T, _ceil_div(ng * g, 8 // bits)), np.uint8)
     scale = np.empty((B, T, ng), np.float32)
     zero = np.empty((B, T, ng), np.float32)
-    bad = np.zeros(-(-(B * T) // ROWS_PER_TASK), np.bool_)
-    _int_q_token(x, g, bits, codes, scale, zero, bad)
-    return codes, scale, zero, bool(bad.any())
+    flags = []
+
+    def run(xs, g_, bits_, c, s, z):
+        bd = np.zeros(-(-(xs.shape[0] * xs.shape[1]) // ROWS_PER_TASK), np.bool_)
+        _int_q_token(xs, g_, bits_, c, s, z, bd)
+        flags.append(bool(bd.any()))
+
+    _over_slabs(run, x, (codes, scale, zero), g, bits)
+    return codes, scale, zero, any(flags)
 
 
-def int_dequantize_channel(codes, scale, zero, g: int, bits: int, n: int, d: int) -> np.ndarray:
-    out = np.empty((codes.shape[0], n, d), np.float32)
-    _int_dq_channel(codes, scale, zero, g, bits, out)
+def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
+    if out is None:
+        out = np.empty((codes.shape[0], n, d), np.float32)
+    for span in _slabs(out):
+        if span is None:
+            tmp = np.empty(out.shape, np.float32)
+            kernel(codes, scale, zero, g, bits, tmp)
+            out[...] = tmp
+        else:
+            b0, b1 = span
+            kernel(codes[b0:b1], scale[b0:b1], zero[b0:b1], g, bits, out[b0:b1])
     return out
 
 
-def int_dequantize_token(codes, scale, zero, g: int, bits: int, n: int, d: int) -> np.ndarray:
-    out = np.empty((codes.shape[0], n, d), np.float32)
-    _int_dq_token(codes, scale, zero, g, bits, out)
-    return out
+def int_dequantize_channel(codes, scale, zero, g: int, bits: int, n: int, d: int, out=None) -> np.ndarray:
+    """Decode into ``out`` ([B, n, d] float32, may be a token span of a larger cache) or a new array."""
+    return _dequantize(_int_dq_channel, codes, scale, zero, g, bits, n, d, out)
+
+
+def int_dequantize_token(codes, scale, zero, g: int, bits: int, n: int, d: int, out=None) -> np.ndarray:
+    return _dequantize(_int_dq_token, codes, scale, zero, g, bits, n, d, out)

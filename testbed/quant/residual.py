@@ -18,6 +18,10 @@ from .base import Packed, Quantizer, check_input, from_config, make_header
 
 __all__ = ["ResidualWindow"]
 
+# the order of a payload's arrays (as the original implementation wrote them)
+_ORDER = ["sink.k", "sink.v", "key.codes", "key.scale", "key.zero", "key.scales", "value.codes", "value.scale",
+          "value.zero", "value.scales", "recent.k", "recent.v"]
+
 
 class ResidualWindow:
     """Pack K and V with the first ``sink`` and last ``recent`` tokens float32."""
@@ -53,24 +57,38 @@ class ResidualWindow:
         return start, stop
 
     def pack(self, k: torch.Tensor, v: torch.Tensor) -> Packed:
-        check_input(k, "k")
-        check_input(v, "v")
+        check_input(k, "k", finite=False)
+        check_input(v, "v", finite=False)
         if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        try:
+            return self._pack(k, v)
+        except ValueError:
+            # a non-finite value: name it by its index in the whole tensor, not in a span
+            check_input(k, "k")
+            check_input(v, "v")
+            raise
+
+    def _pack(self, k: torch.Tensor, v: torch.Tensor) -> Packed:
         n, d = k.shape[-2], k.shape[-1]
         start, stop = self.spans(n)
         tensors: dict[str, torch.Tensor] = {}
+        windows = []
         if start > 0:
-            tensors["sink.k"] = k[..., :start, :].detach().to(torch.float32).contiguous()
-            tensors["sink.v"] = v[..., :start, :].detach().to(torch.float32).contiguous()
+            windows += [("sink.k", k[..., :start, :]), ("sink.v", v[..., :start, :])]
         if stop > start:
             pk = self.key.quantize(k[..., start:stop, :], name="k")
             pv = self.value.quantize(v[..., start:stop, :], name="v")
             tensors.update({f"key.{a}": t for a, t in pk.tensors.items() if a != "header"})
             tensors.update({f"value.{a}": t for a, t in pv.tensors.items() if a != "header"})
         if stop < n:
-            tensors["recent.k"] = k[..., stop:, :].detach().to(torch.float32).contiguous()
-            tensors["recent.v"] = v[..., stop:, :].detach().to(torch.float32).contiguous()
+            windows += [("recent.k", k[..., stop:, :]), ("recent.v", v[..., stop:, :])]
+        for name, w in windows:  # the float32 windows: small, checked here (the spans by their quantizers)
+            w = w.detach().to(torch.float32).contiguous()
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"{name}: non-finite value in the float32 window")
+            tensors[name] = w
+        tensors = {name: tensors[name] for name in sorted(tensors, key=_ORDER.index)}
         tensors["header"] = make_header(n, d, k.device)
         cfg = self.config()
         cfg["quantized_span"] = [start, stop]
@@ -81,17 +99,24 @@ class ResidualWindow:
             raise ValueError(f"residual_window: cannot unpack a Packed of scheme {p.scheme!r}")
         *lead, n, d = p.shape
         start, stop = self.spans(n)
-        ks, vs = [], []
+        device = p.tensors["header"].device
+        out_k = torch.empty(p.shape, dtype=torch.float32, device=device)
+        out_v = torch.empty(p.shape, dtype=torch.float32, device=device)
         if start > 0:
-            ks.append(p.tensors["sink.k"])
-            vs.append(p.tensors["sink.v"])
+            out_k[..., :start, :] = p.tensors["sink.k"]
+            out_v[..., :start, :] = p.tensors["sink.v"]
         if stop > start:
             span_shape = (*lead, stop - start, d)
-            for label, q, out in (("key", self.key, ks), ("value", self.value, vs)):
+            for label, q, out in (("key", self.key, out_k), ("value", self.value, out_v)):
                 inner = {a[len(label) + 1:]: t for a, t in p.tensors.items() if a.startswith(label + ".")}
-                inner["header"] = make_header(stop - start, d, p.tensors["header"].device)
-                out.append(q.dequantize(Packed(q.name, span_shape, torch.float32, inner, q.config())))
+                inner["header"] = make_header(stop - start, d, device)
+                packed = Packed(q.name, span_shape, torch.float32, inner, q.config())
+                target = out[..., start:stop, :]
+                if hasattr(q, "dequantize_into"):  # decode straight into the cache, no temporary
+                    q.dequantize_into(packed, target)
+                else:
+                    target.copy_(q.dequantize(packed))
         if stop < n:
-            ks.append(p.tensors["recent.k"])
-            vs.append(p.tensors["recent.v"])
-        return torch.cat(ks, dim=-2).to(p.dtype), torch.cat(vs, dim=-2).to(p.dtype)
+            out_k[..., stop:, :] = p.tensors["recent.k"]
+            out_v[..., stop:, :] = p.tensors["recent.v"]
+        return out_k.to(p.dtype), out_v.to(p.dtype)

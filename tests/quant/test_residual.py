@@ -80,3 +80,29 @@ def test_bad_window_refused(bad):
 def test_mismatched_kv_refused():
     with pytest.raises(ValueError, match="same shape"):
         rw(0).pack(torch.randn(1, 64, 32), torch.randn(1, 63, 32))
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
+def test_unpack_equals_decoding_each_part_separately(lead, monkeypatch):
+    """unpack decodes straight into the output cache; it must equal the parts decoded on their own
+    and concatenated, with the fused kernels on (forced for small tensors) and off."""
+    from testbed.quant import kernels
+
+    k, v = torch.randn(*lead, 100, 32), torch.randn(*lead, 100, 32)
+    for threshold in (0, 1 << 40):
+        monkeypatch.setattr(kernels, "MIN_FAST_ELEMENTS", threshold)
+        packer = rw(16, s=4)
+        k_hat, v_hat = packer.unpack(packer.pack(k, v))
+        kq, vq = Int4Grouped(32, "channel"), Int4Grouped(32, "token")
+        mid_k = kq.dequantize(kq.quantize(k[..., 4:84, :]))
+        mid_v = vq.dequantize(vq.quantize(v[..., 4:84, :]))
+        assert torch.equal(k_hat, torch.cat([k[..., :4, :], mid_k, k[..., 84:, :]], dim=-2))
+        assert torch.equal(v_hat, torch.cat([v[..., :4, :], mid_v, v[..., 84:, :]], dim=-2))
+
+
+def test_non_finite_in_window_or_span_named_by_full_index():
+    for pos in (2, 50, 99):
+        k = torch.randn(2, 100, 32)
+        k[1, pos, 3] = float("nan")
+        with pytest.raises(ValueError, match=rf"k: non-finite value nan at index \(1, {pos}, 3\)"):
+            rw(16, s=4).pack(k, torch.randn(2, 100, 32))
