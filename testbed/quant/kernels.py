@@ -296,9 +296,29 @@ if numba is not None:
                     sc = u + 127
                 scales[r, bi] = sc
                 if per == 1:
+                    # branch-free over the block (vectorizable); elements in the float32 or element
+                    # subnormal range are flagged and redone by the exact routine
+                    shift = 23 - mbits
+                    half = 1 << (shift - 1)
+                    low = (1 << shift) - 1
+                    rebias = (127 - sc) << 23
+                    slow = 0
                     for d in range(d0, min(d0 + block, D)):
-                        codes[r, d] = _mx_encode_bits(np.int64(xi[r, d]), x[r, d], sc, emin, emax, mbits, bias,
-                                                      maxv, maxbits, maxcode, sign_shift)
+                        xb = np.int64(xi[r, d])
+                        ax = xb & 0x7FFFFFFF
+                        ex = ax >> 23
+                        ey = ex - sc
+                        keep = (ax & 0x7FFFFF) >> shift
+                        rem = ax & low
+                        up = np.int64(rem > half) | (np.int64(rem == half) & (keep & 1))
+                        code = ((ey + bias) << mbits) + keep + up
+                        code = maxcode if ax + rebias > maxbits else code
+                        slow += np.int64(ex == 0) | np.int64(ey < emin)
+                        codes[r, d] = (code & 0x7F) | ((xb >> 31) << sign_shift)
+                    if slow:
+                        for d in range(d0, min(d0 + block, D)):
+                            codes[r, d] = _mx_encode_bits(np.int64(xi[r, d]), x[r, d], sc, emin, emax, mbits,
+                                                          bias, maxv, maxbits, maxcode, sign_shift)
                     for d in range(max(d0, D), d0 + block):
                         codes[r, d] = 0
                 else:
