@@ -6,31 +6,36 @@ and the softmax, and the P path materializes ``P [H, Tq, Tk]``. At the seed stud
 heads, 2,340 queries x 6,240 keys, D = 128: 467 M scores per path) that costs minutes and gigabytes.
 `analyze` computes, per tile of one KV head's query-head group (GQA) x a slice of queries:
 
-1. the scores ``S = (Q / sqrt(D)) Kᵀ`` once (one matmul);
-2. in one numba kernel per row: the max per key *atom* (atoms are the key spans cut at every
-   region, ablation-span and key-block boundary), ``e = exp(S - max)`` written in place with the
-   sums ``Z_a`` per atom and ``sum e (S - max)`` (the entropy without a logarithm per key), the
-   argmax, and the top 1/5/10 % mass by an exact radix select on the bits of ``e`` (a histogram of
-   1/8-octave buckets, then the few keys of the boundary bucket sorted) -- no sort of the row;
-3. the P path: ``float32(e / Z)`` quantized MX (E8M0 FLOOR scale per 32-key block, elements
+1. the scores ``S = (Q / sqrt(D)) Kᵀ`` once, and per Q/K rotation the scores of the MX-decoded
+   ``Q̂, K̂`` (quantized once per record: signed Hadamard by butterflies in float64, then MX
+   encode/decode, bit-identical to `testbed.quant.mx.MX`, checked by the tests);
+2. one numba kernel per row: the max per key *atom* (the key spans cut at every region,
+   ablation-span and key-block boundary), ``e = exp(S - max)`` in place with the sums ``Z_a`` per
+   atom and ``sum e (S - max)`` (the entropy without a logarithm per key), the argmax, and the
+   top 1/5/10 % mass by an exact radix select on the bits of ``e`` (a histogram of 1,024 buckets
+   spanning the row's own range, the sum above each boundary bucket, and the few keys of the
+   boundary bucket sorted) -- no sort of the row;
+3. per Q/K rotation: softmax of the scores, TV against ``P``, argmax;
+4. the P path: ``float32(e / Z)`` MX-quantized (E8M0 FLOOR scale per 32-key block, elements
    rounded to nearest even and saturated) and decoded in the same kernel, bit-identical to
-   `testbed.quant.mx.MX` (checked by the tests), with its numerical-zero count, row sum and TV;
-4. per Q/K rotation: the scores of the MX-decoded ``Q̂, K̂`` (quantized once per record with the
-   fast kernel), their softmax, TV against ``P`` and argmax;
-5. the P·V products: ``e`` per ablation atom (``sum_a e_a V_a = Z O``, so the ablations cost no
-   extra matmul: dropping a region is merging the other atoms, as in `testbed.ablation`), and the
-   Q/K and P paths' ``P̂ V``; a small kernel turns them into per-row output errors.
+   `testbed.quant.mx.MX`, with its numerical-zero count, row sum, TV and argmax;
+5. the P·V products: ``e`` per ablation atom (``sum_a e_a V_a = Z O``: the ablations cost no
+   extra matmul, dropping a region is merging the other atoms, as in `testbed.ablation`), and the
+   paths' output errors ``(P̂ - P) V``; a small kernel turns them into per-row errors.
 
 Only per-row results (a few floats per head x query) and per-head sums are kept, never
 ``[H, Tq, Tk]``. A tile holds about ``max_scores`` scores per path.
 
 Precision. ``dtype=torch.float64`` follows the testbed's reference (float64 scores, softmax and
-P·V) and agrees with `observe`, `ablate` and ``mx_paths`` to rounding (~1e-12, tests). The fast
-path is ``float32``: scores, softmax and P·V in float32 (the precision of the Case's Q, K, V and
-of the attention kernels being simulated), with float64 accumulation of every row sum, mass and
-error. It halves the memory traffic and the matmul time; on the video record its reported
-medians and means differ from float64 by well under 1e-4 absolute (`benchmarks/bench_streaming.py`
-measures it on a sample). Deviations by design, each small and stated:
+P·V) and agrees with `observe`, `ablate` and ``mx_paths`` to rounding (1e-12, tests). The fast
+path is ``float32``: scores, softmax and the reference P·V in float32 (the precision of the
+Case's Q, K, V and of the attention kernels being simulated) with float64 accumulation of every
+row sum, mass and error; it halves memory traffic and matmul time. The paths' output errors are
+an error of an error, so float32 forms ``(P̂ - P) V`` with the difference in bfloat16 (high + low
+parts, ~16 bits, for a Q/K arm; one part for the P path) and V in bfloat16, float32 accumulation
+(oneDNN's AVX512-BF16 GEMM, ~2.8x a float32 one here). On the video record every reported median
+and mean of float32 is within ~1e-6 of float64 (the P path's rel-L2 moves by ~5e-5 relative;
+`benchmarks/bench_streaming.py` measures it on a sample). Deviations by design, each stated:
 
 - ``exp`` is a range-reduced polynomial (Cody-Waite, ``2^t`` from its bits; ~1 ulp in float32,
   ~1e-16 in float64) so that it vectorizes; ``exp(x)`` below ``-87`` (float32) / ``-708``
@@ -45,10 +50,14 @@ measures it on a sample). Deviations by design, each small and stated:
 - argmax is the first key of largest ``e`` (the first largest score), i.e. ties are those of the
   scores, as for a float64 softmax.
 
+Threads: torch (MKL) and numba each run their own OpenMP pool, and both spin a while after a
+parallel region; a tile therefore runs its Q Kᵀ matmuls, then its kernels, then its P·V. ``seconds`` and
+``cpu_seconds`` of the result give wall and CPU time per stage.
+
 References: the Catnip week-10 KV-cache attention study (seed 000) for the metrics and the
 ablations; OCP Microscaling Formats v1.0 for MX (see `testbed.quant.mx`); the online-softmax
-merge of partial sums (Milakov and Gimelshein 2018; FlashAttention, Dao et al. 2022).
-"""
+merge of partial sums (Milakov and Gimelshein 2018; FlashAttention, Dao et al. 2022); the fast
+Walsh-Hadamard transform for the signed-Hadamard rotation (QuaRot, Ashkboos et al. 2024)."""
 
 from __future__ import annotations
 
@@ -61,7 +70,6 @@ import torch
 
 from .ablation import ArmResult, ablate, history_span, make_ablation
 from .metrics import Observation, TOP_PERCENTS, frame_size, jaccard, strict_zero_rate, top_blocks, top_counts
-from .quant import kernels
 from .quant.mx import ELEMENTS, MX
 
 __all__ = ["analyze", "StreamResult", "QKPath", "PPath", "DEFAULT_ABLATIONS", "DEFAULT_MAX_SCORES"]
@@ -430,6 +438,16 @@ if numba is not None:
             for i in range(top.shape[1]):
                 top[r, i] = top[r, i] / z
 
+    @njit(inline="always", cache=True)
+    def _bf16_bits(v):
+        """bfloat16 bit pattern of the float32 v, rounded to nearest even."""
+        b = np.int64(np.float32(v).view(np.int32)) & 0xFFFFFFFF
+        return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+    @njit(inline="always", cache=True)
+    def _bf16_value(h):
+        return np.int32(np.int64(h) << 16).view(np.float32)
+
     @njit(fastmath=True, cache=True)
     def _tv_row(xh, invh, x, inv):
         tv = 0.0
@@ -437,9 +455,24 @@ if numba is not None:
             tv += abs(np.float64(xh[j]) * invh - np.float64(x[j]) * inv)
         return 0.5 * tv
 
+    @njit(fastmath=True, cache=True)
+    def _tv_diff_row(xh, invh, x, inv, dh, dl):
+        """TV, and the difference P-hat - P written as bfloat16 high and low parts (dh + dl carries
+        ~16 significant bits), for the output-error product."""
+        tv = 0.0
+        for j in range(x.shape[0]):
+            dd = np.float64(xh[j]) * invh - np.float64(x[j]) * inv
+            tv += abs(dd)
+            d32 = np.float32(dd)
+            hb = _bf16_bits(d32)
+            dh[j] = hb
+            dl[j] = _bf16_bits(d32 - _bf16_value(hb))
+        return 0.5 * tv
+
     @njit(parallel=True, cache=True)
-    def _arm_tile(SH, nvis, wide, E, inv, invh, tv, arg):
-        """Q/K-path rows: SH -> e-hat in place, TV against the reference row, argmax."""
+    def _arm_tile(SH, nvis, wide, E, inv, invh, tv, arg, DH, DL):
+        """Q/K-path rows: SH -> e-hat in place, TV against the reference row, argmax; with DH, DL
+        non-empty also P-hat - P as bfloat16 high/low parts (0 beyond the visible keys)."""
         for r in prange(SH.shape[0]):
             x = SH[r]
             n = nvis[r]
@@ -447,7 +480,12 @@ if numba is not None:
             z, h1, f1 = _exp(x[:n], m, 1e30, wide)
             _fill_zero(x[n:])
             invh[r] = 1.0 / z
-            tv[r] = _tv_row(x[:n], 1.0 / z, E[r, :n], inv[r])
+            if DH.shape[0] > 0:
+                tv[r] = _tv_diff_row(x[:n], 1.0 / z, E[r, :n], inv[r], DH[r, :n], DL[r, :n])
+                _fill_zero(DH[r, n:])
+                _fill_zero(DL[r, n:])
+            else:
+                tv[r] = _tv_row(x[:n], 1.0 / z, E[r, :n], inv[r])
             arg[r] = _first_eq(x[:n], 1.0)
 
     # -- P path: MX fake quantization of float32(e / Z), bit-identical to testbed.quant.mx --------
@@ -516,11 +554,29 @@ if numba is not None:
             pos += p > 0
         return 0.5 * tv, rs, zeros, pos
 
+    @njit(fastmath=True, cache=True)
+    def _p_stats_diff(e, inv, ph, dd):
+        """`_p_stats`, and P-hat - P written as bfloat16 (its error product needs no more)."""
+        tv = 0.0
+        rs = 0.0
+        zeros = 0
+        pos = 0
+        for j in range(e.shape[0]):
+            p = np.float64(e[j]) * inv
+            h = np.float64(ph[j])
+            tv += abs(h - p)
+            rs += h
+            zeros += (p > 0) & (h == 0)
+            pos += p > 0
+            dd[j] = _bf16_bits(np.float32(h - p))
+        return 0.5 * tv, rs, zeros, pos
+
     @njit(parallel=True, cache=True)
-    def _p_tile(E, nvis, inv, block, emax, emin, mbits, maxv, PH, tv, rsum, zrate, arg):
+    def _p_tile(E, nvis, inv, block, emax, emin, mbits, maxv, PH, tv, rsum, zrate, arg, DP):
         """P-path rows: PH = MX fake-quantized float32(E * inv) (E is 0 beyond the visible keys),
         bit-identical to `testbed.quant.mx.MX` on float32(P); its TV against P, row sum,
-        numerical-zero rate and argmax (first key of the largest decoded value)."""
+        numerical-zero rate and argmax (first key of the largest decoded value); with DP non-empty
+        also P-hat - P as bfloat16."""
         R, T = E.shape
         mvf = np.float32(maxv)
         nbk = (T + block - 1) // block
@@ -572,7 +628,11 @@ if numba is not None:
                         for j in range(k * block, min((k + 1) * block, T)):
                             ph[j] = np.float32(_mx_one(np.float32(e[j] * invc), scs[k], emin, mbits, maxv))
             best = _mx_one(best_in, scs[best_k], emin, mbits, maxv) if best_in > 0 else 0.0
-            t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n])
+            if DP.shape[0] > 0:
+                t, s, z, pos = _p_stats_diff(e[:n], inv[r], ph[:n], DP[r, :n])
+                _fill_zero(DP[r, n:])
+            else:
+                t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n])
             tv[r] = t
             rsum[r] = s
             zrate[r] = z / max(pos, 1)
@@ -599,66 +659,81 @@ if numba is not None:
             q = q if q < maxv else maxv
             ob[u] = math.copysign(q * up, v[u])
 
+    _FWHT_ROWS = 16
+
     @njit(parallel=True, cache=True)
     def _mx_rows(X, signs, hb, block, emax, emin, mbits, maxv, out):
         """out[r] = MX decode(encode(rotate(X[r]))), the values `MX.decode_rotated(MX.quantize(X))`
         returns. ``signs`` empty: no rotation; else ``x -> (x * signs) blockdiag(H_hb) / sqrt(hb)``
-        in float64 by butterflies (the same sums as SignedHadamard's dense product), rounded to
-        float32 as SignedHadamard.apply does."""
+        in float64 by butterflies (the sums of SignedHadamard's dense product; the tests check the
+        codes bit for bit), rounded to float32 as SignedHadamard.apply does. The butterflies run on
+        16 rows at once (transposed), so that every stage is a contiguous vector operation."""
         N, D = X.shape
+        G = _FWHT_ROWS
         sq = math.sqrt(hb)
         nbk = (D + block - 1) // block
         mvf = np.float32(maxv)
-        for r in prange(N):
-            v = np.empty(D, np.float32)
+        ngrp = (N + G - 1) // G
+        for grp in prange(ngrp):
+            r0 = grp * G
+            nr = min(G, N - r0)
+            v = np.empty((G, D), np.float32)
             if signs.shape[0] > 0:
-                y = np.empty(D)
-                for i in range(D):
-                    y[i] = np.float64(X[r, i]) * signs[i]
+                t = np.zeros((D, G))
+                for u in range(nr):
+                    for i in range(D):
+                        t[i, u] = np.float64(X[r0 + u, i]) * signs[i]
                 for b0 in range(0, D, hb):
                     h = 1
                     while h < hb:
                         for i in range(b0, b0 + hb, 2 * h):
                             for jj in range(i, i + h):
-                                a = y[jj]
-                                b = y[jj + h]
-                                y[jj] = a + b
-                                y[jj + h] = a - b
+                                ta = t[jj]
+                                tb = t[jj + h]
+                                for u in range(G):
+                                    x = ta[u]
+                                    y = tb[u]
+                                    ta[u] = x + y
+                                    tb[u] = x - y
                         h *= 2
-                for i in range(D):
-                    v[i] = np.float32(y[i] / sq)
+                for u in range(nr):
+                    for i in range(D):
+                        v[u, i] = np.float32(t[i, u] / sq)
             else:
-                for i in range(D):
-                    v[i] = X[r, i]
-            o = out[r]
-            for k in range(nbk):
-                a0 = k * block
-                b0 = min(a0 + block, D)
-                amax = np.float32(_absmax(v[a0:b0]))
-                if amax == 0:
-                    for i in range(a0, b0):
-                        o[i] = v[i]                       # +-0 keep their sign, as the codes do
-                    continue
-                field = (np.float32(amax).view(np.int32) >> 23) & 255
-                sc = min(max(field - 127 - emax, -127), 127)
-                if field == 0 or sc < -127 - emin:
-                    if field == 0:
-                        _, ex = math.frexp(amax)
-                        sc = min(max(ex - 1 - emax, -127), 127)
-                    for i in range(a0, b0):
-                        y1 = abs(np.float64(v[i])) * math.ldexp(1.0, -sc)
-                        q = 0.0
-                        if y1 > 0:
-                            _, ey = math.frexp(y1)
-                            qu = math.ldexp(1.0, max(ey - 1, emin) - mbits)
-                            q = min(np.rint(y1 / qu) * qu, np.float64(maxv))
-                        o[i] = math.copysign(np.float32(q * math.ldexp(1.0, sc)), v[i])
-                else:
-                    down = np.int32((127 - sc) << 23).view(np.float32)
-                    up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
-                    _mx_signed_block(v[a0:b0], o[a0:b0], sc, down, up, emin, mbits, mvf)
+                for u in range(nr):
+                    for i in range(D):
+                        v[u, i] = X[r0 + u, i]
+            for u in range(nr):
+                vu = v[u]
+                o = out[r0 + u]
+                for k in range(nbk):
+                    a0 = k * block
+                    b0 = min(a0 + block, D)
+                    amax = np.float32(_absmax(vu[a0:b0]))
+                    if amax == 0:
+                        for i in range(a0, b0):
+                            o[i] = vu[i]                      # +-0 keep their sign, as the codes do
+                        continue
+                    field = (np.float32(amax).view(np.int32) >> 23) & 255
+                    sc = min(max(field - 127 - emax, -127), 127)
+                    if field == 0 or sc < -127 - emin:
+                        if field == 0:
+                            _, ex = math.frexp(amax)
+                            sc = min(max(ex - 1 - emax, -127), 127)
+                        for i in range(a0, b0):
+                            y1 = abs(np.float64(vu[i])) * math.ldexp(1.0, -sc)
+                            q = 0.0
+                            if y1 > 0:
+                                _, ey = math.frexp(y1)
+                                qu = math.ldexp(1.0, max(ey - 1, emin) - mbits)
+                                q = min(np.rint(y1 / qu) * qu, np.float64(maxv))
+                            o[i] = math.copysign(np.float32(q * math.ldexp(1.0, sc)), vu[i])
+                    else:
+                        down = np.int32((127 - sc) << 23).view(np.float32)
+                        up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
+                        _mx_signed_block(vu[a0:b0], o[a0:b0], sc, down, up, emin, mbits, mvf)
 
-    @njit(fastmath=True, cache=True)
+    @njit(parallel=True, fastmath=True, cache=True)
     def _post_tile(NA, zc, inv, OH, invh, drop, kept_vis, out_ref, ref2, err_arm, ab_err2, ab_dot, ab_out2,
                    ab_tau, ab_tv, ab_ok):
         """Per-row outputs and errors from the P.V partial products.
@@ -669,7 +744,7 @@ if numba is not None:
         A, R, D = NA.shape
         P = OH.shape[0]
         B = drop.shape[0]
-        for r in range(R):
+        for r in prange(R):
             o = np.zeros(D)
             for a in range(A):
                 for d in range(D):
@@ -724,6 +799,70 @@ if numba is not None:
                         tv += abs(w - zc[r, a] / kz)
                 ab_tau[i, r] = tau
                 ab_tv[i, r] = 0.5 * tv
+
+
+if numba is not None:
+
+    @njit(cache=True)
+    def _fragile_rows(amax, coarse_of_fine, drop, ok, mx, fragile, out):
+        """out[i, r]: ablation i keeps only keys more than ``fragile`` nats below row r's max."""
+        R, F = amax.shape
+        for r in range(R):
+            for i in range(drop.shape[0]):
+                km = _SENTINEL
+                for f in range(F):
+                    if not drop[i, coarse_of_fine[f]]:
+                        km = max(km, amax[r, f])
+                out[i, r] = ok[i, r] and (mx[r] - km > fragile)
+
+    @njit(cache=True)
+    def _scatter_tile(h0, c, s0, nv, ent, top, top_rows, asum, inv, f2r, f2b, ref2, ptv, parg, arg, err_arm, zr, rs,
+                      ok, tau, tv2, e2, dt, o2, rows, ref2_head, path_tv, path_agree, path_err2, pp_zero, pp_sum,
+                      ab_dm, ab_tv, undefined, sums, bm):
+        """Per-row results of one tile into the [H, Tq] arrays (row r is head h0 + r // c, query
+        s0 + r % c) and per-head sums; ``bm`` receives the rows' key-block masses."""
+        R, F = asum.shape
+        nreg = f2r.shape[1]
+        nkb = f2b.shape[1]
+        npc = top.shape[1]
+        for r in range(R):
+            hh = h0 + r // c
+            qq = s0 + r % c
+            nvf = np.float64(nv[r])
+            rows[0, hh, qq] = nvf
+            rows[1, hh, qq] = math.exp(ent[r]) / nvf
+            for i in range(npc):
+                rows[top_rows[i], hh, qq] = top[r, i]
+            rows[2 + npc, hh, qq] = 0.0
+            iv = inv[r]
+            for x in range(nreg):
+                t = 0.0
+                for f in range(F):
+                    t += asum[r, f] * iv * f2r[f, x]
+                rows[3 + npc + x, hh, qq] = t
+            for x in range(nkb):
+                t = 0.0
+                for f in range(F):
+                    t += asum[r, f] * iv * f2b[f, x]
+                bm[r, x] = t
+            ref2_head[hh] += ref2[r]
+            for p in range(ptv.shape[0]):
+                path_tv[p, hh, qq] = ptv[p, r]
+                path_agree[p, hh, qq] = parg[p, r] == arg[r]
+                path_err2[p, hh] += err_arm[p, r]
+            if pp_zero.shape[0] > 0:
+                pp_zero[hh, qq] = zr[r]
+                pp_sum[hh, qq] = rs[r]
+            for i in range(ab_dm.shape[0]):
+                if ok[i, r]:
+                    ab_dm[i, hh, qq] = tau[i, r]
+                    ab_tv[i, hh, qq] = tv2[i, r]
+                    sums[0, i, hh] += e2[i, r]
+                    sums[1, i, hh] += ref2[r]
+                    sums[2, i, hh] += dt[i, r]
+                    sums[3, i, hh] += o2[i, r]
+                else:
+                    undefined[i, hh] += 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -923,25 +1062,26 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     f64 = np.float64
     pnames = [f"top{pc}" for pc in percents]
     row_keys = ["visible_keys", "support", *pnames, "zero_rate", *[f"{r}_mass" for r in rnames]]
-    rows = {key: np.empty((h, tq), f64) for key in row_keys}
+    rows_arr = np.empty((len(row_keys), h, tq), f64)       # visible, support, top*, zero_rate, regions
+    rows = {key: rows_arr[i] for i, key in enumerate(row_keys)}
+    top_rows = np.array([2 + order[col] for col in range(len(order))], np.int64)
     heat = torch.zeros(h, len(qblocks), nkb, dtype=torch.float64)
     counts = torch.bincount(qb_index, minlength=len(qblocks)).to(torch.float64)
     jq = torch.empty(h, max(tq - 1, 0), dtype=torch.float64)
     set_size = torch.empty(h, tq, dtype=torch.float64)
-    prev = {}
     dropped_mass = np.full((nab, h, tq), np.nan)
     ab_tv = np.full((nab, h, tq), np.nan)
     undefined = np.zeros((nab, h), np.int64)
-    sums = {key: np.zeros((nab, h)) for key in ("err2", "ref2", "dot", "out2")}
+    sums_arr = np.zeros((4, nab, h))
+    sums = dict(zip(("err2", "ref2", "dot", "out2"), sums_arr))
     output = np.empty((h, tq, d)) if keep_output else None
     npaths = len(arms) + (1 if p_path else 0)
     path_tv = np.empty((npaths, h, tq))
     path_agree = np.empty((npaths, h, tq), np.bool_)
     path_err2 = np.zeros((npaths, h))
     ref2_head = np.zeros(h)
-    if p_path:
-        pp_zero = np.empty((h, tq))
-        pp_sum = np.empty((h, tq))
+    pp_zero = np.empty((h, tq) if p_path else (0, 0))
+    pp_sum = np.empty((h, tq) if p_path else (0, 0))
     fallback = {"zero_rate": 0, "ablation": 0}
 
     # ---- tile buffers, reused ----------------------------------------------------------------
@@ -951,6 +1091,13 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     X = np.empty((max(npaths, 1) * rmax, tk), np_dt)                     # Q/K arms' e-hat, then P-hat
     NA = np.empty((na, rmax, d), np_dt)
     OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
+    # float32: the paths' output errors come from (P-hat - P) V with the difference in bfloat16
+    # (high + low parts for a Q/K arm, one part for the P path) and V in bfloat16; float64 keeps
+    # P-hat V in float64
+    bf16 = not wide and npaths > 0
+    nd = 2 * len(arms) + (1 if p_path else 0)
+    DQ = np.empty((nd * rmax, tk) if bf16 else (0, 0), np.uint16)
+    no_d = np.empty((0, 0), np.uint16)
     bone = int(np.array(1.0, np_dt).view(np.int64 if wide else np.int32))
     nthr = numba.config.NUMBA_NUM_THREADS                                 # scratch: one row per thread
     Bs = np.empty((nthr, tk), np.uint16)
@@ -970,12 +1117,16 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     err_arm = np.empty((max(npaths, 1), rmax))
     e2, dt_, o2, tau, tv2 = (np.zeros((max(nab, 1), rmax)) for _ in range(5))
     ok = np.zeros((max(nab, 1), rmax), np.bool_)
+    frag = np.zeros((max(nab, 1), rmax), np.bool_)
+    bm_t = np.empty((rmax, nkb))
+    bm_head = np.empty((g, tq, nkb))
     qs_all = case.q.to(dtype) * scale
     fragile = FRAGILE[dtype]
     tiles = 0
     for j in range(hkv):
         kj = case.k[j].to(dtype)
         vj = case.v[j].to(dtype)
+        vj16 = vj.to(torch.bfloat16) if bf16 else None
         arm_k = [kh[j].to(dtype) for _, _, _, kh in arms]
         heads = slice(j * g, (j + 1) * g)
         for s0 in range(0, tq, step):
@@ -986,6 +1137,11 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
             Sv = S[:R]
             torch.matmul(qs_all[heads, qs].reshape(R, d), kj.T, out=torch.from_numpy(Sv))
             clock.lap("QK^T matmul (reference)")
+            # every Q Kᵀ of the tile back to back, then the numba kernels: torch's and numba's OpenMP
+            # pools each spin a while after their parallel regions, so fewer switches waste less
+            for ai, (rot, _, aq, _) in enumerate(arms):
+                torch.matmul(aq[heads, qs].reshape(R, d), arm_k[ai].T, out=torch.from_numpy(X[ai * R:(ai + 1) * R]))
+            clock.lap("QK^T matmul (MX Q/K arms)")
             nv = np.tile(nvis_q[qs], g)
             ks = np.tile(ks_q[qs], (g, 1))
             _ref_tile(Sv, Sv.view(np.int64 if wide else np.int32), nv, cuts, wide, ZERO_GATE, ks, bone,
@@ -993,109 +1149,84 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
                       Bs, cnts, gvals, gflags)
             clock.lap("softmax + observational kernel")
 
-            for ai, (rot, _, aq, _) in enumerate(arms):
+            for ai in range(len(arms)):
                 Xa = X[ai * R:(ai + 1) * R]
-                torch.matmul(aq[heads, qs].reshape(R, d), arm_k[ai].T, out=torch.from_numpy(Xa))
-                clock.lap("QK^T matmul (MX Q/K arms)")
-                _arm_tile(Xa, nv, wide, Sv, inv[:R], invh[ai, :R], ptv[ai, :R], parg[ai, :R])
+                dh = DQ[2 * ai * R:(2 * ai + 1) * R] if bf16 else no_d
+                dl = DQ[(2 * ai + 1) * R:(2 * ai + 2) * R] if bf16 else no_d
+                _arm_tile(Xa, nv, wide, Sv, inv[:R], invh[ai, :R], ptv[ai, :R], parg[ai, :R], dh, dl)
                 clock.lap("Q/K arm kernel")
             if p_path:
                 pi = len(arms)
                 _p_tile(Sv, nv, inv[:R], block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, X[pi * R:(pi + 1) * R],
-                        ptv[pi, :R], rs[:R], zr[:R], parg[pi, :R])
+                        ptv[pi, :R], rs[:R], zr[:R], parg[pi, :R],
+                        DQ[2 * len(arms) * R:(2 * len(arms) + 1) * R] if bf16 else no_d)
                 invh[pi, :R] = 1.0
                 clock.lap("P-path MX kernel")
 
             # P.V: e per ablation atom (sums to Z O), and the paths' P-hat V in one product
             for a, (s, t) in enumerate(coarse_b):
                 torch.matmul(torch.from_numpy(Sv[:, s:t]), vj[s:t], out=torch.from_numpy(NA[a, :R]))
-            if npaths:
+            if bf16:
+                prod = torch.matmul(torch.from_numpy(DQ[: nd * R]).view(torch.bfloat16), vj16).view(nd, R, d).float()
+                for ai in range(len(arms)):
+                    err_arm[ai, :R] = (prod[2 * ai] + prod[2 * ai + 1]).double().square().sum(dim=-1).numpy()
+                if p_path:
+                    err_arm[len(arms), :R] = prod[nd - 1].double().square().sum(dim=-1).numpy()
+            elif npaths:
                 torch.matmul(torch.from_numpy(X[: npaths * R]), vj, out=torch.from_numpy(OH[: npaths * R]))
             clock.lap("P.V matmuls")
 
             zc = asum[:R] @ fine_to_coarse
             kept_vis = np.clip(np.minimum(nv[:, None], coarse_hi[None, :]) - coarse_lo[None, :], 0, None)
-            _post_tile(NA[:, :R], zc, inv[:R], OH[: max(npaths, 1) * R].reshape(max(npaths, 1), R, d)[:npaths],
-                       invh[:npaths, :R], drop, kept_vis, out_ref[:R], ref2[:R], err_arm[:, :R],
+            npost = 0 if bf16 else npaths                       # bfloat16: the errors are already in err_arm
+            _post_tile(NA[:, :R], zc, inv[:R], OH[: max(npaths, 1) * R].reshape(max(npaths, 1), R, d)[:npost],
+                       invh[:npost, :R], drop, kept_vis, out_ref[:R], ref2[:R], err_arm[:, :R],
                        e2[:, :R], dt_[:, :R], o2[:, :R], tau[:, :R], tv2[:, :R], ok[:, :R])
             clock.lap("output errors kernel")
 
             # ---- per-row results into [H, Tq] ----
-            gc = (g, c)
-            r2 = ref2[:R].reshape(gc)
-            ref2_head[heads] += r2.sum(axis=1)
-            for pi in range(npaths):
-                path_tv[pi, heads, qs] = ptv[pi, :R].reshape(gc)
-                path_agree[pi, heads, qs] = (parg[pi, :R] == arg[:R]).reshape(gc)
-                path_err2[pi, heads] += err_arm[pi, :R].reshape(gc).sum(axis=1)
-            if p_path:
-                pp_zero[heads, qs] = zr[:R].reshape(gc)
-                pp_sum[heads, qs] = rs[:R].reshape(gc)
+            if nab:
+                _fragile_rows(amax[:R], coarse_of_fine, drop, ok[:, :R], mx_[:R], fragile, frag[:, :R])
+                for i, rr in zip(*np.nonzero(frag[:nab, :R])):   # kept keys far below the max: `ablate` recomputes
+                    fallback["ablation"] += 1
+                    hh_, qq = j * g + rr // c, s0 + rr % c
+                    res = ablate(case.q[hh_:hh_ + 1, qq:qq + 1], case.k[j:j + 1], case.v[j:j + 1],
+                                 case.query_positions[qq:qq + 1], case.causal, case.layout, {names[i]: spans[names[i]]})
+                    e2[i, rr], dt_[i, rr], o2[i, rr] = float(res.err2[0, 0]), float(res.dot[0, 0]), float(res.out2[0, 0])
+                    tau[i, rr], tv2[i, rr] = float(res.dropped_mass[0, 0, 0]), float(res.tv[0, 0, 0])
+            _scatter_tile(j * g, c, s0, nv, ent[:R], top[:R], top_rows, asum[:R], inv[:R], fine_to_region, fine_to_block,
+                          ref2[:R], ptv[:npaths, :R], parg[:npaths, :R], arg[:R], err_arm[:npaths, :R], zr[:R], rs[:R],
+                          ok[:nab, :R], tau[:nab, :R], tv2[:nab, :R], e2[:nab, :R], dt_[:nab, :R], o2[:nab, :R],
+                          rows_arr, ref2_head, path_tv, path_agree, path_err2, pp_zero, pp_sum, dropped_mass, ab_tv,
+                          undefined, sums_arr, bm_t[:R])
             if keep_output:
                 output[heads, qs] = out_ref[:R].reshape(g, c, d)
-            if nab:
-                amax_c = np.full((R, na), _SENTINEL)
-                for a in range(na):
-                    amax_c[:, a] = amax[:R, coarse_of_fine == a].max(axis=1)
-                for i, nm in enumerate(names):
-                    kept_max = np.where(drop[i][None, :], _SENTINEL, amax_c).max(axis=1)
-                    bad = np.nonzero(ok[i, :R] & (mx_[:R] - kept_max > fragile))[0]
-                    for rr in bad:                  # kept keys far below the max: `ablate` recomputes the row
-                        fallback["ablation"] += 1
-                        hh_, qq = j * g + rr // c, s0 + rr % c
-                        res = ablate(case.q[hh_:hh_ + 1, qq:qq + 1], case.k[j:j + 1], case.v[j:j + 1],
-                                     case.query_positions[qq:qq + 1], case.causal, case.layout, {nm: spans[nm]})
-                        e2[i, rr], dt_[i, rr], o2[i, rr] = float(res.err2[0, 0]), float(res.dot[0, 0]), float(res.out2[0, 0])
-                        tau[i, rr], tv2[i, rr] = float(res.dropped_mass[0, 0, 0]), float(res.tv[0, 0, 0])
-                    oki = ok[i, :R].reshape(gc)
-                    dropped_mass[i, heads, qs] = np.where(oki, tau[i, :R].reshape(gc), np.nan)
-                    ab_tv[i, heads, qs] = np.where(oki, tv2[i, :R].reshape(gc), np.nan)
-                    undefined[i, heads] += (~oki).sum(axis=1)
-                    sums["err2"][i, heads] += np.where(oki, e2[i, :R].reshape(gc), 0.0).sum(axis=1)
-                    sums["ref2"][i, heads] += np.where(oki, r2, 0.0).sum(axis=1)
-                    sums["dot"][i, heads] += np.where(oki, dt_[i, :R].reshape(gc), 0.0).sum(axis=1)
-                    sums["out2"][i, heads] += np.where(oki, o2[i, :R].reshape(gc), 0.0).sum(axis=1)
-
-            nvf = nv.astype(f64).reshape(gc)
-            rows["visible_keys"][heads, qs] = nvf
-            rows["support"][heads, qs] = np.exp(ent[:R]).reshape(gc) / nvf
-            for col, i in enumerate(order):
-                rows[pnames[i]][heads, qs] = top[:R, col].reshape(gc)
-            zero = np.zeros(R)
             for rr in np.nonzero(far[:R] > 0)[0]:  # logits spanning > ZERO_GATE nats: torch's float32 softmax
                 fallback["zero_rate"] += 1
                 hh_, qq = j * g + rr // c, s0 + rr % c
                 s64 = (case.q[hh_, qq:qq + 1].to(torch.float64) @ case.k[j].to(torch.float64).T) * scale
                 vis = torch.arange(tk).unsqueeze(0) < int(nv[rr])
                 p32 = torch.softmax(s64.to(torch.float32).masked_fill(~vis, float("-inf")), dim=-1)
-                zero[rr] = float(strict_zero_rate(p32, vis if case.causal else None)[0])
-            rows["zero_rate"][heads, qs] = zero.reshape(gc)
-            mass = asum[:R] * inv[:R, None]                                               # [R, F]
-            rm = mass @ fine_to_region
-            for ri, rn in enumerate(rnames):
-                rows[f"{rn}_mass"][heads, qs] = rm[:, ri].reshape(gc)
-            bm = torch.from_numpy(mass @ fine_to_block).view(g, c, nkb)
-            heat[heads].index_add_(1, qb_index[qs], bm)
-            sets = top_blocks(bm, coverage)
-            set_size[heads, qs] = sets.sum(dim=-1).to(torch.float64)
-            for gi, hh in enumerate(range(heads.start, heads.stop)):
-                cur = sets[gi]
-                if qs.start > 0:
-                    cur_prev = torch.cat([prev[hh].unsqueeze(0), cur], dim=0)
-                    jq[hh, qs.start - 1:qs.stop - 1] = jaccard(cur_prev[1:], cur_prev[:-1])
-                elif cur.shape[0] > 1:
-                    jq[hh, : qs.stop - 1] = jaccard(cur[1:], cur[:-1])
-                prev[hh] = cur[-1]
+                rows["zero_rate"][hh_, qq] = float(strict_zero_rate(p32, vis if case.causal else None)[0])
+            bm_head[:, qs] = bm_t[:R].reshape(g, c, nkb)
             clock.lap("per-tile bookkeeping")
+        # key-block masses of the whole head group: heatmap, top-block sets, Jaccard (metrics' own code)
+        bm = torch.from_numpy(bm_head)
+        heat[heads].index_add_(1, qb_index, bm)
+        sets = top_blocks(bm, coverage)
+        set_size[heads] = sets.sum(dim=-1).to(torch.float64)
+        if tq > 1:
+            jq[heads] = jaccard(sets[:, 1:], sets[:, :-1])
+        clock.lap("per-tile bookkeeping")
 
     heat = heat / counts.view(1, -1, 1)
     bsets = top_blocks(heat, coverage)
     jb = jaccard(bsets[:, 1:], bsets[:, :-1]) if len(qblocks) > 1 else torch.empty(h, 0, dtype=torch.float64)
     T = torch.from_numpy
-    obs = Observation({k: T(v) for k, v in rows.items()}, heat, qblocks, frame, jq, jb, set_size)
+    obs = Observation({k: T(v.copy()) for k, v in rows.items()}, heat, qblocks, frame, jq, jb, set_size)
     rmass = {rn: T(rows[f"{rn}_mass"]) for rn in rnames}
-    arm = ArmResult(names, T(dropped_mass), T(ab_tv), T(undefined), T(sums["err2"]), T(sums["ref2"]), T(sums["dot"]),
-                    T(sums["out2"]), T(sums["err2"].copy()), T(sums["ref2"].copy()), rmass,
+    arm = ArmResult(names, T(dropped_mass), T(ab_tv), T(undefined), T(sums["err2"].copy()), T(sums["ref2"].copy()),
+                    T(sums["dot"].copy()), T(sums["out2"].copy()), T(sums["err2"].copy()), T(sums["ref2"].copy()), rmass,
                     None if output is None else T(output))
     qk = {rot: QKPath(rot, name, T(path_tv[ai]), T(path_agree[ai]), T(path_err2[ai]), T(ref2_head.copy()))
           for ai, (rot, name, _, _) in enumerate(arms)}
