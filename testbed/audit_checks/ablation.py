@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 
-from .common import decode_tensor
+from .common import decode_residual_window
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
 
@@ -78,35 +78,6 @@ def expected_spans(case, case_id, name, seed):
     raise ValueError(f"unknown ablation {name!r}")
 
 
-def decode_cache(arrays: dict, cfg: dict, shape: tuple):
-    """Float32 K and V of a residual-window payload (``sink.*``, ``key.*``/``value.*``, ``recent.*``).
-
-    The inner quantizers' own headers are not stored (the pair shares one), so the (N, D) header of
-    the quantized span is rebuilt here for decoders that check it."""
-    *lead, n, d = shape
-    header = arrays["header"]
-    if header.dtype != np.int64 or header.tolist() != [n, d]:
-        raise ValueError(f"header {header.tolist()} does not match (N, D) = ({n}, {d})")
-    start = min(cfg["sink"], n)
-    stop = max(start, n - cfg["recent"])
-    ks, vs = [], []
-    if start > 0:
-        ks.append(arrays["sink.k"])
-        vs.append(arrays["sink.v"])
-    if stop > start:
-        for label, out in (("key", ks), ("value", vs)):
-            inner = {a[len(label) + 1:]: x for a, x in arrays.items() if a.startswith(label + ".")}
-            inner["header"] = np.array([stop - start, d], dtype=np.int64)
-            out.append(np.asarray(decode_tensor(inner, cfg[label], (*lead, stop - start, d)), dtype=np.float32))
-    if stop < n:
-        ks.append(arrays["recent.k"])
-        vs.append(arrays["recent.v"])
-    for x in ks + vs:
-        if x.dtype != np.float32:
-            raise ValueError(f"cache part has dtype {x.dtype}, expected float32")
-    return np.concatenate(ks, axis=-2), np.concatenate(vs, axis=-2)
-
-
 def _kv(row, ctx, case):
     """The arm's K and V (history decoded from the packed arrays, current chunk exact), checking
     this row's byte counts and array references."""
@@ -137,7 +108,7 @@ def _kv(row, ctx, case):
     ctx.equal(row, "baseline_bytes", row["baseline_bytes"], 2 * k.shape[0] * stop * k.shape[2] * 4)
 
     def build():
-        kh, vh = decode_cache(arrays, owner["quant"], (k.shape[0], stop, k.shape[2]))
+        kh, vh = decode_residual_window(arrays, owner["quant"], (k.shape[0], stop, k.shape[2]))
         return np.concatenate([kh, k[:, stop:]], axis=1), np.concatenate([vh, v[:, stop:]], axis=1)
 
     return ctx.cached(("ablation-kv", row["study"], row["case"], row["arm"]), build)

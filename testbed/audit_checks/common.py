@@ -152,7 +152,9 @@ def decode_residual_window(arrays: dict, cfg: dict, shape: tuple) -> tuple[np.nd
         span = (*lead, stop - start, d)
         for label, out in (("key", ks), ("value", vs)):
             inner = {a[len(label) + 1:]: x for a, x in arrays.items() if a.startswith(label + ".")}
-            out.append(decode_tensor(inner, cfg[label], span))
+            # the pair shares one stored header; decoders that check theirs get the span's (N, D)
+            inner["header"] = np.array([stop - start, d], dtype=np.int64)
+            out.append(np.asarray(decode_tensor(inner, cfg[label], span), dtype=np.float32))
     if stop < n:
         ks.append(arrays["recent.k"])
         vs.append(arrays["recent.v"])

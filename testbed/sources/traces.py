@@ -29,7 +29,6 @@ kind ``"trace"`` runs a protocol over trace files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..evidence import sha256_file
 from ..case import Case, Region
 from ..protocol import ProtocolError, check_object
 
@@ -207,12 +207,6 @@ def load_trace(path: str | Path) -> list[Case]:
 
 # -- the source ---------------------------------------------------------------------------
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _resolve(p: str) -> Path:
@@ -264,7 +258,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     seen, listing = set(), []
     for f in params["files"]:
         path = _resolve(f)
-        digest = _sha256_file(path) if path.is_file() else None
+        digest = sha256_file(path) if path.is_file() else None
         entry = {"file": f, "sha256": digest, "records": []}
         listing.append(entry)
         for case in iter_trace(path):
