@@ -8,7 +8,6 @@ bit-identical to `testbed.quant.mx.MX`, and the recomputation of rows near under
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import torch
 from testbed import streaming as st
 from testbed.ablation import ablate_case, make_ablation
 from testbed.analyses import mx_paths
-from testbed.case import Case
 from testbed.context import RunContext
 from testbed.metrics import observe
 from testbed.quant.mx import ELEMENTS, MX
