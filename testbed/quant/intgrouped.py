@@ -140,7 +140,7 @@ class IntGrouped(Quantizer):
     def dequantize(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         if kernels.use_fast(p.tensors["codes"]) and p.tensors["codes"].numel() * 2 >= kernels.MIN_FAST_ELEMENTS:
-            out = torch.empty(p.shape, dtype=torch.float32)
+            out = kernels.empty_float32(p.shape)
             self._dequantize_fast(p, out)
             return out.to(p.dtype)
         return self.dequantize_reference(p)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .base import Packed, Quantizer, check_input, from_config, make_header
 
 __all__ = ["ResidualWindow"]
@@ -100,8 +101,8 @@ class ResidualWindow:
         *lead, n, d = p.shape
         start, stop = self.spans(n)
         device = p.tensors["header"].device
-        out_k = torch.empty(p.shape, dtype=torch.float32, device=device)
-        out_v = torch.empty(p.shape, dtype=torch.float32, device=device)
+        out_k = kernels.empty_float32(p.shape, device)
+        out_v = kernels.empty_float32(p.shape, device)
         if start > 0:
             out_k[..., :start, :] = p.tensors["sink.k"]
             out_v[..., :start, :] = p.tensors["sink.v"]
