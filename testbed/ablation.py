@@ -209,14 +209,19 @@ class ArmResult:
         return float("nan") if den == 0 else float(self.dot[i].sum()) / den
 
 
-def _atoms(keys: int, layout, spans: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+def cut_points(keys: int, layout, spans: dict[str, list[tuple[int, int]]]) -> list[int]:
+    """Sorted key indices where a region or an ablation span starts or stops (0 and ``keys`` included)."""
     cuts = {0, keys}
     for r in layout:
         cuts.update((r.start, r.stop))
     for sp in spans.values():
         for a, b in sp:
             cuts.update((a, b))
-    cuts = sorted(c for c in cuts if 0 <= c <= keys)
+    return sorted(c for c in cuts if 0 <= c <= keys)
+
+
+def _atoms(keys: int, layout, spans: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    cuts = cut_points(keys, layout, spans)
     return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
 

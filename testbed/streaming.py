@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .ablation import ArmResult, ablate, history_span, make_ablation
+from .ablation import ArmResult, ablate, cut_points, history_span, make_ablation
 from .metrics import Observation, TOP_PERCENTS, frame_size, jaccard, strict_zero_rate, top_blocks, top_counts
 from .quant.mx import ELEMENTS, MX
 
@@ -540,7 +540,10 @@ if numba is not None:
         return min(np.rint(y / qu) * qu, np.float64(maxv)) * math.ldexp(1.0, sc)
 
     @njit(fastmath=True, cache=True)
-    def _p_stats(e, inv, ph):
+    def _p_stats(e, inv, ph, dd):
+        """TV, row sum, zeros and positives of one row; with a non-empty ``dd`` also P-hat - P
+        written there as bfloat16 (its error product needs no more)."""
+        write = dd.shape[0] > 0
         tv = 0.0
         rs = 0.0
         zeros = 0
@@ -552,23 +555,8 @@ if numba is not None:
             rs += h
             zeros += (p > 0) & (h == 0)
             pos += p > 0
-        return 0.5 * tv, rs, zeros, pos
-
-    @njit(fastmath=True, cache=True)
-    def _p_stats_diff(e, inv, ph, dd):
-        """`_p_stats`, and P-hat - P written as bfloat16 (its error product needs no more)."""
-        tv = 0.0
-        rs = 0.0
-        zeros = 0
-        pos = 0
-        for j in range(e.shape[0]):
-            p = np.float64(e[j]) * inv
-            h = np.float64(ph[j])
-            tv += abs(h - p)
-            rs += h
-            zeros += (p > 0) & (h == 0)
-            pos += p > 0
-            dd[j] = _bf16_bits(np.float32(h - p))
+            if write:
+                dd[j] = _bf16_bits(np.float32(h - p))
         return 0.5 * tv, rs, zeros, pos
 
     @njit(parallel=True, cache=True)
@@ -581,6 +569,7 @@ if numba is not None:
         mvf = np.float32(maxv)
         nbk = (T + block - 1) // block
         full = T // block
+        no_diff = np.empty(0, np.uint16)  # rows whose P-hat - P is not wanted
         for r in prange(R):
             e = E[r]
             ph = PH[r]
@@ -629,10 +618,10 @@ if numba is not None:
                             ph[j] = np.float32(_mx_one(np.float32(e[j] * invc), scs[k], emin, mbits, maxv))
             best = _mx_one(best_in, scs[best_k], emin, mbits, maxv) if best_in > 0 else 0.0
             if DP.shape[0] > 0:
-                t, s, z, pos = _p_stats_diff(e[:n], inv[r], ph[:n], DP[r, :n])
+                t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n], DP[r, :n])
                 _fill_zero(DP[r, n:])
             else:
-                t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n])
+                t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n], no_diff)
             tv[r] = t
             rsum[r] = s
             zrate[r] = z / max(pos, 1)
@@ -933,13 +922,7 @@ class StreamResult:
 
 def _cuts(keys: int, frame: int, layout, spans: dict) -> tuple[list[int], list[int]]:
     """Fine cuts (regions, ablation spans, key blocks) and coarse cuts (regions, spans)."""
-    coarse = {0, keys}
-    for r in layout:
-        coarse.update((r.start, r.stop))
-    for sp in spans.values():
-        for a, b in sp:
-            coarse.update((a, b))
-    coarse = sorted(c for c in coarse if 0 <= c <= keys)
+    coarse = cut_points(keys, layout, spans)
     fine = sorted(set(coarse) | set(range(0, keys, frame)))
     return fine, coarse
 

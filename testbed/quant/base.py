@@ -60,7 +60,16 @@ class Quantizer:
 
     name: str = "abstract"
 
-    def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:  # pragma: no cover - interface
+    def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
+        """Quantize ``x [..., T, D]``: a scheme's fused kernel (``_quantize_fast``) serves large CPU
+        tensors and must equal ``quantize_reference`` bit for bit; everything else takes the reference."""
+        from . import kernels
+
+        if hasattr(self, "_quantize_fast") and kernels.use_fast(x):
+            return self._quantize_fast(x, name)
+        return self.quantize_reference(x, name=name)
+
+    def quantize_reference(self, x: torch.Tensor, *, name: str = "x") -> Packed:  # pragma: no cover - interface
         raise NotImplementedError
 
     def dequantize(self, p: Packed) -> torch.Tensor:  # pragma: no cover - interface

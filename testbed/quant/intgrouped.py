@@ -75,12 +75,6 @@ class IntGrouped(Quantizer):
         xp = _pad_edge(x, -1, g)
         return xp.reshape(*xp.shape[:-1], xp.shape[-1] // g, g)
 
-    def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
-        """Quantize ``x [..., T, D]``; the fused kernel serves large CPU tensors, bit-identical."""
-        if kernels.use_fast(x):
-            return self._quantize_fast(x, name)
-        return self.quantize_reference(x, name=name)
-
     def _overflow(self, name: str) -> ValueError:
         return ValueError(
             f"{name}: a group's range or minimum exceeds float16 (|value| or max-min above {_FP16_MAX:g}); "
@@ -139,7 +133,7 @@ class IntGrouped(Quantizer):
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
-        if kernels.use_fast(p.tensors["codes"]) and p.tensors["codes"].numel() * 2 >= kernels.MIN_FAST_ELEMENTS:
+        if self._fast_decode(p):
             out = kernels.empty_float32(p.shape)
             self._dequantize_fast(p, out)
             return out.to(p.dtype)
@@ -149,8 +143,7 @@ class IntGrouped(Quantizer):
         """Decode into ``out`` (float32, shape ``p.shape``; may be a token span of a larger cache)."""
         self._check_packed(p)
         *_, n, d = p.shape
-        if (kernels.use_fast(p.tensors["codes"]) and out.device.type == "cpu" and out.dtype == torch.float32
-                and p.tensors["codes"].numel() * 2 >= kernels.MIN_FAST_ELEMENTS):
+        if self._fast_decode(p) and out.device.type == "cpu" and out.dtype == torch.float32:
             try:
                 target = out.view(-1, n, d)  # a view or nothing: the kernel must write into out itself
             except RuntimeError:
@@ -160,6 +153,11 @@ class IntGrouped(Quantizer):
                 return out
         out.copy_(self.dequantize(p))
         return out
+
+    @staticmethod
+    def _fast_decode(p: Packed) -> bool:
+        codes = p.tensors["codes"]  # at 4 bits a code byte holds two elements
+        return kernels.use_fast(codes) and codes.numel() * 2 >= kernels.MIN_FAST_ELEMENTS
 
     def _dequantize_fast(self, p: Packed, out: torch.Tensor) -> None:
         *lead, n, d = p.shape

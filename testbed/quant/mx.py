@@ -213,19 +213,16 @@ class MX(Quantizer):
             self._rotations[dim] = SignedHadamard(dim, self.seed)
         return self._rotations[dim]
 
-    def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
-        """Quantize ``x [..., N, D]``; the fused kernel serves large CPU tensors, bit-identical."""
-        if kernels.use_fast(x):
-            return self._quantize_fast(x, name)
-        return self.quantize_reference(x, name=name)
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as float32, rotated along its last axis when the scheme has a rotation."""
+        xf = x.detach().to(torch.float32)
+        rot = self.rotation_for(x.shape[-1])
+        return xf if rot is None else rot.apply(xf)
 
     def _quantize_fast(self, x: torch.Tensor, name: str) -> Packed:
         check_input(x, name, finite=False)
         *lead, n, d = x.shape
-        xf = x.detach().to(torch.float32)
-        rot = self.rotation_for(d)
-        if rot is not None:
-            xf = rot.apply(xf)
+        xf = self._rotated(x)
         f = self.fmt
         kernels.set_threads(torch.get_num_threads())
         codes, scales, bad = kernels.mx_quantize(xf.reshape(-1, d).numpy(), self.block_size, f.ebits, f.mbits,
@@ -243,11 +240,7 @@ class MX(Quantizer):
         """The torch implementation: the definition the fused kernel must match bit for bit."""
         check_input(x, name)
         n, d = x.shape[-2], x.shape[-1]
-        xf = x.detach().to(torch.float32)
-        rot = self.rotation_for(d)
-        if rot is not None:
-            xf = rot.apply(xf)
-        codes, scales = quantize_blocks(xf, self.fmt, self.block_size)
+        codes, scales = quantize_blocks(self._rotated(x), self.fmt, self.block_size)
         tensors = {
             "codes": pack_codes(codes, self.fmt.bits) if self.fmt.bits < 8 else codes,
             "scales": scales,
