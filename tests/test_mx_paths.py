@@ -22,7 +22,7 @@ from testbed.context import RunContext
 from testbed.evidence import ArrayStore
 from testbed.protocol import ProtocolError, load_protocol, validate_protocol
 from testbed.quant.rotation import SignedHadamard
-from testbed.run import main as run_main
+from tests._helpers import finished_run as run_once
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = REPO / "protocols" / "mx_paths.json"
@@ -30,9 +30,7 @@ PROTOCOL = REPO / "protocols" / "mx_paths.json"
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "mx"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(PROTOCOL)]) == 0
-    return out
+    return run_once(tmp_path_factory, "mx_paths.json", "mx")
 
 
 def _rows(run):

@@ -13,19 +13,10 @@ import pytest
 from testbed import resources
 from testbed.protocol import validate_protocol
 from testbed.run import main as run_main
+from tests._helpers import synthetic_protocol as synthetic
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def synthetic(name="guard", **source) -> dict:
-    src = {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["clean"], "head_dim": 16,
-           "queries": 4, "focus_tokens": 8}
-    src.update(source)
-    return {"name": name, "source": src,
-            "analyses": {"residual_window": {"bits": 4, "group_size": 16, "residuals": [0, 16], "early_window": 8,
-                                             "recent_mass_window": 8}},
-            "timing": {"repeats": 0, "seed": 0}}
 
 
 ABSURD = dict(seeds=[1], lengths=[1 << 20], queries=1 << 16, heads=256, kv_heads=256, head_dim=4096)

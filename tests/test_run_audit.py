@@ -11,6 +11,7 @@ import pytest
 
 from testbed.audit import audit
 from testbed.run import main as run_main
+from tests._helpers import finished_run as run_once
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = REPO / "protocols" / "residual_window.json"
@@ -18,9 +19,7 @@ PROTOCOL = REPO / "protocols" / "residual_window.json"
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "rw"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(PROTOCOL)]) == 0
-    return out
+    return run_once(tmp_path_factory, "residual_window.json", "rw")
 
 
 def test_run_has_the_54_comparisons_and_the_extra_arms(finished_run):

@@ -19,20 +19,11 @@ import pytest
 
 from testbed.audit import audit
 from testbed.run import main as run_main, partial_dir, sweep_stale_partials
+from tests._helpers import synthetic_protocol as synthetic
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 180  # seconds to wait for a progress line / an exit; generous for a loaded 2-core machine
-
-
-def synthetic(name: str, **source) -> dict:
-    src = {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["clean"], "head_dim": 16,
-           "queries": 4, "focus_tokens": 8}
-    src.update(source)
-    return {"name": name, "source": src,
-            "analyses": {"residual_window": {"bits": 4, "group_size": 16, "residuals": [0, 16], "early_window": 8,
-                                             "recent_mass_window": 8}},
-            "timing": {"repeats": 0, "seed": 0}}
 
 
 def write(tmp_path: Path, proto: dict, name: str = "p.json") -> Path:

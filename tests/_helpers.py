@@ -1,0 +1,27 @@
+"""Small shared pieces of the test suite: a tiny synthetic protocol and a finished run of a protocol."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from testbed.run import main as run_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def synthetic_protocol(name: str = "guard", **source) -> dict:
+    """A residual-window protocol over one small synthetic case; ``source`` overrides its source keys."""
+    src = {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["clean"], "head_dim": 16,
+           "queries": 4, "focus_tokens": 8}
+    src.update(source)
+    return {"name": name, "source": src,
+            "analyses": {"residual_window": {"bits": 4, "group_size": 16, "residuals": [0, 16], "early_window": 8,
+                                             "recent_mass_window": 8}},
+            "timing": {"repeats": 0, "seed": 0}}
+
+
+def finished_run(tmp_path_factory, protocol: str, folder: str) -> Path:
+    """Run ``protocols/<protocol>`` once into a fresh temporary folder and return it."""
+    out = tmp_path_factory.mktemp("runs") / folder
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(REPO / "protocols" / protocol)]) == 0
+    return out
