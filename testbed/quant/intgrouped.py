@@ -5,7 +5,7 @@ K is quantized per channel (each feature channel, groups of G consecutive tokens
 following KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
 Cache"): key outliers are channel-wise, value error is token-local.
 
-Per group: ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, both stored as float16;
+Per group: ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, both stored as float16 (a zero stored as +0);
 codes are ``round((x - zero16) / scale16)`` (round half to even) clamped to ``[0, 2**bits-1]``,
 and ``x_hat = code * scale16 + zero16`` in float32. A degenerate group (max == min) stores
 scale 0 and code 0 and decodes to ``zero16`` without any division. Quantized spans are padded
@@ -91,12 +91,11 @@ class IntGrouped(Quantizer):
         codes, scale, zero, bad = fn(x3, self.bits, self.group_size)
         if bad:
             check_input(x, name)  # raises with the tensor's name and the first bad index
-        if np.isinf(scale).any() or np.isinf(zero).any():
-            raise self._overflow(name)
+            raise self._overflow(name)  # all finite: a scale or zero-point overflowed float16
         tensors = {
             "codes": torch.from_numpy(codes).reshape(*lead, *codes.shape[1:]),
-            "scale": torch.from_numpy(scale.astype(np.float16)).reshape(*lead, *scale.shape[1:]),
-            "zero": torch.from_numpy(zero.astype(np.float16)).reshape(*lead, *zero.shape[1:]),
+            "scale": torch.from_numpy(scale).reshape(*lead, *scale.shape[1:]),
+            "zero": torch.from_numpy(zero).reshape(*lead, *zero.shape[1:]),
             "header": make_header(n, d),
         }
         return Packed(self.name, tuple(x.shape), x.dtype, tensors, self.config())
@@ -110,8 +109,8 @@ class IntGrouped(Quantizer):
         red = -2 if self.axis == "channel" else -1
         mn = grouped.amin(dim=red)
         mx = grouped.amax(dim=red)
-        scale16 = ((mx - mn) / self.qmax).to(torch.float16)
-        zero16 = mn.to(torch.float16)
+        scale16 = ((mx - mn) / self.qmax + 0.0).to(torch.float16)
+        zero16 = (mn + 0.0).to(torch.float16)  # + 0.0: a zero range or minimum is stored as +0, whatever its sign
         if bool(torch.isinf(scale16).any()) or bool(torch.isinf(zero16).any()):
             raise self._overflow(name)
         s = scale16.to(torch.float32).unsqueeze(red)
@@ -165,8 +164,8 @@ class IntGrouped(Quantizer):
         kernels.set_threads(torch.get_num_threads())
         fn = kernels.int_dequantize_channel if self.axis == "channel" else kernels.int_dequantize_token
         c3 = codes.reshape(-1, *codes.shape[-2:]).contiguous().numpy()
-        s3 = p.tensors["scale"].reshape(-1, *p.tensors["scale"].shape[-2:]).numpy().astype(np.float32)
-        z3 = p.tensors["zero"].reshape(-1, *p.tensors["zero"].shape[-2:]).numpy().astype(np.float32)
+        s3 = p.tensors["scale"].reshape(-1, *p.tensors["scale"].shape[-2:]).numpy()
+        z3 = p.tensors["zero"].reshape(-1, *p.tensors["zero"].shape[-2:]).numpy()
         fn(c3, s3, z3, self.group_size, self.bits, n, d, out=out.view(-1, n, d).numpy())
 
     def dequantize_reference(self, p: Packed) -> torch.Tensor:

@@ -25,10 +25,16 @@ def test_float16_rounding_matches_ieee_conversion():
     special = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, 6.1035156e-05, 6.1e-05, 5.96e-08, 2.98e-08,
                         2.9802322e-08, 8.940697e-08, 1.0009765625, 1.00146484375, 2049.0, 2051.0], dtype=np.float32)
     x = np.concatenate([x, special, -special, rng.standard_normal(50_000).astype(np.float32) * 1e-5])
-    ours = kernels.float16_round(x)
     with np.errstate(over="ignore"):
-        ieee = x.astype(np.float16).astype(np.float32)
-    assert np.array_equal(ours, ieee, equal_nan=True)
+        half = x.astype(np.float16)
+    ieee, ieee_bits = half.astype(np.float32), half.view(np.uint16)
+    # the routine the kernels use on this CPU (hardware conversion or software), and the software
+    # routine that serves CPUs without one: values and stored bit patterns (signed zeros included)
+    assert np.array_equal(kernels.float16_round(x), ieee, equal_nan=True)
+    assert np.array_equal(kernels.float16_bits(x), ieee_bits)
+    soft, soft_bits = kernels.float16_round_soft(x)
+    assert np.array_equal(soft, ieee, equal_nan=True)
+    assert np.array_equal(soft_bits, ieee_bits)
 
 
 @settings(max_examples=60, deadline=None)
@@ -45,8 +51,26 @@ def test_fast_quantize_and_dequantize_equal_reference(bits, g, axis, lead, n, d,
     fast = q.quantize(x)
     ref = q.quantize_reference(x)
     for name in ref.tensors:
-        assert torch.equal(fast.tensors[name], ref.tensors[name]), name
-    assert torch.equal(q.dequantize(fast), q.dequantize_reference(ref))
+        assert _bits(fast.tensors[name]).equal(_bits(ref.tensors[name])), name
+    assert _bits(q.dequantize(fast)).equal(_bits(q.dequantize_reference(ref)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The stored bytes, so -0.0 and +0.0 (equal as values) differ."""
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_zero_groups_store_positive_zero_whatever_the_signs(axis):
+    # groups of signed zeros: the minimum and the range are stored as +0 on both paths
+    x = torch.zeros(2, 64, 64)
+    x[:, ::3] = -0.0
+    x[1, 40:] = torch.randn(24, 64)
+    q = IntGrouped(4, 32, axis)
+    for p in (q.quantize(x), q.quantize_reference(x)):
+        for name in ("scale", "zero"):
+            vals = p.tensors[name][p.tensors[name] == 0]
+            assert vals.numel() and not torch.signbit(vals).any(), name
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
