@@ -31,11 +31,13 @@ P·V) and agrees with `observe`, `ablate` and ``mx_paths`` to rounding (1e-12, t
 path is ``float32``: scores, softmax and the reference P·V in float32 (the precision of the
 Case's Q, K, V and of the attention kernels being simulated) with float64 accumulation of every
 row sum, mass and error; it halves memory traffic and matmul time. The paths' output errors are
-an error of an error, so float32 forms ``(P̂ - P) V`` with the difference in bfloat16 (high + low
-parts, ~16 bits, for a Q/K arm; one part for the P path) and V in bfloat16, float32 accumulation
-(oneDNN's AVX512-BF16 GEMM, ~2.8x a float32 one here). On the video record every reported median
-and mean of float32 is within ~1e-6 of float64 (the P path's rel-L2 moves by ~5e-5 relative;
-`benchmarks/bench_streaming.py` measures it on a sample). Deviations by design, each stated:
+an error of an error, so float32 forms ``(P̂ - P) V`` with the difference and V in bfloat16,
+float32 accumulation, one product for all paths (oneDNN's AVX512-BF16 GEMM, ~2.7x a float32 one
+per row here). On the video record every reported median and mean of float32 is within ~1e-6 of
+float64; the paths' rel-L2 move by up to ~5e-5 relative (measured on two heads: Q/K 3e-5 and
+4e-5, P 1.6e-5; a high + low bfloat16 split of the Q/K difference brought the Q/K arms to 3e-6
+and 2e-5 for a third more error-product work; `benchmarks/bench_streaming.py` measures it on a
+sample). Deviations by design, each stated:
 
 - ``exp`` is a range-reduced polynomial (Cody-Waite, ``2^t`` from its bits; ~1 ulp in float32,
   ~1e-16 in float64) so that it vectorizes; ``exp(x)`` below ``-87`` (float32) / ``-708``
@@ -444,10 +446,6 @@ if numba is not None:
         b = np.int64(np.float32(v).view(np.int32)) & 0xFFFFFFFF
         return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
-    @njit(inline="always", cache=True)
-    def _bf16_value(h):
-        return np.int32(np.int64(h) << 16).view(np.float32)
-
     @njit(fastmath=True, cache=True)
     def _tv_row(xh, invh, x, inv):
         tv = 0.0
@@ -456,23 +454,19 @@ if numba is not None:
         return 0.5 * tv
 
     @njit(fastmath=True, cache=True)
-    def _tv_diff_row(xh, invh, x, inv, dh, dl):
-        """TV, and the difference P-hat - P written as bfloat16 high and low parts (dh + dl carries
-        ~16 significant bits), for the output-error product."""
+    def _tv_diff_row(xh, invh, x, inv, dh):
+        """TV, and the difference P-hat - P written as bfloat16 (for the output-error product)."""
         tv = 0.0
         for j in range(x.shape[0]):
             dd = np.float64(xh[j]) * invh - np.float64(x[j]) * inv
             tv += abs(dd)
-            d32 = np.float32(dd)
-            hb = _bf16_bits(d32)
-            dh[j] = hb
-            dl[j] = _bf16_bits(d32 - _bf16_value(hb))
+            dh[j] = _bf16_bits(np.float32(dd))
         return 0.5 * tv
 
     @njit(parallel=True, cache=True)
-    def _arm_tile(SH, nvis, wide, E, inv, invh, tv, arg, DH, DL):
-        """Q/K-path rows: SH -> e-hat in place, TV against the reference row, argmax; with DH, DL
-        non-empty also P-hat - P as bfloat16 high/low parts (0 beyond the visible keys)."""
+    def _arm_tile(SH, nvis, wide, E, inv, invh, tv, arg, DH):
+        """Q/K-path rows: SH -> e-hat in place, TV against the reference row, argmax; with DH
+        non-empty also P-hat - P as bfloat16 (0 beyond the visible keys)."""
         for r in prange(SH.shape[0]):
             x = SH[r]
             n = nvis[r]
@@ -481,9 +475,8 @@ if numba is not None:
             _fill_zero(x[n:])
             invh[r] = 1.0 / z
             if DH.shape[0] > 0:
-                tv[r] = _tv_diff_row(x[:n], 1.0 / z, E[r, :n], inv[r], DH[r, :n], DL[r, :n])
+                tv[r] = _tv_diff_row(x[:n], 1.0 / z, E[r, :n], inv[r], DH[r, :n])
                 _fill_zero(DH[r, n:])
-                _fill_zero(DL[r, n:])
             else:
                 tv[r] = _tv_row(x[:n], 1.0 / z, E[r, :n], inv[r])
             arg[r] = _first_eq(x[:n], 1.0)
@@ -1074,12 +1067,10 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     X = np.empty((max(npaths, 1) * rmax, tk), np_dt)                     # Q/K arms' e-hat, then P-hat
     NA = np.empty((na, rmax, d), np_dt)
     OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
-    # float32: the paths' output errors come from (P-hat - P) V with the difference in bfloat16
-    # (high + low parts for a Q/K arm, one part for the P path) and V in bfloat16; float64 keeps
-    # P-hat V in float64
+    # float32: the paths' output errors come from (P-hat - P) V with the difference and V in
+    # bfloat16, one product for every path; float64 keeps P-hat V in float64
     bf16 = not wide and npaths > 0
-    nd = 2 * len(arms) + (1 if p_path else 0)
-    DQ = np.empty((nd * rmax, tk) if bf16 else (0, 0), np.uint16)
+    DQ = np.empty((npaths * rmax, tk) if bf16 else (0, 0), np.uint16)
     no_d = np.empty((0, 0), np.uint16)
     bone = int(np.array(1.0, np_dt).view(np.int64 if wide else np.int32))
     nthr = numba.config.NUMBA_NUM_THREADS                                 # scratch: one row per thread
@@ -1134,15 +1125,14 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
 
             for ai in range(len(arms)):
                 Xa = X[ai * R:(ai + 1) * R]
-                dh = DQ[2 * ai * R:(2 * ai + 1) * R] if bf16 else no_d
-                dl = DQ[(2 * ai + 1) * R:(2 * ai + 2) * R] if bf16 else no_d
-                _arm_tile(Xa, nv, wide, Sv, inv[:R], invh[ai, :R], ptv[ai, :R], parg[ai, :R], dh, dl)
+                dh = DQ[ai * R:(ai + 1) * R] if bf16 else no_d
+                _arm_tile(Xa, nv, wide, Sv, inv[:R], invh[ai, :R], ptv[ai, :R], parg[ai, :R], dh)
                 clock.lap("Q/K arm kernel")
             if p_path:
                 pi = len(arms)
                 _p_tile(Sv, nv, inv[:R], block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, X[pi * R:(pi + 1) * R],
                         ptv[pi, :R], rs[:R], zr[:R], parg[pi, :R],
-                        DQ[2 * len(arms) * R:(2 * len(arms) + 1) * R] if bf16 else no_d)
+                        DQ[len(arms) * R:(len(arms) + 1) * R] if bf16 else no_d)
                 invh[pi, :R] = 1.0
                 clock.lap("P-path MX kernel")
 
@@ -1150,11 +1140,9 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
             for a, (s, t) in enumerate(coarse_b):
                 torch.matmul(torch.from_numpy(Sv[:, s:t]), vj[s:t], out=torch.from_numpy(NA[a, :R]))
             if bf16:
-                prod = torch.matmul(torch.from_numpy(DQ[: nd * R]).view(torch.bfloat16), vj16).view(nd, R, d).float()
-                for ai in range(len(arms)):
-                    err_arm[ai, :R] = (prod[2 * ai] + prod[2 * ai + 1]).double().square().sum(dim=-1).numpy()
-                if p_path:
-                    err_arm[len(arms), :R] = prod[nd - 1].double().square().sum(dim=-1).numpy()
+                prod = torch.matmul(torch.from_numpy(DQ[: npaths * R]).view(torch.bfloat16), vj16).view(npaths, R, d).float()
+                for ai in range(npaths):
+                    err_arm[ai, :R] = prod[ai].double().square().sum(dim=-1).numpy()
             elif npaths:
                 torch.matmul(torch.from_numpy(X[: npaths * R]), vj, out=torch.from_numpy(OH[: npaths * R]))
             clock.lap("P.V matmuls")
