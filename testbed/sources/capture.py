@@ -402,9 +402,12 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
                                   "load_seconds": round(time.perf_counter() - t0, 3)}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    # transformers imports torchao when it is installed, and torchao's registrations make torch's
-    # pytree module log a deprecation line per enum: noise on every run, nothing a user can act on
+    # transformers imports torchao when it is installed: torchao's registrations make torch's
+    # pytree module log a deprecation line per enum, and torchao logs a warning for each of its
+    # CUDA-only libraries a CPU build cannot load -- noise on every run, nothing a user can act on
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    if "torchao" not in sys.modules:  # its import logs them; once imported, leave the logger alone
+        logging.getLogger("torchao").setLevel(logging.ERROR)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
