@@ -3,9 +3,10 @@
 Each kernel reads a block of the input once into cache (one group of tokens for K, one token
 for V), computes the group statistics, rounds them to float16 exactly as ``Tensor.half()`` does
 (round to nearest even, subnormals, overflow to inf), and writes packed codes, in parallel over
-blocks. They reproduce the torch reference implementations in ``intgrouped.py`` bit for bit (the
-same float32 operations in the same order, no fast-math); ``tests/quant/test_fast_path.py``
-checks that on random shapes. The reference path is used when numba is missing, on non-CPU
+blocks. They reproduce the torch reference implementations in ``intgrouped.py`` and ``mx.py`` bit
+for bit (the same float32 operations, no fast-math; a group's min and max are exact in any scan
+order, and a zero minimum or range is stored as +0 on both paths); ``tests/quant/test_fast_path.py``
+checks the stored bytes on random shapes. The reference path is used when numba is missing, on non-CPU
 devices, for small tensors (where the kernel's call overhead dominates), and when
 ``TESTBED_FAST=0``.
 """
@@ -256,10 +257,9 @@ if numba is not None:
     # Index arithmetic inside the row loops is unsigned: numba wraps negative signed indices
     # (``a[-1]``), and proving a runtime offset like ``gi * g`` non-negative is beyond the
     # compiler, so signed offsets cost a compare-and-select per element and block vectorization
-    # (measured 2.2x slower on the V kernel). Mixing uint64 with int64 would give float64 in
+    # (measured 1.8x slower on the V kernel). Mixing uint64 with int64 would give float64 in
     # numba, so every index in these loops is uint64.
     _U1 = np.uint64(1)
-    _U32 = np.uint64(32)
 
     @njit(inline="always", cache=True)
     def _group_range(xr, d0, d1):
