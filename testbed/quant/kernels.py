@@ -67,9 +67,11 @@ if numba is not None:
     # ARM): one instruction, vectorizable, IEEE round-to-nearest-even with subnormals and overflow
     # to inf. x86 CPUs without F16C would need a runtime-library call, so they take the software
     # routine below instead, as do other architectures (same results; ``test_float16_rounding_matches_ieee_conversion``).
+    # ``TESTBED_F16=soft`` forces the software routine (tests; give it its own NUMBA_CACHE_DIR,
+    # since numba's cache keys on the CPU, not on this choice).
     _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-    _NATIVE_F16 = ("+f16c" in _llvm.get_host_cpu_features().flatten()) if _X86 else platform.machine().lower() in (
-        "aarch64", "arm64")
+    _NATIVE_F16 = os.environ.get("TESTBED_F16", "") != "soft" and (
+        ("+f16c" in _llvm.get_host_cpu_features().flatten()) if _X86 else platform.machine().lower() in ("aarch64", "arm64"))
 
     @intrinsic
     def _f16_hw(typingctx, v):

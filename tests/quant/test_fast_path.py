@@ -124,3 +124,41 @@ def test_fast_mx_reports_first_bad_index():
     x[1, 40, 5] = float("nan")
     with pytest.raises(ValueError, match=r"q: non-finite value nan at index \(1, 40, 5\)"):
         MXFP8().quantize(x, name="q")
+
+
+_SOFT_F16_SCRIPT = r"""
+import torch
+from testbed.quant import IntGrouped, kernels
+assert not kernels._NATIVE_F16
+kernels.MIN_FAST_ELEMENTS = 0
+gen = torch.Generator().manual_seed(5)
+checked = 0
+for bits in (2, 4, 8):
+    for axis in ("channel", "token"):
+        for scale in (1e-6, 1.0, 3e3):
+            x = torch.randn(2, 67, 45, generator=gen) * scale
+            x[0, :20] = 0.0
+            x[1, :5] = -0.0
+            q = IntGrouped(bits, 16, axis)
+            fast, ref = q.quantize(x), q.quantize_reference(x)
+            for name in ref.tensors:
+                a, b = fast.tensors[name].contiguous().view(torch.uint8), ref.tensors[name].contiguous().view(torch.uint8)
+                assert torch.equal(a, b), (bits, axis, scale, name)
+            assert torch.equal(q.dequantize(fast), q.dequantize_reference(ref))
+            checked += 1
+print("checked", checked)
+"""
+
+
+def test_software_float16_kernels_equal_reference(tmp_path):
+    """The kernels as compiled for CPUs without a float16 conversion instruction (software
+    rounding and bit patterns) store the same bytes as the reference."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TESTBED_F16": "soft", "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    out = subprocess.run([sys.executable, "-c", _SOFT_F16_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checked 18" in out.stdout
