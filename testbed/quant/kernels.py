@@ -128,32 +128,16 @@ if numba is not None:
     _f16_bits = _f16_bits_hw if _NATIVE_F16 else _f16_bits_soft
 
     @njit(cache=True)
-    def _f16_soft_array(a):
-        out = np.empty_like(a)
+    def _f16_arrays(a, soft):
+        """(values, bit patterns) of the float16 nearest each element: by the routine the kernels
+        use, or with ``soft`` by the software routine."""
+        vals = np.empty_like(a)
+        bits = np.empty(a.shape, np.uint16)
         for i in range(a.size):
-            out.flat[i] = _f16_soft(a.flat[i])
-        return out
-
-    @njit(cache=True)
-    def _f16_bits_soft_array(a):
-        out = np.empty(a.shape, np.uint16)
-        for i in range(a.size):
-            out.flat[i] = _f16_bits_soft(a.flat[i])
-        return out
-
-    @njit(cache=True)
-    def _f16_bits_array(a):
-        out = np.empty(a.shape, np.uint16)
-        for i in range(a.size):
-            out.flat[i] = _f16_bits(a.flat[i])
-        return out
-
-    @njit(cache=True)
-    def _f16_array(a):
-        out = np.empty_like(a)
-        for i in range(a.size):
-            out.flat[i] = _f16(a.flat[i])
-        return out
+            v = a.flat[i]
+            vals.flat[i] = _f16_soft(v) if soft else _f16(v)
+            bits.flat[i] = _f16_bits_soft(v) if soft else _f16_bits(v)
+        return vals, bits
 
     _ABS = np.uint32(0x7FFFFFFF)
     _INF_BITS = 0x7F800000  # |x| bit patterns at or above this are inf or NaN
@@ -560,19 +544,18 @@ def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block:
 
 
 def float16_round(a: np.ndarray) -> np.ndarray:
-    """float32 array rounded to float16 values (kept as float32) by the kernel's own routine."""
-    return _f16_array(np.ascontiguousarray(a, dtype=np.float32))
+    """float32 array rounded to float16 values (kept as float32) by the kernels' own routine."""
+    return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), False)[0]
 
 
 def float16_bits(a: np.ndarray) -> np.ndarray:
     """IEEE binary16 bit patterns (uint16) of the float16 nearest each float32, by the kernels' routine."""
-    return _f16_bits_array(np.ascontiguousarray(a, dtype=np.float32))
+    return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), False)[1]
 
 
 def float16_round_soft(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The software routine (used where the CPU has no float16 conversion): (values, bit patterns)."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return _f16_soft_array(a), _f16_bits_soft_array(a)
+    return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), True)
 
 
 def _ceil_div(a: int, b: int) -> int:
