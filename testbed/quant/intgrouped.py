@@ -5,10 +5,10 @@ K is quantized per channel (each feature channel, groups of G consecutive tokens
 following KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
 Cache"): key outliers are channel-wise, value error is token-local.
 
-Per group: ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, both stored as float16 (a zero stored as +0);
-codes are ``round((x - zero16) / scale16)`` (round half to even) clamped to ``[0, 2**bits-1]``,
-and ``x_hat = code * scale16 + zero16`` in float32. A degenerate group (max == min) stores
-scale 0 and code 0 and decodes to ``zero16`` without any division. Quantized spans are padded
+Per group: ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, both stored as float16 (a
+zero as +0); codes are ``round((x - zero16) / scale16)`` (round half to even) clamped to
+``[0, 2**bits-1]``, and ``x_hat = code * scale16 + zero16`` in float32. A degenerate group
+(max == min) stores scale 0 and code 0 and decodes to ``zero16`` without any division. Quantized spans are padded
 to whole groups by repeating the edge value (so the padding never widens a group's range); the
 padding codes are stored and counted in ``nbytes``.
 
@@ -110,7 +110,7 @@ class IntGrouped(Quantizer):
         mn = grouped.amin(dim=red)
         mx = grouped.amax(dim=red)
         scale16 = ((mx - mn) / self.qmax + 0.0).to(torch.float16)
-        zero16 = (mn + 0.0).to(torch.float16)  # + 0.0: a zero range or minimum is stored as +0, whatever its sign
+        zero16 = (mn + 0.0).to(torch.float16)  # + 0.0: a zero range or minimum is stored as +0
         if bool(torch.isinf(scale16).any()) or bool(torch.isinf(zero16).any()):
             raise self._overflow(name)
         s = scale16.to(torch.float32).unsqueeze(red)

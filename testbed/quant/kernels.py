@@ -26,7 +26,8 @@ try:  # numba is a declared dependency; keep the testbed usable if a platform la
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     numba = None
 
-__all__ = ["available", "use_fast", "empty_float32", "float16_round", "float16_bits", "int_quantize_channel", "int_quantize_token",
+__all__ = ["available", "use_fast", "empty_float32", "float16_round", "float16_bits", "int_quantize_channel",
+           "int_quantize_token",
            "int_dequantize_channel", "int_dequantize_token", "mx_quantize", "mx_dequantize"]
 
 MIN_FAST_ELEMENTS = 1 << 16
@@ -66,12 +67,15 @@ if numba is not None:
     # float32 -> float16 -> float32 through the hardware conversion (F16C on x86-64, native on
     # ARM): one instruction, vectorizable, IEEE round-to-nearest-even with subnormals and overflow
     # to inf. x86 CPUs without F16C would need a runtime-library call, so they take the software
-    # routine below instead, as do other architectures (same results; ``test_float16_rounding_matches_ieee_conversion``).
+    # routine below instead, as do other architectures (same results; tests/quant/test_fast_path.py).
     # ``TESTBED_F16=soft`` forces the software routine (tests; give it its own NUMBA_CACHE_DIR,
     # since numba's cache keys on the CPU, not on this choice).
-    _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-    _NATIVE_F16 = os.environ.get("TESTBED_F16", "") != "soft" and (
-        ("+f16c" in _llvm.get_host_cpu_features().flatten()) if _X86 else platform.machine().lower() in ("aarch64", "arm64"))
+    _MACHINE = platform.machine().lower()
+    if _MACHINE in ("x86_64", "amd64", "i386", "i686"):
+        _NATIVE_F16 = "+f16c" in _llvm.get_host_cpu_features().flatten()
+    else:
+        _NATIVE_F16 = _MACHINE in ("aarch64", "arm64")
+    _NATIVE_F16 = _NATIVE_F16 and os.environ.get("TESTBED_F16", "") != "soft"
 
     @intrinsic
     def _f16_hw(typingctx, v):
