@@ -517,7 +517,7 @@ if numba is not None:
                         orow[d] = np.float32(lut[cr[d]] * s)
                 else:
                     for d in range(d0, min(d0 + bu, du)):
-                        c = (cr[d // np.uint64(per)] >> np.uint64(bits * (d % np.uint64(per)))) & np.uint64(mask)
+                        c = (cr[d // np.uint64(per)] >> np.uint64(bits) * (d % np.uint64(per))) & np.uint64(mask)
                         orow[d] = np.float32(lut[c] * s)
 
 
