@@ -851,8 +851,19 @@ if numba is not None:
 # results
 # ------------------------------------------------------------------------------------------------
 
+class _RecordError:
+    """``rel_l2`` over the whole record from per-head sums ``err2`` and ``ref2``, as ``mx_paths``."""
+
+    err2: torch.Tensor
+    ref2: torch.Tensor
+
+    @property
+    def rel_l2(self) -> float:
+        return float((self.err2.sum() / self.ref2.sum()).sqrt())
+
+
 @dataclass
-class QKPath:
+class QKPath(_RecordError):
     """MXFP8 on Q and K (one rotation): per-row TV and argmax agreement ``[H, Tq]``, and per-head
     sums of ``||O-hat - O||^2`` and ``||O||^2`` (``rel_l2`` is over the whole record, as ``mx_paths``)."""
 
@@ -863,13 +874,9 @@ class QKPath:
     err2: torch.Tensor
     ref2: torch.Tensor
 
-    @property
-    def rel_l2(self) -> float:
-        return float((self.err2.sum() / self.ref2.sum()).sqrt())
-
 
 @dataclass
-class PPath:
+class PPath(_RecordError):
     """MX on the probabilities (32-key blocks): per-row TV, argmax agreement, numerical-zero rate and
     row sum of the decoded P ``[H, Tq]``; per-head error sums."""
 
@@ -880,10 +887,6 @@ class PPath:
     row_sum: torch.Tensor
     err2: torch.Tensor
     ref2: torch.Tensor
-
-    @property
-    def rel_l2(self) -> float:
-        return float((self.err2.sum() / self.ref2.sum()).sqrt())
 
 
 @dataclass
