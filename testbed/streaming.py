@@ -82,7 +82,7 @@ ZERO_GATE = 80.0                     # nats: below this span a float32 softmax r
 FRAGILE = {torch.float32: 60.0, torch.float64: 600.0}
 _SENTINEL = -3.0e38
 _NB = 1024                           # top-k histogram buckets, spanning each row's own range of e
-_GCAP = 512                          # keys per boundary bucket held in the preallocated gather scratch
+_GCAP = 512                          # boundary-bucket keys the preallocated gather scratch holds
 
 try:
     import numba
@@ -273,84 +273,68 @@ if numba is not None:
             B[j] = (bone - xi[j]) >> shift
 
     @njit(fastmath=True, cache=True)
-    def _sum_above3(x, h0, h1, h2):
-        """Sums of x over the keys above h0, h1, h2 (each the upper edge of a boundary bucket)."""
+    def _sum_above3(x, xi, h0, h1, h2):
+        """Sums of x over the keys with bits above h0, h1, h2 (the bits of x >= 0 are monotone)."""
         s0 = 0.0
         s1 = 0.0
         s2 = 0.0
         for j in range(x.shape[0]):
-            v = x[j]
-            w = np.float64(v)
+            v = xi[j]
+            w = np.float64(x[j])
             s0 += w if v > h0 else 0.0
             s1 += w if v > h1 else 0.0
             s2 += w if v > h2 else 0.0
         return s0, s1, s2
 
-    @njit(fastmath=True, cache=True)
-    def _chunk_hits(x, l0, h0, l1, h1, l2, h2, flags):
-        """flags[c] = number of keys of 64-key chunk c in any of the buckets (l_u, h_u]."""
-        for c in range(flags.shape[0]):
-            k = 0
-            for u in range(64):
-                v = x[c * 64 + u]
-                k += (v > l0) * (v <= h0) + (v > l1) * (v <= h1) + (v > l2) * (v <= h2)
-            flags[c] = k
+    @njit(cache=True)
+    def _mark3(xi, l0, h0, l1, h1, l2, h2, M):
+        """M[j] = 1 where the bits of key j lie in any of (l_u, h_u], else 0 (one flat loop)."""
+        for j in range(xi.shape[0]):
+            v = xi[j]
+            M[j] = ((v > l0) & (v <= h0)) | ((v > l1) & (v <= h1)) | ((v > l2) & (v <= h2))
 
     @njit(cache=True)
-    def _compress(xb, l0, h0, l1, h1, l2, h2, out, c):
-        """Append the keys of xb in any bucket to out[c:] without branches; returns the new count."""
-        for u in range(xb.shape[0]):
-            v = xb[u]
-            out[c] = v
-            c += ((v > l0) & (v <= h0)) | ((v > l1) & (v <= h1)) | ((v > l2) & (v <= h2))
+    def _gather(M, out):
+        """The indices j with M[j] set into out, in order; returns their count. M (a multiple of 8
+        bytes) is tested 8 bytes at a time, so that the long empty stretches cost one test each."""
+        W = M.view(np.uint64)
+        c = 0
+        for w in range(W.shape[0]):
+            if W[w]:
+                for j in range(w * 8, w * 8 + 8):
+                    out[c] = j
+                    c += M[j]
         return c
 
     @njit(cache=True)
-    def _gather(x, lo, hi, flags, out):
-        """The keys of x in any of the three buckets (lo[u], hi[u]] into out; returns their count.
-        Chunks without any are found by a vectorized count and skipped."""
-        n = x.shape[0]
-        nc = n // 64
-        l0 = lo[0]; l1 = lo[1]; l2 = lo[2]
-        h0 = hi[0]; h1 = hi[1]; h2 = hi[2]
-        _chunk_hits(x, l0, h0, l1, h1, l2, h2, flags[:nc])
-        c = 0
-        for ci in range(nc):
-            if flags[ci]:
-                c = _compress(x[ci * 64:(ci + 1) * 64], l0, h0, l1, h1, l2, h2, out, c)
-        return _compress(x[nc * 64:], l0, h0, l1, h1, l2, h2, out, c)
-
-    @njit(cache=True)
-    def _top_in(u_vals, lo, hi, need, tmp):
-        """Sum of the ``need`` largest gathered keys in (lo, hi] (insertion sort of the few)."""
+    def _top_in(x, xi, idx, lo, hi, need, tmp):
+        """Sum of the ``need`` largest keys among the gathered ``idx`` with bits in (lo, hi]
+        (an insertion sort of the few, on the bits)."""
         m = 0
-        for i in range(u_vals.shape[0]):
-            v = u_vals[i]
+        for i in range(idx.shape[0]):
+            j = idx[i]
+            v = xi[j]
             if v > lo and v <= hi:
-                j = m
-                while j > 0 and tmp[j - 1] < v:
-                    tmp[j] = tmp[j - 1]
-                    j -= 1
-                tmp[j] = v
+                p = m
+                while p > 0 and xi[tmp[p - 1]] < v:
+                    tmp[p] = tmp[p - 1]
+                    p -= 1
+                tmp[p] = j
                 m += 1
         t = 0.0
         for i in range(need):
-            t += np.float64(tmp[i])
+            t += np.float64(x[tmp[i]])
         return t
 
     @njit(cache=True)
-    def _set_bits(dst, i, bits, tmp):
-        """dst[i] = the float (dst's dtype) with bit pattern ``bits`` (tmp: 1-element int view)."""
-        tmp[0] = bits
-        dst[i] = tmp.view(dst.dtype)[0]
-
-    @njit(cache=True)
-    def _top_sums(x, xi, ks, bone, out, B, cnt, vals, flags):
+    def _top_sums(x, xi, ks, bone, out, B, cnt, gi, M, bnd):
         """out[i] = sum of the ks[i] largest of x (x >= 0, at most the float with bits ``bone``),
         exact, without sorting the row: a histogram of the bit distances below ``bone`` in _NB
-        buckets spanning the row's own range gives each k's boundary bucket; the keys above it are
-        summed, and the boundary buckets' few keys (gathered in one pass) are sorted. ``ks`` must be
-        non-decreasing. Scratch: B [n] uint16, cnt [4 * _NB] int32, vals [_GCAP + 64], flags [n/64]."""
+        buckets spanning the row's own range gives each k's boundary bucket; one pass sums the keys
+        above those buckets, one marks the keys inside them, and those few are gathered and sorted.
+        ``ks`` must be non-decreasing. Scratch: B [n] uint16, cnt [4 * _NB] int32, gi [2, _GCAP]
+        int64, M [>= n rounded up to 8] uint8, bnd [6] of xi's dtype; nothing is allocated unless
+        the boundary buckets hold more than _GCAP keys."""
         n = x.shape[0]
         span = bone - _min_bits(xi)
         shift = 0
@@ -369,76 +353,69 @@ if numba is not None:
             cnt[B[j]] += 1
         for b in range(_NB):
             cnt[b] += cnt[_NB + b] + cnt[2 * _NB + b] + cnt[3 * _NB + b]
+        nm = (n + 7) // 8 * 8
+        for j in range(n, nm):
+            M[j] = 0
         npc = ks.shape[0]
-        lo = np.empty(3, x.dtype)
-        hi = np.empty(3, x.dtype)
-        tmp = np.empty(1, xi.dtype)
-        nd = np.zeros(3, np.int64)
-        bb = np.zeros(3, np.int64)
         for i0 in range(0, npc, 3):
+            # up to three k at once: each one's boundary bucket, with its bit range (lo, hi] (lo may
+            # be negative: the lowest bucket reaches down to 0), and the keys it needs from it;
+            # an unused slot gets the empty range (bone + 1, bone + 1]
             cum = 0
             b = 0
             tot = 0
+            prev = -1
+            d0 = d1 = d2 = 0
             for u in range(3):
-                if i0 + u < npc:
-                    k = ks[i0 + u]
-                    while cum + cnt[b] < k:
-                        cum += cnt[b]
-                        b += 1
-                    nd[u] = k - cum
-                    bb[u] = b
-                    # bucket b holds the keys with bits in (bone - ((b+1) << shift), bone - (b << shift)]
-                    _set_bits(hi, u, bone - (b << shift), tmp)
-                    if bone - ((b + 1) << shift) >= 0:
-                        _set_bits(lo, u, bone - ((b + 1) << shift), tmp)
-                    else:
-                        lo[u] = -1.0
-                    if u == 0 or bb[u] != bb[u - 1]:
-                        tot += cnt[b]
+                bnd[u] = bone + 1
+                bnd[3 + u] = bone + 1
+            for u in range(min(3, npc - i0)):
+                k = ks[i0 + u]
+                while cum + cnt[b] < k:
+                    cum += cnt[b]
+                    b += 1
+                bnd[u] = bone - (b << shift)
+                bnd[3 + u] = bone - ((b + 1) << shift)
+                if u == 0:
+                    d0 = k - cum
+                elif u == 1:
+                    d1 = k - cum
                 else:
-                    hi[u] = -2.0
-                    lo[u] = -1.0
-            s0, s1, s2 = _sum_above3(x, hi[0], hi[1], hi[2])
-            for u in range(1, 3):                     # a bucket shared with the previous k: gather once
-                if bb[u] == bb[u - 1] and i0 + u < npc:
-                    lo[u] = -1.0
-                    hi[u] = -2.0
-            if tot <= vals.shape[0] - 64:
-                g = vals
+                    d2 = k - cum
+                tot += cnt[b] if b != prev else 0
+                prev = b
+            h0 = bnd[0]
+            h1 = bnd[1]
+            h2 = bnd[2]
+            l0 = bnd[3]
+            l1 = bnd[4]
+            l2 = bnd[5]
+            s0, s1, s2 = _sum_above3(x, xi, h0, h1, h2)
+            _mark3(xi, l0, h0, l1, h1, l2, h2, M[:n])
+            if tot <= gi.shape[1]:
+                g = gi[0]
+                srt = gi[1]
             else:
-                g = np.empty(tot + 64, x.dtype)
-            m = _gather(x, lo, hi, flags, g)
-            srt = np.empty(m, x.dtype)
-            for u in range(3):
-                if i0 + u < npc:
-                    v = u
-                    while v > 0 and bb[v] == bb[v - 1]:
-                        v -= 1
-                    t = _top_in(g[:m], lo[v], hi[v], nd[u], srt)
-                    out[i0 + u] = (s0 if u == 0 else (s1 if u == 1 else s2)) + t
+                g = np.empty(tot, np.int64)
+                srt = np.empty(tot, np.int64)
+            m = _gather(M[:nm], g)
+            for u in range(min(3, npc - i0)):
+                s, d = (s0, d0) if u == 0 else ((s1, d1) if u == 1 else (s2, d2))
+                out[i0 + u] = s + _top_in(x, xi, g[:m], bnd[3 + u], bnd[u], d, srt)
 
-    @njit(parallel=True, cache=True)
-    def _ref_tile(S, Si, nvis, cuts, wide, gate, ks, bone, amax, asum, mx, inv, ent, arg, far, top,
-                  Bs, cnts, vals, flags):
-        """Reference softmax rows of a tile: S -> e in place and every per-row statistic
-        (Bs, cnts, vals, flags: scratch for `_top_sums`, one row per thread)."""
-        R = S.shape[0]
-        for r in prange(R):
-            x = S[r]
-            n = nvis[r]
-            m, hh, fr = _softmax_row(x, n, cuts, wide, gate, amax[r], asum[r])
-            z = 0.0
-            for f in range(asum.shape[1]):
-                z += asum[r, f]
-            mx[r] = m
-            inv[r] = 1.0 / z
-            ent[r] = math.log(z) - hh / z
-            far[r] = fr
-            arg[r] = _first_eq(x[:n], 1.0)
-            t = numba.get_thread_id()
-            _top_sums(x[:n], Si[r, :n], ks[r], bone, top[r], Bs[t, :n], cnts[t], vals[t], flags[t])
-            for i in range(top.shape[1]):
-                top[r, i] = top[r, i] / z
+    @njit(cache=True)
+    def _ref_row(x, xi, n, cuts, wide, gate, ks, bone, amax, asum, top, B, cnt, gi, M, bnd):
+        """One reference softmax row: x -> e in place (0 beyond n), the atoms' max and sum of e, the
+        top-k masses into ``top``; returns (max, 1 / Z, entropy, keys below max - gate, argmax)."""
+        m, hh, fr = _softmax_row(x, n, cuts, wide, gate, amax, asum)
+        z = 0.0
+        for f in range(asum.shape[0]):
+            z += asum[f]
+        arg = _first_eq(x[:n], 1.0)
+        _top_sums(x[:n], xi[:n], ks, bone, top, B[:n], cnt, gi, M, bnd)
+        for i in range(top.shape[0]):
+            top[i] = top[i] / z
+        return m, 1.0 / z, math.log(z) - hh / z, fr, arg
 
     @njit(inline="always", cache=True)
     def _bf16_bits(v):
@@ -463,23 +440,20 @@ if numba is not None:
             dh[j] = _bf16_bits(np.float32(dd))
         return 0.5 * tv
 
-    @njit(parallel=True, cache=True)
-    def _arm_tile(SH, nvis, wide, E, inv, invh, tv, arg, DH):
-        """Q/K-path rows: SH -> e-hat in place, TV against the reference row, argmax; with DH
-        non-empty also P-hat - P as bfloat16 (0 beyond the visible keys)."""
-        for r in prange(SH.shape[0]):
-            x = SH[r]
-            n = nvis[r]
-            m = np.float64(_max_all(x[:n]))
-            z, h1, f1 = _exp(x[:n], m, 1e30, wide)
-            _fill_zero(x[n:])
-            invh[r] = 1.0 / z
-            if DH.shape[0] > 0:
-                tv[r] = _tv_diff_row(x[:n], 1.0 / z, E[r, :n], inv[r], DH[r, :n])
-                _fill_zero(DH[r, n:])
-            else:
-                tv[r] = _tv_row(x[:n], 1.0 / z, E[r, :n], inv[r])
-            arg[r] = _first_eq(x[:n], 1.0)
+    @njit(cache=True)
+    def _arm_row(xh, n, wide, e, inv, dh):
+        """One Q/K-path row: its scores xh -> e-hat in place (0 beyond n); returns (1 / Z-hat, TV
+        against the reference row e / Z, argmax). With dh non-empty also P-hat - P as bfloat16
+        there (0 beyond n)."""
+        m = np.float64(_max_all(xh[:n]))
+        z, h1, f1 = _exp(xh[:n], m, 1e30, wide)
+        _fill_zero(xh[n:])
+        if dh.shape[0] > 0:
+            tv = _tv_diff_row(xh[:n], 1.0 / z, e[:n], inv, dh[:n])
+            _fill_zero(dh[n:])
+        else:
+            tv = _tv_row(xh[:n], 1.0 / z, e[:n], inv)
+        return 1.0 / z, tv, _first_eq(xh[:n], 1.0)
 
     # -- P path: MX fake quantization of float32(e / Z), bit-identical to testbed.quant.mx --------
 
@@ -552,73 +526,92 @@ if numba is not None:
                 dd[j] = _bf16_bits(np.float32(h - p))
         return 0.5 * tv, rs, zeros, pos
 
-    @njit(parallel=True, cache=True)
-    def _p_tile(E, nvis, inv, block, emax, emin, mbits, maxv, PH, tv, rsum, zrate, arg, DP):
-        """P-path rows: PH = MX fake-quantized float32(E * inv) (E is 0 beyond the visible keys),
-        bit-identical to `testbed.quant.mx.MX` on float32(P); its TV against P, row sum,
-        numerical-zero rate and argmax (first key of the largest decoded value); with DP non-empty
-        also P-hat - P as bfloat16."""
-        R, T = E.shape
+    @njit(cache=True)
+    def _p_row(e, n, inv, block, emax, emin, mbits, maxv, ph, dp, bm, scs, downs, ups):
+        """One P-path row: ph = MX fake-quantized float32(e * inv) (e is 0 beyond n), bit-identical
+        to `testbed.quant.mx.MX` on float32(P); returns its (TV against P, row sum, numerical-zero
+        rate, argmax: the first key of the largest decoded value). With dp non-empty also P-hat - P
+        as bfloat16 there (0 beyond n). Scratch bm, scs, downs, ups: one entry per key block."""
+        T = e.shape[0]
         mvf = np.float32(maxv)
         nbk = (T + block - 1) // block
         full = T // block
-        no_diff = np.empty(0, np.uint16)  # rows whose P-hat - P is not wanted
-        for r in prange(R):
-            e = E[r]
-            ph = PH[r]
-            n = nvis[r]
-            cvt = np.empty(1, E.dtype)
-            cvt[0] = inv[r]
-            invc = cvt[0]
-            bm = np.empty(nbk, E.dtype)
-            scs = np.empty(nbk, np.int64)
-            downs = np.empty(nbk, np.float32)
-            ups = np.empty(nbk, np.float32)
-            if block == 32:                 # literal call sites: the block loops get constant trip counts
-                _block_max(e, 32, bm)
-            else:
-                _block_max(e, block, bm)
-            slow = False
-            best_in = np.float32(0.0)
-            best_k = 0
+        bm[0] = inv                         # 1 / Z in e's precision, as the reference quantizes float32(P)
+        invc = bm[0]
+        if block == 32:                     # literal call sites: the block loops get constant trip counts
+            _block_max(e, 32, bm)
+        else:
+            _block_max(e, block, bm)
+        slow = False
+        best_in = np.float32(0.0)
+        best_k = 0
+        for k in range(nbk):
+            amax = np.float32(bm[k] * invc)
+            field = (np.float32(amax).view(np.int32) >> 23) & 255
+            sc = min(max(field - 127 - emax, -127), 127)
+            if field == 0 and amax > 0:
+                _, ex = math.frexp(amax)
+                sc = min(max(ex - 1 - emax, -127), 127)
+            if amax > 0 and (field == 0 or sc < -127 - emin):
+                slow = True
+            scs[k] = sc
+            downs[k] = np.int32((127 - sc) << 23).view(np.float32)
+            ups[k] = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
+            if amax > best_in:                              # quantization is monotone: decode the largest
+                best_in = amax
+                best_k = k
+        if block == 32 and mbits == 3 and emin == -6:             # MXFP8 E4M3: constants inlined
+            _mx_row(e[:full * block], invc, 32, scs, downs, ups, -6, 3, mvf, ph)
+        else:
+            _mx_row(e[:full * block], invc, block, scs, downs, ups, emin, mbits, mvf, ph)
+        if full < nbk:                                          # last, partial block
+            _mx_row(e[full * block:], invc, T - full * block, scs[full:], downs[full:], ups[full:],
+                    emin, mbits, mvf, ph[full * block:])
+        if slow:                                                # blocks whose bits go subnormal: float64 route
             for k in range(nbk):
                 amax = np.float32(bm[k] * invc)
-                field = (np.float32(amax).view(np.int32) >> 23) & 255
-                sc = min(max(field - 127 - emax, -127), 127)
-                if field == 0 and amax > 0:
-                    _, ex = math.frexp(amax)
-                    sc = min(max(ex - 1 - emax, -127), 127)
-                if amax > 0 and (field == 0 or sc < -127 - emin):
-                    slow = True
-                scs[k] = sc
-                downs[k] = np.int32((127 - sc) << 23).view(np.float32)
-                ups[k] = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
-                if amax > best_in:                          # quantization is monotone: decode the largest
-                    best_in = amax
-                    best_k = k
-            if block == 32 and mbits == 3 and emin == -6:         # MXFP8 E4M3: constants inlined
-                _mx_row(e[:full * block], invc, 32, scs, downs, ups, -6, 3, mvf, ph)
-            else:
-                _mx_row(e[:full * block], invc, block, scs, downs, ups, emin, mbits, mvf, ph)
-            if full < nbk:                                      # last, partial block
-                _mx_row(e[full * block:], invc, T - full * block, scs[full:], downs[full:], ups[full:],
-                        emin, mbits, mvf, ph[full * block:])
-            if slow:                                            # blocks whose bits go subnormal: float64 route
-                for k in range(nbk):
-                    amax = np.float32(bm[k] * invc)
-                    if amax > 0 and (((np.float32(amax).view(np.int32) >> 23) & 255) == 0 or scs[k] < -127 - emin):
-                        for j in range(k * block, min((k + 1) * block, T)):
-                            ph[j] = np.float32(_mx_one(np.float32(e[j] * invc), scs[k], emin, mbits, maxv))
-            best = _mx_one(best_in, scs[best_k], emin, mbits, maxv) if best_in > 0 else 0.0
-            if DP.shape[0] > 0:
-                t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n], DP[r, :n])
-                _fill_zero(DP[r, n:])
-            else:
-                t, s, z, pos = _p_stats(e[:n], inv[r], ph[:n], no_diff)
-            tv[r] = t
-            rsum[r] = s
-            zrate[r] = z / max(pos, 1)
-            arg[r] = _first_eq(ph[:n], best)
+                if amax > 0 and (((np.float32(amax).view(np.int32) >> 23) & 255) == 0 or scs[k] < -127 - emin):
+                    for j in range(k * block, min((k + 1) * block, T)):
+                        ph[j] = np.float32(_mx_one(np.float32(e[j] * invc), scs[k], emin, mbits, maxv))
+        best = _mx_one(best_in, scs[best_k], emin, mbits, maxv) if best_in > 0 else 0.0
+        t, s, z, pos = _p_stats(e[:n], inv, ph[:n], dp[:n] if dp.shape[0] > 0 else dp)
+        if dp.shape[0] > 0:
+            _fill_zero(dp[n:])
+        return t, s, z / max(pos, 1), _first_eq(ph[:n], best)
+
+    @njit(parallel=True, cache=True)
+    def _tile(S, Si, nvis, cuts, wide, gate, ks, bone, amax, asum, mx, inv, ent, arg, far, top,
+              X, narms, invh, ptv, parg, DQ, p_path, block, emax, emin, mbits, maxv, rsum, zrate,
+              Bs, cnts, gidx, marks, bnds, PH, bms, scss, downss, upss):
+        """Every row of a tile in one pass while the row is in cache: the reference softmax and its
+        statistics (S -> e in place), the ``narms`` Q/K arms (X rows ``a * R + r`` -> e-hat in
+        place), the P path. DQ non-empty (float32): the paths' P-hat - P as bfloat16 into DQ rows
+        ``path * R + r`` and the P path's P-hat into the per-thread row PH; DQ empty (float64):
+        P-hat into X row ``narms * R + r`` (the P·V product then uses it). The remaining arguments
+        are per-thread scratch rows."""
+        R = S.shape[0]
+        bf16 = DQ.shape[0] > 0
+        nodiff = np.empty(0, np.uint16)
+        for r in prange(R):
+            t = numba.get_thread_id()
+            x = S[r]
+            n = nvis[r]
+            m, iz, en, fr, am = _ref_row(x, Si[r], n, cuts, wide, gate, ks[r], bone, amax[r], asum[r], top[r],
+                                         Bs[t], cnts[t], gidx[t], marks[t], bnds[t])
+            mx[r] = m
+            inv[r] = iz
+            ent[r] = en
+            far[r] = fr
+            arg[r] = am
+            for a in range(narms):
+                dh = DQ[a * R + r] if bf16 else nodiff
+                invh[a, r], ptv[a, r], parg[a, r] = _arm_row(X[a * R + r], n, wide, x, iz, dh)
+            if p_path:
+                ph = PH[t] if bf16 else X[narms * R + r]
+                dp = DQ[narms * R + r] if bf16 else nodiff
+                ptv[narms, r], rsum[r], zrate[r], parg[narms, r] = _p_row(
+                    x, n, iz, block, emax, emin, mbits, maxv, ph, dp, bms[t], scss[t], downss[t], upss[t])
+                invh[narms, r] = 1.0
 
     # -- MX Q/K: signed Hadamard (fast Walsh-Hadamard transform in float64) + MX decode(encode(.)) ----
 
@@ -1067,20 +1060,25 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     step = max(1, int(max_scores) // (g * tk))
     rmax = g * min(step, tq)
     S = np.empty((rmax, tk), np_dt)
-    X = np.empty((max(npaths, 1) * rmax, tk), np_dt)                     # Q/K arms' e-hat, then P-hat
-    NA = np.empty((na, rmax, d), np_dt)
-    OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
     # float32: the paths' output errors come from (P-hat - P) V with the difference and V in
     # bfloat16, one product for every path; float64 keeps P-hat V in float64
     bf16 = not wide and npaths > 0
+    nx = len(arms) + (0 if bf16 else int(p_path))                         # rows of X per tile row
+    X = np.empty((max(nx, 1) * rmax, tk), np_dt)                          # Q/K arms' e-hat (float64: then P-hat)
+    NA = np.empty((na, rmax, d), np_dt)
+    OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
     DQ = np.empty((npaths * rmax, tk) if bf16 else (0, 0), np.uint16)
-    no_d = np.empty((0, 0), np.uint16)
     bone = int(np.array(1.0, np_dt).view(np.int64 if wide else np.int32))
     nthr = numba.config.NUMBA_NUM_THREADS                                 # scratch: one row per thread
     Bs = np.empty((nthr, tk), np.uint16)
     cnts = np.empty((nthr, 4 * _NB), np.int32)
-    gvals = np.empty((nthr, _GCAP + 64), np_dt)
-    gflags = np.empty((nthr, tk // 64 + 1), np.int64)
+    gidx = np.empty((nthr, 2, _GCAP), np.int64)
+    marks = np.empty((nthr, (tk + 7) // 8 * 8), np.uint8)
+    bnds = np.empty((nthr, 6), np.int64 if wide else np.int32)
+    nbp = -(-tk // block_size)
+    PH = np.empty((nthr, tk), np_dt)                                      # the P path's P-hat (float32)
+    bms, scss = np.empty((nthr, nbp), np_dt), np.empty((nthr, nbp), np.int64)
+    downss, upss = np.empty((nthr, nbp), np.float32), np.empty((nthr, nbp), np.float32)
     amax = np.empty((rmax, nf))
     asum = np.empty((rmax, nf))
     mx_, inv, ent = np.empty(rmax), np.empty(rmax), np.empty(rmax)
@@ -1121,23 +1119,12 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
             clock.lap("QK^T matmul (MX Q/K arms)")
             nv = np.tile(nvis_q[qs], g)
             ks = np.tile(ks_q[qs], (g, 1))
-            _ref_tile(Sv, Sv.view(np.int64 if wide else np.int32), nv, cuts, wide, ZERO_GATE, ks, bone,
-                      amax[:R], asum[:R], mx_[:R], inv[:R], ent[:R], arg[:R], far[:R], top[:R],
-                      Bs, cnts, gvals, gflags)
-            clock.lap("softmax + observational kernel")
-
-            for ai in range(len(arms)):
-                Xa = X[ai * R:(ai + 1) * R]
-                dh = DQ[ai * R:(ai + 1) * R] if bf16 else no_d
-                _arm_tile(Xa, nv, wide, Sv, inv[:R], invh[ai, :R], ptv[ai, :R], parg[ai, :R], dh)
-                clock.lap("Q/K arm kernel")
-            if p_path:
-                pi = len(arms)
-                _p_tile(Sv, nv, inv[:R], block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, X[pi * R:(pi + 1) * R],
-                        ptv[pi, :R], rs[:R], zr[:R], parg[pi, :R],
-                        DQ[len(arms) * R:(len(arms) + 1) * R] if bf16 else no_d)
-                invh[pi, :R] = 1.0
-                clock.lap("P-path MX kernel")
+            _tile(Sv, Sv.view(np.int64 if wide else np.int32), nv, cuts, wide, ZERO_GATE, ks, bone,
+                  amax[:R], asum[:R], mx_[:R], inv[:R], ent[:R], arg[:R], far[:R], top[:R],
+                  X[: nx * R], len(arms), invh[:, :R], ptv[:, :R], parg[:, :R], DQ[: npaths * R] if bf16 else DQ,
+                  p_path, block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, rs[:R], zr[:R],
+                  Bs, cnts, gidx, marks, bnds, PH, bms, scss, downss, upss)
+            clock.lap("softmax, metrics and paths kernel")
 
             # P.V: e per ablation atom (sums to Z O), and the paths' P-hat V in one product
             for a, (s, t) in enumerate(coarse_b):

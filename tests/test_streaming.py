@@ -158,7 +158,7 @@ def test_top_sums_exact(np_dt, int_dt):
         ks = np.unique(np.r_[1, rng.integers(1, n + 1, 3), n]).astype(np.int64)
         out = np.empty(ks.size)
         st._top_sums(x, x.view(int_dt), ks, bone, out, np.empty(n, np.uint16), np.empty(4 * st._NB, np.int32),
-                     np.empty(st._GCAP + 64, np_dt), np.empty(n // 64 + 1, np.int64))
+                     np.empty((2, st._GCAP), np.int64), np.empty(n + 8, np.uint8), np.empty(6, int_dt))
         want = np.cumsum(np.sort(x.astype(np.float64))[::-1])[ks - 1]
         np.testing.assert_allclose(out, want, rtol=1e-13, atol=0)
 
@@ -183,7 +183,11 @@ def test_p_path_bit_identical_to_mx(element, np_dt):
         ph = np.empty_like(e)
         tv, rsum, zr, arg = np.empty(rows), np.empty(rows), np.empty(rows), np.empty(rows, np.int64)
         diff = np.empty((rows, keys), np.uint16)
-        st._p_tile(e, nvis, inv, block, fmt.emax, fmt.emin, fmt.mbits, fmt.max, ph, tv, rsum, zr, arg, diff)
+        nbk = -(-keys // block)
+        bm, scs, downs, ups = np.empty(nbk, np_dt), np.empty(nbk, np.int64), np.empty(nbk, np.float32), np.empty(nbk, np.float32)
+        for r in range(rows):
+            tv[r], rsum[r], zr[r], arg[r] = st._p_row(e[r], nvis[r], inv[r], block, fmt.emax, fmt.emin, fmt.mbits,
+                                                      fmt.max, ph[r], diff[r], bm, scs, downs, ups)
         if np_dt == np.float64:                             # the reference quantizes float32(P)
             p32 = torch.from_numpy((e * inv[:, None]).astype(np.float32))
         else:
