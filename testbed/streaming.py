@@ -9,17 +9,18 @@ heads, 2,340 queries x 6,240 keys, D = 128: 467 M scores per path) that costs mi
 1. the scores ``S = (Q / sqrt(D)) Kᵀ`` once, and per Q/K rotation the scores of the MX-decoded
    ``Q̂, K̂`` (quantized once per record: signed Hadamard by butterflies in float64, then MX
    encode/decode, bit-identical to `testbed.quant.mx.MX`, checked by the tests);
-2. one numba kernel per row: the max per key *atom* (the key spans cut at every region,
-   ablation-span and key-block boundary), ``e = exp(S - max)`` in place with the sums ``Z_a`` per
-   atom and ``sum e (S - max)`` (the entropy without a logarithm per key), the argmax, and the
-   top 1/5/10 % mass by an exact radix select on the bits of ``e`` (a histogram of 1,024 buckets
-   spanning the row's own range, the sum above each boundary bucket, and the few keys of the
-   boundary bucket sorted) -- no sort of the row;
-3. per Q/K rotation: softmax of the scores, TV against ``P``, argmax;
-4. the P path: ``float32(e / Z)`` MX-quantized (E8M0 FLOOR scale per 32-key block, elements
-   rounded to nearest even and saturated) and decoded in the same kernel, bit-identical to
-   `testbed.quant.mx.MX`, with its numerical-zero count, row sum, TV and argmax;
-5. the P·V products: ``e`` per ablation atom (``sum_a e_a V_a = Z O``: the ablations cost no
+2. one numba kernel over the tile's rows that does steps 2a-2c on each row while it is in cache:
+   a. the reference: the max per key *atom* (the key spans cut at every region, ablation-span and
+      key-block boundary), ``e = exp(S - max)`` in place with the sums ``Z_a`` per atom and
+      ``sum e (S - max)`` (the entropy without a logarithm per key), the argmax, and the top
+      1/5/10 % mass by an exact radix select on the bits of ``e`` (a histogram of 1,024 buckets
+      spanning the row's own range, one pass summing the keys above each boundary bucket, one
+      marking the keys inside it, and those few sorted) -- no sort of the row;
+   b. per Q/K rotation: softmax of the scores, TV against ``P``, argmax;
+   c. the P path: ``float32(e / Z)`` MX-quantized (E8M0 FLOOR scale per 32-key block, elements
+      rounded to nearest even and saturated) and decoded, bit-identical to `testbed.quant.mx.MX`,
+      with its numerical-zero count, row sum, TV and argmax;
+3. the P·V products: ``e`` per ablation atom (``sum_a e_a V_a = Z O``: the ablations cost no
    extra matmul, dropping a region is merging the other atoms, as in `testbed.ablation`), and the
    paths' output errors ``(P̂ - P) V``; a small kernel turns them into per-row errors.
 
@@ -53,8 +54,8 @@ sample). Deviations by design, each stated:
   scores, as for a float64 softmax.
 
 Threads: torch (MKL) and numba each run their own OpenMP pool, and both spin a while after a
-parallel region; a tile therefore runs its Q Kᵀ matmuls, then its kernels, then its P·V. ``seconds`` and
-``cpu_seconds`` of the result give wall and CPU time per stage.
+parallel region; a tile therefore runs its Q Kᵀ matmuls, then its one row kernel, then its P·V.
+``seconds`` and ``cpu_seconds`` of the result give wall and CPU time per stage.
 
 References: the Catnip week-10 KV-cache attention study (seed 000) for the metrics and the
 ablations; OCP Microscaling Formats v1.0 for MX (see `testbed.quant.mx`); the online-softmax
