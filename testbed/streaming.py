@@ -587,9 +587,9 @@ if numba is not None:
         """Every row of a tile in one pass while the row is in cache: the reference softmax and its
         statistics (S -> e in place), the ``narms`` Q/K arms (X rows ``a * R + r`` -> e-hat in
         place), the P path. DQ non-empty (float32): the paths' P-hat - P as bfloat16 into DQ rows
-        ``path * R + r`` and the P path's P-hat into the per-thread row PH; DQ empty (float64):
-        P-hat into X row ``narms * R + r`` (the P·V product then uses it). The remaining arguments
-        are per-thread scratch rows."""
+        ``path * R + r``, and the P path's P-hat into the per-thread row PH; DQ empty (float64):
+        P-hat into X row ``narms * R + r`` (the P-hat V product then uses it). The remaining
+        arguments are per-thread scratch rows."""
         R = S.shape[0]
         bf16 = DQ.shape[0] > 0
         nodiff = np.empty(0, np.uint16)
