@@ -1014,21 +1014,28 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     qblocks = sorted(set(qblock.tolist()))
     qb_index = torch.tensor([qblocks.index(b) for b in qblock.tolist()], dtype=torch.int64)
 
-    # ---- MX Q/K: quantize Q and K once per record --------------------------------------------
+    # ---- MX Q/K: quantized per KV head (rows are independent) into buffers reused across heads,
+    # so that no record-sized array is allocated and first touched -------------------------------
     fmt = ELEMENTS[element]
-    arms = []
+    arms = []                  # (rotation, scheme name, signs, Hadamard block, Q-hat buffer, K-hat buffer)
     for rot in rotations:
         mx = MX(element, block_size, None if rot == "none" else rot, rotation_seed)
         r = mx.rotation_for(d)
         signs = r.signs.to(torch.float64).numpy() if r is not None else np.empty(0)
-        hb = r.block if r is not None else 1
+        arms.append((rot, mx.name, signs, r.block if r is not None else 1,
+                     np.empty((g * tq, d), np.float32), np.empty((tk, d), np.float32)))
+
+    def mx_head(j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per arm: (Q-hat / sqrt(D) of KV head j's query heads [g, Tq, D], K-hat of head j [Tk, D])
+        in ``dtype``, the values `MX.decode_rotated(MX.quantize(.))` gives (tested bit for bit)."""
+        xq = case.q[j * g:(j + 1) * g].detach().to(torch.float32).reshape(-1, d).contiguous().numpy()
+        xk = case.k[j].detach().to(torch.float32).contiguous().numpy()
         out = []
-        for x in (case.q, case.k):
-            x2 = x.detach().to(torch.float32).reshape(-1, d).contiguous().numpy()
-            y = np.empty_like(x2)
-            _mx_rows(x2, signs, hb, block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, y)
-            out.append(torch.from_numpy(y).view(x.shape))
-        arms.append((rot, mx.name, (out[0].to(dtype) * scale), out[1]))
+        for _, _, signs, hb, qb, kb in arms:
+            _mx_rows(xq, signs, hb, block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, qb)
+            _mx_rows(xk, signs, hb, block_size, fmt.emax, fmt.emin, fmt.mbits, fmt.max, kb)
+            out.append((torch.from_numpy(qb).view(g, tq, d).to(dtype) * scale, torch.from_numpy(kb).to(dtype)))
+        return out
     clock.lap("setup (MX Q/K quantize, layout)")
 
     # ---- per-row and per-head results (numpy, returned as torch views) ------------------------
@@ -1096,27 +1103,28 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     frag = np.zeros((max(nab, 1), rmax), np.bool_)
     bm_t = np.empty((rmax, nkb))
     bm_head = np.empty((g, tq, nkb))
-    qs_all = case.q.to(dtype) * scale
     fragile = FRAGILE[dtype]
     tiles = 0
     for j in range(hkv):
+        heads = slice(j * g, (j + 1) * g)
+        qj = case.q[heads].to(dtype) * scale
         kj = case.k[j].to(dtype)
         vj = case.v[j].to(dtype)
         vj16 = vj.to(torch.bfloat16) if bf16 else None
-        arm_k = [kh[j].to(dtype) for _, _, _, kh in arms]
-        heads = slice(j * g, (j + 1) * g)
+        arm_qk = mx_head(j)
+        clock.lap("setup (MX Q/K quantize, layout)")
         for s0 in range(0, tq, step):
             qs = slice(s0, min(tq, s0 + step))
             c = qs.stop - qs.start
             R = g * c
             tiles += 1
             Sv = S[:R]
-            torch.matmul(qs_all[heads, qs].reshape(R, d), kj.T, out=torch.from_numpy(Sv))
+            torch.matmul(qj[:, qs].reshape(R, d), kj.T, out=torch.from_numpy(Sv))
             clock.lap("QK^T matmul (reference)")
             # every Q Kᵀ of the tile back to back, then the numba kernels: torch's and numba's OpenMP
             # pools each spin a while after their parallel regions, so fewer switches waste less
-            for ai, (rot, _, aq, _) in enumerate(arms):
-                torch.matmul(aq[heads, qs].reshape(R, d), arm_k[ai].T, out=torch.from_numpy(X[ai * R:(ai + 1) * R]))
+            for ai, (aq, ak) in enumerate(arm_qk):
+                torch.matmul(aq[:, qs].reshape(R, d), ak.T, out=torch.from_numpy(X[ai * R:(ai + 1) * R]))
             clock.lap("QK^T matmul (MX Q/K arms)")
             nv = np.tile(nvis_q[qs], g)
             ks = np.tile(ks_q[qs], (g, 1))
@@ -1191,7 +1199,7 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
                     T(sums["dot"].copy()), T(sums["out2"].copy()), T(sums["err2"].copy()), T(sums["ref2"].copy()), rmass,
                     None if output is None else T(output))
     qk = {rot: QKPath(rot, name, T(path_tv[ai]), T(path_agree[ai]), T(path_err2[ai]), T(ref2_head.copy()))
-          for ai, (rot, name, _, _) in enumerate(arms)}
+          for ai, (rot, name, *_) in enumerate(arms)}
     pres = None
     if p_path:
         pi = len(arms)
