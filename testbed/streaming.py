@@ -133,22 +133,27 @@ if numba is not None:
                 return j
         return n
 
+    @njit(fastmath=True, inline="always", cache=True)
+    def _e32(d):
+        """exp(d) in float32 for d >= -87 (Cody-Waite reduction, degree-7 Taylor, 2^t built from its
+        bits: ~1 ulp)."""
+        t = np.floor(d * np.float32(1.4426950408889634) + np.float32(0.5))
+        r = d - t * np.float32(0.693145751953125) - t * np.float32(1.4286067653301870e-06)
+        p = np.float32(1.0 / 5040)
+        p = p * r + np.float32(1.0 / 720)
+        p = p * r + np.float32(1.0 / 120)
+        p = p * r + np.float32(1.0 / 24)
+        p = p * r + np.float32(1.0 / 6)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        return p * np.int32((np.int32(t) + 127) << 23).view(np.float32)
+
     @njit(fastmath=True, cache=True)
     def _exp32(x, m, gate):
-        """x <- exp(x - m) in float32 (Cody-Waite reduction, degree-7 Taylor, 2^t built from its
-        bits); returns (sum e, sum e (x - m), keys below m - gate) with float64 sums."""
-        l2e = np.float32(1.4426950408889634)
-        h = np.float32(0.693145751953125)
-        lo = np.float32(1.4286067653301870e-06)
-        xmin = np.float32(-87.0)                    # 2^t stays a normal float32 (t >= -126)
-        half = np.float32(0.5)
-        c2 = np.float32(0.5)
-        c3 = np.float32(1.0 / 6)
-        c4 = np.float32(1.0 / 24)
-        c5 = np.float32(1.0 / 120)
-        c6 = np.float32(1.0 / 720)
-        c7 = np.float32(1.0 / 5040)
-        one = np.float32(1.0)
+        """x <- exp(x - m) in float32 (`_e32`, the argument clamped at -87 so that 2^t stays a
+        normal float32); returns (sum e, sum e (x - m), keys below m - gate) with float64 sums."""
+        xmin = np.float32(-87.0)
         mm = np.float32(m)
         g = np.float32(-gate)
         z = 0.0
@@ -158,21 +163,25 @@ if numba is not None:
             d = np.float32(x[j]) - mm
             far += d < g
             d = d if d > xmin else xmin
-            t = np.floor(d * l2e + half)
-            r = d - t * h - t * lo
-            p = c7
-            p = p * r + c6
-            p = p * r + c5
-            p = p * r + c4
-            p = p * r + c3
-            p = p * r + c2
-            p = p * r + one
-            p = p * r + one
-            e = p * np.int32((np.int32(t) + 127) << 23).view(np.float32)
+            e = _e32(d)
             x[j] = e
             z += np.float64(e)
             hh += np.float64(e) * np.float64(d)
         return z, hh, far
+
+    @njit(fastmath=True, cache=True)
+    def _exp32_to(x, y, m):
+        """y <- exp(x - m) in float32 (as `_exp32`, x left alone); returns sum e (float64)."""
+        xmin = np.float32(-87.0)
+        mm = np.float32(m)
+        z = 0.0
+        for j in range(x.shape[0]):
+            d = np.float32(x[j]) - mm
+            d = d if d > xmin else xmin
+            e = _e32(d)
+            y[j] = e
+            z += np.float64(e)
+        return z
 
     @njit(fastmath=True, cache=True)
     def _exp64(x, m, gate):
@@ -442,18 +451,20 @@ if numba is not None:
         return 0.5 * tv
 
     @njit(cache=True)
-    def _arm_row(xh, n, wide, e, inv, dh):
-        """One Q/K-path row: its scores xh -> e-hat in place (0 beyond n); returns (1 / Z-hat, TV
-        against the reference row e / Z, argmax). With dh non-empty also P-hat - P as bfloat16
-        there (0 beyond n)."""
+    def _arm_row(xh, n, wide, e, inv, dh, eh):
+        """One Q/K-path row: its scores xh -> e-hat (0 beyond n); returns (1 / Z-hat, TV against
+        the reference row e / Z, argmax). With dh non-empty (float32) also P-hat - P as bfloat16
+        there (0 beyond n), and e-hat goes to the scratch row eh, not back to memory; else e-hat
+        replaces xh (float64: the P-hat V product uses it)."""
         m = np.float64(_max_all(xh[:n]))
+        if dh.shape[0] > 0:
+            z = _exp32_to(xh[:n], eh[:n], m)
+            tv = _tv_diff_row(eh[:n], 1.0 / z, e[:n], inv, dh[:n])
+            _fill_zero(dh[n:])
+            return 1.0 / z, tv, _first_eq(eh[:n], 1.0)
         z, h1, f1 = _exp(xh[:n], m, 1e30, wide)
         _fill_zero(xh[n:])
-        if dh.shape[0] > 0:
-            tv = _tv_diff_row(xh[:n], 1.0 / z, e[:n], inv, dh[:n])
-            _fill_zero(dh[n:])
-        else:
-            tv = _tv_row(xh[:n], 1.0 / z, e[:n], inv)
+        tv = _tv_row(xh[:n], 1.0 / z, e[:n], inv)
         return 1.0 / z, tv, _first_eq(xh[:n], 1.0)
 
     # -- P path: MX fake quantization of float32(e / Z), bit-identical to testbed.quant.mx --------
@@ -606,7 +617,7 @@ if numba is not None:
             arg[r] = am
             for a in range(narms):
                 dh = DQ[a * R + r] if bf16 else nodiff
-                invh[a, r], ptv[a, r], parg[a, r] = _arm_row(X[a * R + r], n, wide, x, iz, dh)
+                invh[a, r], ptv[a, r], parg[a, r] = _arm_row(X[a * R + r], n, wide, x, iz, dh, PH[t])
             if p_path:
                 ph = PH[t] if bf16 else X[narms * R + r]
                 dp = DQ[narms * R + r] if bf16 else nodiff
