@@ -7,8 +7,8 @@ heads, 2,340 queries x 6,240 keys, D = 128: 467 M scores per path) that costs mi
 `analyze` computes, per tile of one KV head's query-head group (GQA) x a slice of queries:
 
 1. the scores ``S = (Q / sqrt(D)) Kᵀ`` once, and per Q/K rotation the scores of the MX-decoded
-   ``Q̂, K̂`` (quantized once per record: signed Hadamard by butterflies in float64, then MX
-   encode/decode, bit-identical to `testbed.quant.mx.MX`, checked by the tests);
+   ``Q̂, K̂`` (quantized once per KV head into reused buffers: signed Hadamard by butterflies in
+   float64, then MX encode/decode, bit-identical to `testbed.quant.mx.MX`, checked by the tests);
 2. one numba kernel over the tile's rows that does steps 2a-2c on each row while it is in cache:
    a. the reference: the max per key *atom* (the key spans cut at every region, ablation-span and
       key-block boundary), ``e = exp(S - max)`` in place with the sums ``Z_a`` per atom and
@@ -16,7 +16,8 @@ heads, 2,340 queries x 6,240 keys, D = 128: 467 M scores per path) that costs mi
       1/5/10 % mass by an exact radix select on the bits of ``e`` (a histogram of 1,024 buckets
       spanning the row's own range, one pass summing the keys above each boundary bucket, one
       marking the keys inside it, and those few sorted) -- no sort of the row;
-   b. per Q/K rotation: softmax of the scores, TV against ``P``, argmax;
+   b. per Q/K rotation: softmax of the scores (into a per-thread scratch row), TV against ``P``,
+      argmax, and ``P̂ - P`` for the output-error product;
    c. the P path: ``float32(e / Z)`` MX-quantized (E8M0 FLOOR scale per 32-key block, elements
       rounded to nearest even and saturated) and decoded, bit-identical to `testbed.quant.mx.MX`,
       with its numerical-zero count, row sum, TV and argmax;
@@ -596,11 +597,11 @@ if numba is not None:
               X, narms, invh, ptv, parg, DQ, p_path, block, emax, emin, mbits, maxv, rsum, zrate,
               Bs, cnts, gidx, marks, bnds, PH, bms, scss, downss, upss):
         """Every row of a tile in one pass while the row is in cache: the reference softmax and its
-        statistics (S -> e in place), the ``narms`` Q/K arms (X rows ``a * R + r`` -> e-hat in
-        place), the P path. DQ non-empty (float32): the paths' P-hat - P as bfloat16 into DQ rows
-        ``path * R + r``, and the P path's P-hat into the per-thread row PH; DQ empty (float64):
-        P-hat into X row ``narms * R + r`` (the P-hat V product then uses it). The remaining
-        arguments are per-thread scratch rows."""
+        statistics (S -> e in place), the ``narms`` Q/K arms (scores in X rows ``a * R + r``), the P
+        path. DQ non-empty (float32): the paths' P-hat - P as bfloat16 into DQ rows
+        ``path * R + r``, the arms' e-hat and the P path's P-hat only in the per-thread row PH; DQ
+        empty (float64): e-hat in place in X and P-hat into X row ``narms * R + r`` (the P-hat V
+        product then uses them). The remaining arguments are per-thread scratch rows."""
         R = S.shape[0]
         bf16 = DQ.shape[0] > 0
         nodiff = np.empty(0, np.uint16)
