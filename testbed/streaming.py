@@ -172,7 +172,9 @@ if numba is not None:
 
     @njit(fastmath=True, cache=True)
     def _exp32_to(x, y, m):
-        """y <- exp(x - m) in float32 (as `_exp32`, x left alone); returns sum e (float64)."""
+        """y <- exp(x - m) in float32 (as `_exp32`, x left alone); returns sum e (float64). A loop of
+        its own: one function for both, called in place with y = x, loses its vectorization to the
+        possible aliasing."""
         xmin = np.float32(-87.0)
         mm = np.float32(m)
         z = 0.0
