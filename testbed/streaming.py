@@ -373,7 +373,8 @@ if numba is not None:
         for i0 in range(0, npc, 3):
             # up to three k at once: each one's boundary bucket, with its bit range (lo, hi] (lo may
             # be negative: the lowest bucket reaches down to 0), and the keys it needs from it;
-            # an unused slot gets the empty range (bone + 1, bone + 1]
+            # an unused slot gets the empty range (bone + 1, bone + 1]. The bounds pass through bnd
+            # so that they carry xi's integer width: the passes' compares then vectorize at full width
             cum = 0
             b = 0
             tot = 0
