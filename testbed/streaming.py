@@ -627,7 +627,6 @@ if numba is not None:
                 dp = DQ[narms * R + r] if bf16 else nodiff
                 ptv[narms, r], rsum[r], zrate[r], parg[narms, r] = _p_row(
                     x, n, iz, block, emax, emin, mbits, maxv, ph, dp, bms[t], scss[t], downss[t], upss[t])
-                invh[narms, r] = 1.0
 
     # -- MX Q/K: signed Hadamard (fast Walsh-Hadamard transform in float64) + MX decode(encode(.)) ----
 
@@ -1087,7 +1086,7 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     # bfloat16, one product for every path; float64 keeps P-hat V in float64
     bf16 = not wide and npaths > 0
     nx = len(arms) + (0 if bf16 else int(p_path))                         # rows of X per tile row
-    X = np.empty((max(nx, 1) * rmax, tk), np_dt)                          # Q/K arms' e-hat (float64: then P-hat)
+    X = np.empty((max(nx, 1) * rmax, tk), np_dt)          # Q/K arms' scores (float64: e-hat in place, then P-hat)
     NA = np.empty((na, rmax, d), np_dt)
     OH = np.empty((max(npaths, 1) * rmax, d), np_dt)
     DQ = np.empty((npaths * rmax, tk) if bf16 else (0, 0), np.uint16)
@@ -1099,7 +1098,7 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     marks = np.empty((nthr, (tk + 7) // 8 * 8), np.uint8)
     bnds = np.empty((nthr, 6), np.int64 if wide else np.int32)
     nbp = -(-tk // block_size)
-    PH = np.empty((nthr, tk), np_dt)                                      # the P path's P-hat (float32)
+    PH = np.empty((nthr, tk), np_dt)                      # float32: the arms' e-hat, then the P path's P-hat
     bms, scss = np.empty((nthr, nbp), np_dt), np.empty((nthr, nbp), np.int64)
     downss, upss = np.empty((nthr, nbp), np.float32), np.empty((nthr, nbp), np.float32)
     amax = np.empty((rmax, nf))
@@ -1107,7 +1106,7 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
     mx_, inv, ent = np.empty(rmax), np.empty(rmax), np.empty(rmax)
     far, arg = np.empty(rmax, np.int64), np.empty(rmax, np.int64)
     top = np.empty((rmax, len(percents)))
-    invh = np.ones((max(npaths, 1), rmax))
+    invh = np.ones((max(npaths, 1), rmax))               # 1 / Z-hat; the P path's row stays 1 (P-hat is normalized)
     ptv = np.empty((max(npaths, 1), rmax))
     parg = np.empty((max(npaths, 1), rmax), np.int64)
     rs, zr = np.empty(rmax), np.empty(rmax)
