@@ -26,7 +26,7 @@ from tabulate import tabulate
 from ..ablation import ABLATION_NAMES, DEFAULT_MAX_SCORES, ablate_case, control_block, make_ablation
 from ..context import case_fields
 from ..metrics import history_span, paired_wilcoxon
-from ..protocol import ProtocolError, check_object
+from ..schema import ProtocolError, check_object
 from ..quant import ResidualWindow, from_config
 
 __all__ = ["validate", "evaluate", "report", "build_arms", "REGION_FIELDS"]

@@ -32,7 +32,7 @@ from tabulate import tabulate
 from ..attention import expand_kv, probabilities
 from ..context import case_fields
 from ..metrics import numerical_zero_rate, rel_l2, total_variation
-from ..protocol import check_object
+from ..schema import ProtocolError, check_object
 from ..quant.mx import ELEMENTS, MX
 
 __all__ = ["validate", "evaluate", "report", "ROTATION_NAMES"]
@@ -55,8 +55,6 @@ def validate(params, where):
         "p_path": (bool, True),
     })
     if len(set(p["rotations"])) != len(p["rotations"]):
-        from ..protocol import ProtocolError
-
         raise ProtocolError(f"{where}.rotations: {p['rotations']!r} names a rotation twice")
     return p
 

@@ -25,7 +25,7 @@ from tabulate import tabulate
 
 from ..context import case_fields
 from ..metrics import TOP_PERCENTS, history_span, observe, summary
-from ..protocol import check_object
+from ..schema import check_object
 
 __all__ = ["validate", "evaluate", "report", "ROW_FIELDS", "REGIONS"]
 

@@ -17,7 +17,7 @@ from tabulate import tabulate
 from ..attention import attention_case, probabilities
 from ..context import case_fields
 from ..metrics import cosine, max_abs, rel_l2
-from ..protocol import check_object
+from ..schema import check_object
 from ..quant import IntGrouped, ResidualWindow
 
 __all__ = ["validate", "evaluate", "report", "arms"]

@@ -47,7 +47,7 @@ import torch
 
 from ..evidence import sha256_file
 from ..case import Case, Region
-from ..protocol import ProtocolError, check_object, check_value
+from ..schema import ProtocolError, check_object, check_value
 
 __all__ = [
     "ATTN_NAME", "GGUF_NAME", "MODEL_PACKAGE", "INSTALL_HINT", "CaptureUnavailable", "Record", "Observer",

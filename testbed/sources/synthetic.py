@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from ..case import Case, Region
-from ..protocol import check_object
+from ..schema import check_object
 
 __all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases"]
 

@@ -39,7 +39,7 @@ import torch
 
 from ..evidence import sha256_file
 from ..case import Case, Region
-from ..protocol import ProtocolError, check_object
+from ..schema import ProtocolError, check_object
 
 __all__ = ["TraceError", "METADATA_KEY", "VERSION", "save_trace", "load_trace", "iter_trace", "validate", "cases",
            "estimate_bytes"]

@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 
 from ..case import Case, Region
-from ..protocol import ProtocolError, check_object
+from ..schema import ProtocolError, check_object
 
 __all__ = ["LAYOUTS", "make_video_case", "make_llm_case", "validate", "cases"]
 
