@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import live
 from .analyses import ANALYSES
 from .schema import ProtocolError, check_object, check_value, key_name
 from .sources import SOURCES
@@ -32,18 +33,20 @@ PROTOCOL_DIR = Path(__file__).resolve().parent.parent / "protocols"
 
 
 def validate_protocol(raw: Any, where: str = "protocol") -> dict:
+    if isinstance(raw, dict) and raw.get("kind") == "live":
+        return _validate_live(raw, where)
     proto = check_object(
         raw, where,
         required={"name": str, "source": dict, "analyses": dict},
         optional={
+            "kind": (("choice", ("attention",)), "attention"),
             "description": (str, ""),
             "default": (bool, False),
             "timing": (dict, {}),
             "audit": (dict, {}),
         },
     )
-    if not proto["name"].replace("_", "").isalnum():
-        raise ProtocolError(f"{where}.name: {proto['name']!r} must be letters, digits and underscores")
+    _check_name(proto, where)
     kind = proto["source"].get("kind")
     if not isinstance(kind, str) or kind not in SOURCES:
         raise ProtocolError(f"{where}.source.kind: {kind!r} is not one of {sorted(SOURCES)}")
@@ -56,11 +59,29 @@ def validate_protocol(raw: Any, where: str = "protocol") -> dict:
             raise ProtocolError(f"{where}.analyses.{key_name(name)}: unknown analysis (known: {', '.join(sorted(ANALYSES))})")
         analyses[name] = ANALYSES[name].validate(params, f"{where}.analyses.{name}")
     proto["analyses"] = analyses
+    return _common(proto, where)
+
+
+def _check_name(proto: dict, where: str) -> None:
+    if not proto["name"].replace("_", "").isalnum():
+        raise ProtocolError(f"{where}.name: {proto['name']!r} must be letters, digits and underscores")
+
+
+def _common(proto: dict, where: str) -> dict:
     proto["timing"] = check_object(proto["timing"], f"{where}.timing", {}, {
         "repeats": (("range", int, 0, 100), 3), "seed": (int, 0)})
     proto["audit"] = check_object(proto["audit"], f"{where}.audit", {}, {
         "rtol": (("range", float, 0.0, 1.0), 1e-6), "atol": (("range", float, 0.0, 1.0), 1e-9)})
     return proto
+
+
+def _validate_live(raw: dict, where: str) -> dict:
+    """A live study (``"kind": "live"``): policies inside a model, see :mod:`testbed.live`."""
+    proto = check_object(raw, where, required={"name": str, "kind": ("choice", ("live",)), "live": dict}, optional={
+        "description": (str, ""), "default": (bool, False), "timing": (dict, {}), "audit": (dict, {})})
+    _check_name(proto, where)
+    proto["live"] = live.validate(proto["live"], f"{where}.live")
+    return _common(proto, where)
 
 
 def _strict_pairs(pairs):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from . import live
 from .analyses import ANALYSES
 
 __all__ = ["build_report"]
 
 
-def build_report(protocols: list[dict], rows: list[dict], manifest: dict) -> str:
+def build_report(protocols: list[dict], rows: list[dict], manifest: dict, timings: list | None = None) -> str:
     lines = ["# testbed run report", ""]
     env = manifest.get("environment", {})
     lines.append(f"Created {manifest.get('created_utc')} with python {env.get('python')}, torch {env.get('torch')}, "
@@ -26,6 +27,10 @@ def build_report(protocols: list[dict], rows: list[dict], manifest: dict) -> str
         lines += ["", f"## {study}", ""]
         if proto.get("description"):
             lines += [proto["description"], ""]
+        if proto.get("kind") == "live":
+            sel = [r for r in rows if r["study"] == study]
+            lines += ["### live_quality", "", live.report(sel, proto["live"], timings), ""]
+            continue
         for name, params in proto["analyses"].items():
             sel = [r for r in rows if r["study"] == study and r["analysis"] == name]
             lines += [f"### {name}", ""]

@@ -72,6 +72,10 @@ def estimate_protocol(proto: dict) -> int | None:
     """Peak bytes of the protocol's largest Case, or None when its source has no estimate."""
     from .sources import SOURCES
 
+    if proto.get("kind") == "live":
+        from .live import estimate_bytes
+
+        return int(estimate_bytes(proto["live"]))
     kind = proto["source"]["kind"]
     hook = getattr(SOURCES.get(kind), "estimate_bytes", None) or _FALLBACK.get(kind)
     return None if hook is None else int(hook(proto["source"]))

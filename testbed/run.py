@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .context import RunContext
+from .live import run as run_live
 from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
 from .protocol import ProtocolError, default_protocols, load_protocol
 from .report import build_report
@@ -121,9 +122,10 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
     ctx = RunContext(store, study=study, timing_repeats=proto["timing"]["repeats"],
                      timing_seed=proto["timing"]["seed"], progress=progress)
     cases, rows, files = {}, [], {}
-    source = _source(proto)
+    if proto.get("kind") == "live":
+        cases, rows = run_live(proto, ctx, path)
     t0 = time.perf_counter()
-    for i, case in enumerate(_built_cases(source, proto, ctx), 1):
+    for i, case in enumerate(_built_cases(_source(proto), proto, ctx) if proto.get("kind") != "live" else (), 1):
         if case.id in cases:
             raise ProtocolError(f"{study}: two cases are named {case.id!r}")
         cases[case.id] = _save_case(case, ctx)
@@ -201,7 +203,7 @@ def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
     }
     write_json(root / "results.json", {"schema_version": SCHEMA_VERSION, "cases": cases, "rows": rows})
     write_json(root / "timings.json", timings)
-    (root / "report.md").write_text(build_report([p for _, p, _ in protocols], rows, manifest), encoding="utf-8")
+    (root / "report.md").write_text(build_report([p for _, p, _ in protocols], rows, manifest, timings), encoding="utf-8")
     for rel in ("results.json", "timings.json", "report.md"):
         files[rel] = sha256_file(root / rel)
     for e in proto_entries:

@@ -6,9 +6,9 @@ code and recompute every reported number in float64. ``CHECKS`` maps an analysis
 function ``check(row, ctx) -> None`` that reports problems through ``ctx.fail``.
 """
 
-from . import ablation, mx_paths, observation, residual_window
+from . import ablation, live_quality, mx_paths, observation, residual_window
 
 CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation.check,
-          "observation": observation.check}
+          "observation": observation.check, "live_quality": live_quality.check}
 
 __all__ = ["CHECKS"]

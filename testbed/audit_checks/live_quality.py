@@ -1,0 +1,289 @@
+"""Audit of the live quality study's rows (numpy only; no model, no testbed.policies).
+
+What it re-derives for every (segment, arm) row, from the stored arrays and the frozen protocol:
+
+- the schedule: tokens per forward (``context``), from its own statement of each policy's
+  flush / eviction points (chunked) or one token per forward (step, peers), the reference's chunks;
+- every ``bytes`` entry of a policy against its own closed form of the policy's byte accounting at
+  that context (float32 sink and window, packed codes + float16 scale / zero or E8M0 scales, the
+  16-byte header, per layer, for the model's known dimensions), of the reference (float32 K+V) and
+  of quanto's ``QuantizedCache`` (its schedule: the prefill quantized whole, a float residual that
+  re-quantizes everything when it reaches its length; 4/2-bit codes, float32 scale and shift per
+  group);
+- nll, perplexity, mean KL, top-1 agreement (against the reference row's argmax of the same
+  segment), bytes per token, context, forwards, scored tokens;
+- for the one evidence layer: the packed middle re-encoded from the recorded float32 K/V with its
+  own integer and MX encoders, byte for byte, and the float32 sink and window equal to the inputs.
+
+What it cannot re-derive: the log-probabilities, KL and argmax themselves rest on model forward
+passes; they are checked for shape, finiteness and sign (KL ≥ 0 up to float rounding) only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .mx_paths import encode_mx
+
+__all__ = ["check", "MODELS", "POLICY_TABLE"]
+
+# Known models' cache dimensions (the audit's own table; a live row of any other model fails).
+MODELS = {"SmolLM2-135M-Instruct.Q4_1": {"layers": 30, "kv_heads": 3, "head_dim": 64}}
+# name -> (middle, sink from protocol?, window key, key axis): the audit's own statement of the presets
+POLICY_TABLE = {
+    "float32": ("float32", False, None, "channel"),
+    "int4": ("int4", False, "window", "channel"),
+    "int2": ("int2", False, "window", "channel"),
+    "int4_sink4": ("int4", True, "window", "channel"),
+    "int2_sink4": ("int2", True, "window", "channel"),
+    "int2_ktoken": ("int2", False, "window", "token"),
+    "mxfp8": ("mxfp8", False, "window", "channel"),
+    "mxfp4": ("mxfp4", False, "window", "channel"),
+    "streaming": ("drop", True, "evict_window", "channel"),
+    "window_only": ("drop", False, "evict_window", "channel"),
+}
+HEADER = 16
+KL_FLOOR = -1e-6  # KL of two float32 softmaxes summed in float64 may dip this far below zero
+
+
+def _policy(name: str, live: dict) -> dict:
+    middle, has_sink, wkey, axis = POLICY_TABLE[name]
+    return {"middle": middle, "sink": live.get("sink", 4) if has_sink else 0,
+            "window": 0 if wkey is None else live.get(wkey, 128 if wkey == "window" else 256),
+            "group": live.get("group", 32), "feature_group": 32, "key_axis": axis}
+
+
+def _spans(pol: dict, n: int) -> tuple[int, int, int]:
+    """(sink tokens, packed tokens, float tokens after the sink) held after n tokens."""
+    s = min(pol["sink"], n)
+    if pol["middle"] == "drop":
+        return s, 0, n - max(s, n - pol["window"])
+    if pol["middle"] == "float32":
+        return s, 0, n - s
+    aged = n - s - pol["window"]
+    p = pol["group"] * (aged // pol["group"]) if aged > 0 else 0
+    return s, p, n - s - p
+
+
+def _packed_bytes(pol: dict, p: int, heads: int, d: int) -> int:
+    """Bytes of p packed tokens of K + V in one layer, from the stored arrays' shapes."""
+    if p == 0:
+        return 0
+    m = pol["middle"]
+    if m in ("mxfp8", "mxfp4"):
+        dp = -(-d // 32) * 32
+        codes = dp if m == "mxfp8" else dp // 2
+        return 2 * heads * p * (codes + dp // 32)
+    bits = int(m[3:])
+    f = pol["feature_group"]
+    dp = -(-d // f) * f
+    v = heads * p * (-(-dp * bits // 8) + 2 * 2 * (dp // f))
+    if pol["key_axis"] == "channel":
+        k = heads * (p * -(-d * bits // 8) + 2 * 2 * d * (p // pol["group"]))
+    else:
+        k = v
+    return k + v
+
+
+def policy_bytes(pol: dict, n: int, dims: dict) -> int:
+    s, p, f = _spans(pol, n)
+    h, d = dims["kv_heads"], dims["head_dim"]
+    return dims["layers"] * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d))
+
+
+def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dims: dict) -> int:
+    """QuantizedCache after a prefill of ``prefill`` then one token per forward up to n tokens."""
+    r = (n - prefill) % residual if residual > 0 else 0
+    q = n - r
+    h, d = dims["kv_heads"], dims["head_dim"]
+    per_q = 2 * h * (d * bits // 8 + (d // group) * 8)  # K and V: codes, float32 scale + shift per group
+    return dims["layers"] * (q * per_q + r * 2 * h * d * 4)
+
+
+def next_change(pol: dict, n: int):
+    if pol["middle"] == "float32":
+        return math.inf
+    if pol["middle"] == "drop":
+        full = pol["sink"] + pol["window"]
+        return 1 if n >= full else full - n
+    base, g = pol["sink"] + pol["window"], pol["group"]
+    m = base + g if n < base + g else base + g * ((n - base) // g + 1)
+    return m - n
+
+
+def schedule(kind: str, name: str, live: dict) -> list[int]:
+    P, T = live["prefill"], live["steps"]
+    pol = _policy(name, live) if kind == "policy" else None
+    out, n = [P], P
+    while n < P + T:
+        if kind == "reference":
+            c = live.get("reference_chunk", 256)
+        elif kind == "peer" or live.get("mode", "chunked") == "step":
+            c = 1
+        else:
+            c = next_change(pol, n)
+        n += int(min(c, P + T - n))
+        out.append(n)
+    return out
+
+
+def _live_params(ctx, study) -> dict:
+    def load():
+        from ..audit import _safe_relpath, load_json
+
+        for entry in ctx.manifest.get("protocols", []):
+            if isinstance(entry, dict) and entry.get("name") == study:
+                proto = load_json(_safe_relpath(ctx.root, entry["copy"]))
+                if not isinstance(proto, dict) or proto.get("kind") != "live" or not isinstance(proto.get("live"), dict):
+                    raise ValueError(f"protocol copy of {study} is not a live protocol")
+                return proto["live"]
+        raise ValueError(f"no protocol copy for study {study}")
+
+    return ctx.cached(("live_params", study), load)
+
+
+def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    per = 8 // bits
+    pad = (-codes.shape[-1]) % per
+    if pad:
+        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], pad), np.uint8)], axis=-1)
+    c = codes.reshape(*codes.shape[:-1], -1, per).astype(np.uint8)
+    out = c[..., 0].copy()
+    for j in range(1, per):
+        out |= (c[..., j] << np.uint8(bits * j)).astype(np.uint8)
+    return out
+
+
+def encode_int(x: np.ndarray, bits: int, group: int, axis: str) -> dict:
+    """Asymmetric min-max grouped integers (float16 scale and zero), as the run must have stored them."""
+    x = np.asarray(x, dtype=np.float32)
+    qmax = np.float32((1 << bits) - 1)
+    *lead, n, d = x.shape
+    if axis == "channel":
+        if n % group:
+            raise ValueError(f"{n} tokens are not whole groups of {group}")
+        g = x.reshape(*lead, n // group, group, d)
+        red = -2
+    else:
+        pad = (-d) % group
+        xp = np.concatenate([x, np.repeat(x[..., -1:], pad, axis=-1)], axis=-1) if pad else x
+        g = xp.reshape(*lead, n, -1, group)
+        red = -1
+    mn, mx = g.min(axis=red), g.max(axis=red)
+    scale16 = ((mx - mn) / qmax + np.float32(0.0)).astype(np.float16)
+    zero16 = (mn + np.float32(0.0)).astype(np.float16)
+    s = np.expand_dims(scale16.astype(np.float32), red)
+    z = np.expand_dims(zero16.astype(np.float32), red)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.where(s > 0, np.round((g - z) / np.where(s > 0, s, np.float32(1))), 0)
+    c = np.clip(c, 0, qmax).astype(np.uint8)
+    c = c.reshape(*lead, n, d) if axis == "channel" else c.reshape(*lead, n, -1)
+    return {"codes": _pack_bits(c, bits), "scale": scale16, "zero": zero16}
+
+
+def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
+    ev = row.get("evidence")
+    if not isinstance(ev, dict) or not isinstance(ev.get("arrays"), dict):
+        raise ValueError("quantized policy row of the first batch has no evidence arrays")
+    if ev.get("layer") != live.get("evidence_layer", 0):
+        ctx.fail(row, f"evidence layer {ev.get('layer')!r} is not the protocol's {live.get('evidence_layer', 0)}")
+    a = {k: ctx.load(v) for k, v in ev["arrays"].items()}
+    n = live["prefill"] + live["steps"]
+    s, p, f = _spans(pol, n)
+    for name in ("k", "v"):
+        x = a[f"input.{name}"]
+        if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
+            raise ValueError(f"input.{name} is {x.dtype} {list(x.shape)}, expected float32 [H, {n}, D]")
+        for label, want in (("sink", x[:, :s]), ("float", x[:, s + p:])):
+            got = a[f"{label}.{name}"]
+            ctx.numbers += 1
+            if got.shape != want.shape or got.tobytes() != want.tobytes():
+                ctx.fail(row, f"{label}.{name}: the stored float32 tokens are not the inputs [{label}] bit for bit")
+        span = x[:, s:s + p]
+        if pol["middle"] in ("mxfp8", "mxfp4"):
+            codes, scales = encode_mx(span, "e4m3" if pol["middle"] == "mxfp8" else "e2m1", 32)
+            want = {"codes": codes if pol["middle"] == "mxfp8" else _pack_bits(codes, 4), "scales": scales}
+        else:
+            bits = int(pol["middle"][3:])
+            axis = pol["key_axis"] if name == "k" else "token"
+            grp = pol["group"] if axis == "channel" else pol["feature_group"]
+            want = encode_int(span, bits, grp, axis)
+        label = "key" if name == "k" else "value"
+        for arr, w in want.items():
+            got = a.get(f"{label}.{arr}")
+            ctx.numbers += 1
+            if got is None or got.dtype != w.dtype or got.shape != w.shape or got.tobytes() != w.tobytes():
+                ctx.fail(row, f"{label}.{arr}: stored bytes differ from the audit's re-encoding of the recorded "
+                              f"float32 {name.upper()} tokens [{s}, {s + p})")
+    total = sum(int(v.nbytes) for k, v in a.items() if not k.startswith("input."))
+    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
+
+
+def check(row: dict, ctx) -> None:
+    study = row.get("study")
+    live = _live_params(ctx, study)
+    dims = MODELS.get(live.get("model"))
+    if dims is None:
+        raise ValueError(f"model {live.get('model')!r} is not one the audit knows")
+    arm, kind = row.get("arm"), row.get("kind")
+    names = set(live.get("policies", []))
+    peers = {f"quanto_int{p['bits']}": p for p in live.get("peers", [])}
+    expected_kind = "reference" if arm == "dynamic_cache" else "policy" if arm in names else "peer" if arm in peers else None
+    if expected_kind is None or kind != expected_kind:
+        raise ValueError(f"arm {arm!r} (kind {kind!r}) is not an arm of the protocol")
+    arrays = row.get("arrays", {})
+    T = live["steps"]
+    lp, am = ctx.load(arrays.get("logprob")), ctx.load(arrays.get("argmax"))
+    by, cx = ctx.load(arrays.get("bytes")), ctx.load(arrays.get("context"))
+    if lp.shape != (T,) or am.shape != (T,) or lp.dtype.kind != "f" or am.dtype.kind not in "iu":
+        raise ValueError(f"logprob / argmax must be [{T}] arrays, got {lp.dtype} {list(lp.shape)} / {am.dtype} {list(am.shape)}")
+    if not np.all(np.isfinite(lp)) or np.any(lp > 0):
+        ctx.fail(row, "logprob holds a non-finite or positive log-probability")
+    want_ctx = schedule(kind, arm, live)
+    ctx.equal(row, "context schedule", [int(x) for x in cx], want_ctx)
+    ctx.equal(row, "forwards", row.get("forwards"), len(want_ctx))
+    ctx.equal(row, "scored_tokens", row.get("scored_tokens"), T)
+    ctx.equal(row, "context_final", row.get("context_final"), want_ctx[-1])
+    if kind == "policy":
+        pol = _policy(arm, live)
+        want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
+        cfg = row.get("policy", {})
+        for key in ("middle", "sink", "window", "group", "feature_group", "key_axis"):
+            ctx.equal(row, f"policy.{key}", cfg.get(key), pol[key])
+    elif kind == "reference":
+        want_b = [n * dims["layers"] * 2 * dims["kv_heads"] * dims["head_dim"] * 4 for n in want_ctx]
+    else:
+        peer = peers[arm]
+        want_b = [quanto_bytes(n, live["prefill"], live.get("window", 128), peer["bits"], live.get("peer_group", 64), dims)
+                  for n in want_ctx]
+    ctx.equal(row, "bytes after each forward", [int(x) for x in by], want_b)
+    ctx.equal(row, "bytes_final", row.get("bytes_final"), want_b[-1])
+    ctx.close(row, "bytes_per_token", row.get("bytes_per_token"), want_b[-1] / want_ctx[-1])
+    nll = -float(np.mean(lp.astype(np.float64)))
+    ctx.close(row, "nll", row.get("nll"), nll)
+    ctx.close(row, "perplexity", row.get("perplexity"), math.exp(nll))
+    if kind == "reference":
+        ctx.close(row, "mean_kl", row.get("mean_kl"), 0.0)
+        ctx.close(row, "top1_agreement", row.get("top1_agreement"), 1.0)
+        return
+    kl = ctx.load(arrays.get("kl"))
+    if kl.shape != (T,) or not np.all(np.isfinite(kl)) or np.any(kl < KL_FLOOR):
+        ctx.fail(row, f"kl must be [{T}] finite values >= {KL_FLOOR:g}")
+    ctx.close(row, "mean_kl", row.get("mean_kl"), float(np.mean(kl.astype(np.float64))))
+    ref = _reference_row(ctx, study, row.get("case"))
+    ref_am = ctx.load(ref["arrays"]["argmax"])
+    ctx.close(row, "top1_agreement", row.get("top1_agreement"), float(np.mean(am == ref_am)))
+    if kind == "policy" and _policy(arm, live)["middle"] not in ("float32", "drop") and row.get("case") == "seg000":
+        _check_evidence(row, ctx, _policy(arm, live), live)
+
+
+def _reference_row(ctx, study, case) -> dict:
+    def find():
+        for r in ctx.results.get("rows", []):
+            if isinstance(r, dict) and r.get("study") == study and r.get("case") == case and r.get("arm") == "dynamic_cache":
+                return r
+        raise ValueError(f"segment {case} has no dynamic_cache reference row")
+
+    return ctx.cached(("live_ref", study, case), find)

@@ -1,0 +1,479 @@
+"""The live quality study: cache policies inside a real model, judged by the model's predictions.
+
+For each corpus segment the model reads a prefill of P tokens, then T teacher-forced decode
+steps (the true next token is fed, one scored prediction per step) through the cache under test.
+Per step: the log-probability of the true token, KL(p_float32 || p_policy) against the same model
+with transformers' ``DynamicCache`` (the float32 reference), and whether the top-1 token agrees
+with the reference's. The cache's stored bytes are measured after every forward call.
+
+Arms of one study: the reference (``dynamic_cache``), every policy of the protocol
+(:mod:`testbed.policies`, run through :class:`~testbed.policies.cache.PolicyCache`) and the peers
+users know, transformers' ``QuantizedCache`` with the quanto backend at 2 and 4 bits (which
+re-quantizes its whole history each time its float residual fills; it runs one token per forward,
+on its own schedule).
+
+Modes (protocol key ``mode``): ``"chunked"`` feeds the tokens between two changes of a policy's
+stored state (:meth:`~testbed.policies.policy.Policy.next_change`: a flush of a group for a
+quantized middle, every token for an evicting one) as one forward call, which is exact — each of
+those tokens attends the same stored history plus the float32 tokens before it, as it would one
+token per forward; ``"step"`` feeds one token per forward for every arm. The reference is exact in
+any chunking and runs in chunks of ``reference_chunk`` tokens.
+
+Units are segments: every per-token array is stored, rows are per (segment, arm), and the report's
+intervals are bootstraps over segments, never over tokens.
+
+Corpus: Python's own ``pydoc_data.topics`` (the help topics of the standard library, ~465k
+characters of technical English, no download) or text files named in the protocol (paths relative
+to the protocol file). Segments are disjoint, evenly spaced over the token stream, and their token
+ids are stored and hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .policies import PRESETS, Policy, preset
+from .schema import ProtocolError, check_object, check_value
+from .sources.capture import INSTALL_HINT, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
+
+__all__ = ["validate", "run", "report", "policies_of", "corpus_text", "segment_starts", "chunk_schedule",
+           "quanto_bytes", "REFERENCE"]
+
+REFERENCE = "dynamic_cache"
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+PEER_SPEC = {"backend": ("choice", ("quanto",)), "bits": ("choice", (2, 4))}
+
+
+def validate(params, where: str) -> dict:
+    p = check_object(params, where, required={
+        "model": ("choice", (MODEL_ID,)),
+        "corpus": dict,
+        "segments": ("range", int, 1, 4096),
+        "prefill": ("range", int, 1, 8192),
+        "steps": ("range", int, 1, 8192),
+        "policies": ("list", ("choice", PRESETS), 1),
+    }, optional={
+        "batch": (("range", int, 1, 256), 4),
+        "mode": (("choice", ("chunked", "step")), "chunked"),
+        "window": (("range", int, 0, 8192), 128),
+        "group": (("choice", (2, 4, 8, 16, 32, 64, 128, 256)), 32),
+        "sink": (("range", int, 0, 1024), 4),
+        "evict_window": (("range", int, 1, 8192), 256),
+        "peers": (("list", dict, 0), []),
+        "peer_group": (("choice", (32, 64, 128)), 64),
+        "reference_chunk": (("range", int, 1, 8192), 256),
+        "evidence_layer": (("range", int, 0, 4095), 0),
+    })
+    corpus = check_object(p["corpus"], f"{where}.corpus", required={}, optional={
+        "builtin": ((str, type(None)), "pydoc_topics"),
+        "files": (("list", str, 1), None) if "files" in p["corpus"] else ((list, type(None)), None),
+    })
+    if corpus["builtin"] is not None:
+        check_value(corpus["builtin"], ("choice", ("pydoc_topics",)), f"{where}.corpus.builtin")
+    if corpus["builtin"] is None and not corpus["files"]:
+        raise ProtocolError(f"{where}.corpus: name a builtin corpus or at least one text file")
+    if corpus["builtin"] is not None and corpus["files"]:
+        raise ProtocolError(f"{where}.corpus: give either builtin or files, not both")
+    p["corpus"] = corpus
+    for i, peer in enumerate(p["peers"]):
+        check_object(peer, f"{where}.peers[{i}]", required=PEER_SPEC)
+    if p["prefill"] + p["steps"] + 1 > 8192:
+        raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {p['prefill'] + p['steps'] + 1} exceeds the model's "
+                            "8,192 positions")
+    if p["evidence_layer"] >= 30:
+        raise ProtocolError(f"{where}.evidence_layer: {MODEL_ID} has layers 0..29, not {p['evidence_layer']}")
+    try:
+        policies_of(p)
+    except ValueError as e:
+        raise ProtocolError(f"{where}.policies: {e}") from None
+    return p
+
+
+def policies_of(p: dict) -> list[Policy]:
+    return [preset(name, window=p["window"], group=p["group"], evict_window=p["evict_window"], sink=p["sink"])
+            for name in p["policies"]]
+
+
+def estimate_bytes(p: dict) -> int:
+    """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the caches."""
+    vocab, layers, kv, d = 49152, 30, 3, 64
+    b = min(p["batch"], p["segments"])
+    n = p["prefill"] + p["steps"] + 1
+    ref = b * p["steps"] * vocab * 4 * 2
+    work = b * max(p["reference_chunk"], p["prefill"]) * vocab * 4 * 3 + (256 << 20)
+    cache = 2 * 2 * layers * kv * n * d * 4 * b
+    return 134_515_008 * 4 + ref + work + cache
+
+
+# -- the corpus -------------------------------------------------------------------------------------
+
+def corpus_text(corpus: dict, base: Path | None = None) -> tuple[str, dict]:
+    """The corpus as one string, and what it is (name, characters, sha256 of the UTF-8 text)."""
+    if corpus.get("builtin") == "pydoc_topics":
+        from pydoc_data import topics
+
+        text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+        name = f"pydoc_data.topics of Python {sys.version.split()[0]} ({len(topics.topics)} topics in name order)"
+    else:
+        parts = []
+        for f in corpus["files"]:
+            path = Path(f)
+            if not path.is_absolute() and base is not None:
+                path = base / path
+            try:
+                parts.append(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as e:
+                raise ProtocolError(f"corpus file {f}: cannot be read as UTF-8 text ({e})") from None
+        text = "\n\n".join(parts)
+        name = "files: " + ", ".join(corpus["files"])
+    return text, {"corpus": name, "characters": len(text),
+                  "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+
+
+def segment_starts(n_tokens: int, segments: int, length: int) -> list[int]:
+    """Disjoint windows of ``length`` tokens, evenly spaced over ``n_tokens``."""
+    stride = n_tokens // segments
+    if stride < length:
+        raise ProtocolError(f"the corpus has {n_tokens} tokens: {segments} disjoint segments of {length} tokens "
+                            f"need {segments * length}")
+    return [i * stride for i in range(segments)]
+
+
+def chunk_schedule(policy: Policy | None, start: int, steps: int, mode: str, ref_chunk: int) -> list[int]:
+    """Tokens per forward for ``steps`` decode tokens after a cache of ``start`` tokens."""
+    out, n = [], start
+    while n < start + steps:
+        if policy is None:
+            c = 1 if mode == "step" else ref_chunk
+        elif mode == "step":
+            c = 1
+        else:
+            c = policy.next_change(n)
+        c = int(min(c, start + steps - n))
+        out.append(c)
+        n += c
+    return out
+
+
+# -- peers ------------------------------------------------------------------------------------------
+
+def _tensor_bytes(x) -> int:
+    """Bytes of a tensor's storage; quanto's tensor subclasses are walked to their inner tensors."""
+    if x is None:
+        return 0
+    flatten = getattr(type(x), "__tensor_flatten__", None)
+    if flatten is not None and type(x) is not torch.Tensor:
+        names, _ = x.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(x, n)) for n in names)
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return 0
+
+
+def quanto_bytes(cache) -> int:
+    """Bytes a ``QuantizedCache`` holds for one sequence: its quantized tensors (codes, scales,
+    shifts, as quanto stores them) and its float residual, summed over layers."""
+    total = 0
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        batch = layer.keys.shape[0] if layer.keys is not None and layer.keys.dim() == 4 else None
+        t = (_tensor_bytes(layer._quantized_keys) + _tensor_bytes(layer._quantized_values)
+             + _tensor_bytes(layer.keys) + _tensor_bytes(layer.values))
+        if batch is None:
+            batch = layer._quantized_keys.shape[0]
+        total += t // batch
+    return total
+
+
+def _peer_name(peer: dict) -> str:
+    return f"quanto_int{peer['bits']}"
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+def _metrics(logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None):
+    """Per token: log-prob of the target, KL(ref || this) (float64 sums), argmax."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    am = logp.argmax(dim=-1)
+    if ref_logp is None:
+        return lp, torch.zeros_like(lp, dtype=torch.float64), am, logp
+    r = ref_logp.to(torch.float64)
+    kl = (r.exp() * (r - logp.to(torch.float64))).sum(-1)
+    return lp, kl, am, logp
+
+
+def _forward(model, ids, cache, kw):
+    return model(input_ids=ids, use_cache=True, **{kw["cache"]: cache}).logits
+
+
+def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, bytes_of=None):
+    """Prefill, then the decode tokens in ``schedule``; returns per-token arrays and per-forward bytes."""
+    P, T = p["prefill"], p["steps"]
+    lps, kls, ams, logps, nbytes, context = [], [], [], [], [], []
+    with torch.no_grad():
+        _forward(model, ids[:, :P], cache, kw)
+        nbytes.append(bytes_of(cache))
+        context.append(P)
+        pos = P
+        for c in schedule:
+            logits = _forward(model, ids[:, pos:pos + c], cache, kw)
+            targets = ids[:, pos + 1:pos + c + 1]
+            ref = None if ref_logp is None else ref_logp[:, pos - P:pos - P + c]
+            lp, kl, am, logp = _metrics(logits, targets, ref)
+            lps.append(lp), kls.append(kl), ams.append(am)
+            if keep_logp:
+                logps.append(logp)
+            pos += c
+            nbytes.append(bytes_of(cache))
+            context.append(pos)
+    out = {"logprob": torch.cat(lps, 1), "kl": torch.cat(kls, 1), "argmax": torch.cat(ams, 1).to(torch.int32),
+           "bytes": np.asarray(nbytes, dtype=np.int64), "context": np.asarray(context, dtype=np.int64)}
+    if keep_logp:
+        out["logp"] = torch.cat(logps, 1)
+    return out
+
+
+def _summary(lp: np.ndarray, kl: np.ndarray, agree: np.ndarray) -> dict:
+    nll = -float(np.mean(lp.astype(np.float64)))
+    return {"nll": nll, "perplexity": math.exp(nll), "mean_kl": float(np.mean(kl.astype(np.float64))),
+            "top1_agreement": float(np.mean(agree.astype(np.float64)))}
+
+
+def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list]:
+    """Run the live study of ``proto``; returns (segments as case records, rows)."""
+    p = proto["live"]
+    study = ctx.study
+    progress = ctx.progress
+    store = ctx.store
+    try:
+        model, tokenizer, info = load_model(progress=progress)
+    except CaptureUnavailable as e:
+        entry = {"id": f"{study}/{p['model']}", "stage": e.stage, "error": f"{e}; install with: {INSTALL_HINT}"}
+        ctx.excluded.append(entry)
+        print(f"[{study}] live study skipped: {e}; install with: {INSTALL_HINT}", file=sys.stderr, flush=True)
+        return {}, []
+    kw = _forward_kwargs(model)
+    cfg = model.config
+    n_layers, kv_heads = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    base = Path(protocol_path).resolve().parent if protocol_path is not None else None
+    text, corpus_info = corpus_text(p["corpus"], base)
+    t0 = time.perf_counter()
+    stream = tokenizer(text, return_tensors="pt").input_ids[0]
+    length = p["prefill"] + p["steps"] + 1
+    starts = segment_starts(int(stream.numel()), p["segments"], length)
+    progress(f"[{study}] corpus: {corpus_info['characters']:,} characters, {stream.numel():,} tokens "
+             f"({time.perf_counter() - t0:.1f} s); {len(starts)} segments of {length} tokens")
+    policies = policies_of(p)
+    arms = [(REFERENCE, None)] + [(pol.name, pol) for pol in policies] + [(_peer_name(x), x) for x in p["peers"]]
+    cases, rows = {}, []
+    seg_ids = [f"seg{i:03d}" for i in range(len(starts))]
+    seg_tokens = {}
+    for sid, s in zip(seg_ids, starts):
+        tok = stream[s:s + length].to(torch.int64)
+        seg_tokens[sid] = tok
+        arr = store.save(f"{study}/{sid}/token_ids", tok.to(torch.int32))
+        cases[sid] = {"id": sid, "causal": True, "layout": [], "tokens_per_frame": None, "head_map": None,
+                      "meta": {"source": "corpus", "model": p["model"], "start_token": int(s), "tokens": length,
+                               "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
+                      "arrays": {"token_ids": arr}}
+    batches = [seg_ids[i:i + p["batch"]] for i in range(0, len(seg_ids), p["batch"])]
+    n_units = len(batches) * len(arms)
+    done, t_all = 0, time.perf_counter()
+    if any(peer for peer in p["peers"]):
+        _warm_quanto(model, kw, cfg)
+    for bi, batch in enumerate(batches):
+        ids = torch.stack([seg_tokens[s] for s in batch])
+        ref_logp = None
+        ref_argmax = None
+        for arm, what in arms:
+            t_arm = time.perf_counter()
+            evidence_layer = p["evidence_layer"] if bi == 0 else None
+            if arm == REFERENCE:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=cfg)
+                schedule = chunk_schedule(None, p["prefill"], p["steps"], "chunked", p["reference_chunk"])
+                res = _run_arm(model, kw, ids, p, cache, schedule, None, keep_logp=True,
+                               bytes_of=lambda c: _dynamic_bytes(c))
+                ref_logp = res.pop("logp")
+                ref_argmax = res["argmax"]
+                kind, mode = "reference", "chunked"
+            elif isinstance(what, Policy):
+                from .policies.cache import PolicyCache
+
+                cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.quantized else None)
+                schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
+                res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
+                kind, mode = "policy", p["mode"]
+            else:
+                from transformers import QuantizedCache
+
+                cache = QuantizedCache("quanto", cfg, nbits=what["bits"], q_group_size=p["peer_group"],
+                                       residual_length=p["window"])
+                schedule = [1] * p["steps"]
+                res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=quanto_bytes)
+                kind, mode = "peer", "step"
+            seconds = time.perf_counter() - t_arm
+            ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
+                                "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
+                                "forwards": len(schedule) + 1})
+            agree = (res["argmax"] == ref_argmax).numpy()
+            for j, sid in enumerate(batch):
+                prefix = f"{study}/{sid}/{arm}"
+                lp = res["logprob"][j].numpy().astype(np.float32)
+                kl = res["kl"][j].numpy().astype(np.float64)
+                am = res["argmax"][j].numpy().astype(np.int32)
+                arrays = {"logprob": store.save(f"{prefix}/logprob", lp), "argmax": store.save(f"{prefix}/argmax", am),
+                          "bytes": store.save(f"{prefix}/bytes", res["bytes"]),
+                          "context": store.save(f"{prefix}/context", res["context"])}
+                if kind != "reference":
+                    arrays["kl"] = store.save(f"{prefix}/kl", kl)
+                row = {"study": study, "analysis": "live_quality", "case": sid, "source": "corpus", "model": p["model"],
+                       "arm": arm, "kind": kind, "mode": mode, "forwards": len(schedule) + 1,
+                       "scored_tokens": p["steps"], "context_final": int(res["context"][-1]),
+                       "bytes_final": int(res["bytes"][-1]),
+                       "bytes_per_token": float(res["bytes"][-1]) / float(res["context"][-1]),
+                       **_summary(lp, kl if kind != "reference" else np.zeros(1), agree[j] if kind != "reference"
+                                  else np.ones(1)),
+                       "arrays": arrays}
+                if isinstance(what, Policy):
+                    row["policy"] = what.config()
+                elif kind == "peer":
+                    row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": p["peer_group"],
+                                   "residual_length": p["window"], "axis_key": 0, "axis_value": 0}
+                if isinstance(what, Policy) and what.quantized and evidence_layer is not None and j == 0:
+                    ev = cache.layers[evidence_layer].evidence()
+                    row["evidence"] = {"layer": evidence_layer,
+                                       "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
+                rows.append(row)
+            done += 1
+            left = (time.perf_counter() - t_all) / done * (n_units - done)
+            progress(f"[{study}] {done}/{n_units} batch {bi + 1}/{len(batches)} {arm}: {len(schedule) + 1} forwards, "
+                     f"{seconds:.1f} s ({1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token); "
+                     f"~{left:.0f} s left")
+        del ref_logp
+    ctx.extra_files[f"{study}/live_manifest.json"] = (json.dumps({
+        "schema_version": 1,
+        "experiment": f"{study}: cache policies inside {p['model']} (the Q4_1 GGUF dequantized to float32), "
+                      "teacher-forced decoding",
+        "model": {k: v for k, v in info.items() if k not in ("load_seconds", "loaded_from")},
+        "model_dims": {"layers": n_layers, "kv_heads": kv_heads, "head_dim": head_dim,
+                       "vocab": int(cfg.vocab_size)},
+        "corpus": corpus_info, "corpus_tokens": int(stream.numel()),
+        "segments": {sid: int(s) for sid, s in zip(seg_ids, starts)},
+        "arms": [a for a, _ in arms],
+        "software": _software(), "hardware": _hardware(),
+    }, indent=1) + "\n").encode("utf-8")
+    return cases, rows
+
+
+def _dynamic_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            total += (layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()) \
+                // layer.keys.shape[0]
+    return total
+
+
+_QUANTO_WARM = []
+
+
+def _warm_quanto(model, kw, cfg) -> None:
+    """quanto compiles its CPU extension on first use (about 20-60 s): do it before any arm is timed."""
+    if _QUANTO_WARM:
+        return
+    from transformers import QuantizedCache
+
+    with torch.no_grad():
+        cache = QuantizedCache("quanto", cfg, nbits=4, q_group_size=64, residual_length=2)
+        ids = torch.zeros(1, 4, dtype=torch.int64)
+        for i in range(4):
+            _forward(model, ids[:, i:i + 1], cache, kw)
+    _QUANTO_WARM.append(True)
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+def _bootstrap(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of the mean over units (segments), resampled with replacement."""
+    if x.size < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n, x.size))].mean(axis=1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per arm, over segments: perplexity, paired Δ vs the reference, KL, agreement, bytes."""
+    by_arm: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_arm.setdefault(r["arm"], {})[r["case"]] = r
+    ref = by_arm.get(REFERENCE, {})
+    out = []
+    for arm, segs in by_arm.items():
+        ids = sorted(segs)
+        nll = np.array([segs[s]["nll"] for s in ids])
+        ref_nll = np.array([ref[s]["nll"] for s in ids if s in ref])
+        ppl = math.exp(float(nll.mean()))
+        entry = {"arm": arm, "kind": segs[ids[0]]["kind"], "mode": segs[ids[0]]["mode"], "segments": len(ids),
+                 "perplexity": ppl, "mean_kl": float(np.mean([segs[s]["mean_kl"] for s in ids])),
+                 "top1": float(np.mean([segs[s]["top1_agreement"] for s in ids])),
+                 "bytes_per_token": float(np.mean([segs[s]["bytes_per_token"] for s in ids])),
+                 "context": segs[ids[0]]["context_final"]}
+        if ref_nll.size == nll.size and arm != REFERENCE:
+            seg_ratio = np.exp(nll - ref_nll) - 1.0  # per segment: ppl_policy / ppl_ref - 1
+            entry["delta_pct"] = 100.0 * (ppl / math.exp(float(ref_nll.mean())) - 1.0)
+            lo, hi = _bootstrap(100.0 * seg_ratio)
+            entry["delta_ci"] = (lo, hi)
+            entry["worse"] = int((nll > ref_nll).sum())
+        out.append(entry)
+    return sorted(out, key=lambda e: (-e["bytes_per_token"], e["arm"]))
+
+
+def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
+    from tabulate import tabulate
+
+    if not rows:
+        return "(no rows: the live study was excluded; see the manifest's excluded entries)"
+    f16 = 30 * 3 * 64 * 2 * 2  # float16 K + V bytes per token of SmolLM2-135M: 30 layers, 3 KV heads, D 64
+    secs: dict[str, list] = {}
+    for t in timings or []:
+        if t.get("op") == "decode" and t.get("arm") is not None and t.get("scored_tokens"):
+            secs.setdefault(t["arm"], []).append((t["seconds"], t["scored_tokens"]))
+    table = []
+    for e in summarize(rows):
+        ms = secs.get(e["arm"])
+        ms = 1000 * sum(s for s, _ in ms) / sum(n for _, n in ms) if ms else float("nan")
+        ci = e.get("delta_ci")
+        table.append([e["arm"], e["mode"], f"{e['perplexity']:.4f}",
+                      "—" if "delta_pct" not in e else f"{e['delta_pct']:+.2f} %",
+                      "—" if not ci or math.isnan(ci[0]) else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]",
+                      "—" if "worse" not in e else f"{e['worse']}/{e['segments']}",
+                      f"{e['mean_kl']:.5f}", f"{100 * e['top1']:.2f} %", f"{e['bytes_per_token']:,.0f}",
+                      f"{e['bytes_per_token'] / f16:.3f}", f"{ms:.1f}"])
+    n_seg = len({r["case"] for r in rows})
+    text = tabulate(table, headers=["arm", "mode", "perplexity", "Δ ppl vs float32", "95 % CI (segments)",
+                                    "segments worse", "mean KL", "top-1 agree", "bytes / token", "÷ float16",
+                                    "ms / scored token"], tablefmt="github")
+    notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
+             "sorted by bytes per token (the whole cache of all 30 layers at the end of a segment, ÷ the tokens it has "
+             "seen; float16 K+V would be 23,040 B/token). Δ is the perplexity over all segments against the "
+             "DynamicCache reference; its interval is a bootstrap of per-segment Δ over segments, 'segments worse' "
+             "counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "
+             "Log-probabilities and KL rest on model forward passes the audit cannot repeat; the audit re-derives "
+             "every aggregate, agreement and byte count from the stored arrays. ms / scored token is wall time of "
+             "the whole arm (prefill included) on this machine, not a benchmark. With few segments the intervals "
+             "are wide and say little; they are not over tokens.")
+    return text + notes

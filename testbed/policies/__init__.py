@@ -1,0 +1,10 @@
+"""KV-cache policies that run inside a model: what is kept, at which precision, as tokens arrive.
+
+:class:`Policy` (one small dataclass, named presets in ``PRESETS``) and :class:`PolicyCache`, a
+transformers ``Cache`` of :class:`PolicyLayer` (a ``DynamicLayer`` subclass) that runs a policy in
+any causal LM. The cache module needs transformers (the ``capture`` extra); the policy does not.
+"""
+
+from .policy import HEADER_BYTES, MIDDLE_SCHEMES, PRESETS, Policy, preset
+
+__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "preset", "HEADER_BYTES"]

@@ -1,0 +1,231 @@
+"""A transformers KV cache that runs a :class:`~testbed.policies.policy.Policy` inside the model.
+
+:class:`PolicyLayer` is a ``DynamicLayer`` subclass (``transformers.cache_utils``), so
+``Cache(layers=[PolicyLayer(policy) for _ in range(n_layers)])`` works with any causal LM that
+takes a cache. Each ``update(k, v)`` receives the layer's post-RoPE keys and values of the new
+tokens ``[B, H_kv, t, D]`` and returns what attention sees: the float32 sink, the middle decoded
+from its stored bytes (never a float copy of it), the float32 window and the new tokens. Then the
+new tokens are committed: tokens that aged out of the window move into the middle in whole groups
+(quantized once, appended to preallocated code / scale buffers; nothing already packed is
+re-quantized) or are dropped.
+
+``stored_bytes()`` sums the stored tensors' bytes (the used part of each buffer), per sequence;
+it equals :meth:`Policy.layer_bytes` at every step (tested against the closed form).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..quant import Packed
+from ..quant.base import make_header
+from .policy import HEADER_BYTES, Policy
+
+__all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer"]
+
+
+class GrowBuffer:
+    """A tensor that grows along dim -2 into preallocated capacity (doubling), read as a view."""
+
+    def __init__(self):
+        self.data: torch.Tensor | None = None
+        self.rows = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        n = x.shape[-2]
+        if self.data is None:
+            cap = max(2 * n, 64)
+            self.data = torch.empty((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype, device=x.device)
+        elif self.rows + n > self.data.shape[-2]:
+            cap = max(2 * self.data.shape[-2], self.rows + n)
+            grown = torch.empty((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype, device=x.device)
+            grown[..., :self.rows, :] = self.data[..., :self.rows, :]
+            self.data = grown
+        self.data[..., self.rows:self.rows + n, :] = x
+        self.rows += n
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.data is None else self.data[..., :self.rows, :]
+
+    def used_bytes(self) -> int:
+        if self.data is None:
+            return 0
+        per_row = self.data[..., :1, :].numel() * self.data.element_size()
+        return per_row * self.rows
+
+
+class _PackedSpan:
+    """The quantized middle of K or V: one buffer per stored array, appended group by group."""
+
+    def __init__(self, quantizer, label: str):
+        self.q = quantizer
+        self.label = label
+        self.buffers: dict[str, GrowBuffer] = {}
+        self.tokens = 0
+        self.shape_lead: tuple = ()
+        self.dim = 0
+        self.dtype = torch.float32
+
+    def append(self, x: torch.Tensor) -> None:
+        p = self.q.quantize(x.contiguous(), name=self.label)
+        self.shape_lead, self.dim, self.dtype = tuple(x.shape[:-2]), x.shape[-1], x.dtype
+        for name, t in p.tensors.items():
+            if name == "header":
+                continue
+            self.buffers.setdefault(name, GrowBuffer()).append(t)
+        self.tokens += x.shape[-2]
+
+    def packed(self) -> Packed:
+        tensors = {name: buf.view().contiguous() for name, buf in self.buffers.items()}
+        first = next(iter(self.buffers.values())).data
+        tensors["header"] = make_header(self.tokens, self.dim, first.device)
+        return Packed(self.q.name, (*self.shape_lead, self.tokens, self.dim), self.dtype, tensors, self.q.config())
+
+    def decode(self) -> torch.Tensor:
+        return self.q.dequantize(self.packed())
+
+    def used_bytes(self) -> int:
+        return sum(b.used_bytes() for b in self.buffers.values())
+
+
+class PolicyLayer(DynamicLayer):
+    """One layer's cache under ``policy``. ``record=True`` keeps a float32 copy of every K/V
+    appended for batch row 0 (evidence: the audit re-encodes the packed middle from it)."""
+
+    is_croppable = False
+
+    def __init__(self, policy: Policy, record: bool = False):
+        super().__init__()
+        self.policy = policy
+        self.record = record
+        self.recorded_k: list[torch.Tensor] = []
+        self.recorded_v: list[torch.Tensor] = []
+        self.seen = 0
+        self.sink_k = self.sink_v = None
+        self.tail_k = self.tail_v = None
+        qs = policy.quantizers()
+        self.mid_k = _PackedSpan(qs[0], "k") if qs else None
+        self.mid_v = _PackedSpan(qs[1], "v") if qs else None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        empty = key_states[..., :0, :].to(torch.float32)
+        self.sink_k = self.sink_v = self.tail_k = self.tail_v = empty
+        self.keys = self.values = empty  # transformers reads these for dtype/device only
+        self.is_initialized = True
+
+    # -- the transformers API ------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k_new = key_states.to(torch.float32)
+        v_new = value_states.to(torch.float32)
+        if self.record:
+            self.recorded_k.append(k_new[0].detach().clone())
+            self.recorded_v.append(v_new[0].detach().clone())
+        parts_k, parts_v = [self.sink_k], [self.sink_v]
+        if self.mid_k is not None and self.mid_k.tokens:
+            parts_k.append(self.mid_k.decode())
+            parts_v.append(self.mid_v.decode())
+        parts_k += [self.tail_k, k_new]
+        parts_v += [self.tail_v, v_new]
+        keys = torch.cat(parts_k, dim=-2).to(key_states.dtype)
+        values = torch.cat(parts_v, dim=-2).to(value_states.dtype)
+        self._commit(k_new, v_new)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen  # positions continue from here, also after an eviction
+
+    def held_tokens(self) -> int:
+        if not self.is_initialized:
+            return 0
+        mid = self.mid_k.tokens if self.mid_k is not None else 0
+        return self.sink_k.shape[-2] + mid + self.tail_k.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The keys returned by update are the held ones plus the query's own; every held key is
+        # older than every query, so a causal mask over them is right for an evicting cache too.
+        return self.held_tokens() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("PolicyLayer cannot be reset; make a new cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PolicyLayer cannot be cropped")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("PolicyLayer does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PolicyLayer does not support batch expansion")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("PolicyLayer does not support batch selection")
+
+    # -- the policy ------------------------------------------------------------------------------
+    def _commit(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        p = self.policy
+        t = k_new.shape[-2]
+        # fill the sink first
+        room = max(0, p.sink - self.sink_k.shape[-2])
+        take = min(room, t)
+        if take:
+            self.sink_k = torch.cat([self.sink_k, k_new[..., :take, :]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, v_new[..., :take, :]], dim=-2)
+        if take < t:
+            self.tail_k = torch.cat([self.tail_k, k_new[..., take:, :]], dim=-2)
+            self.tail_v = torch.cat([self.tail_v, v_new[..., take:, :]], dim=-2)
+        self.seen += t
+        n_tail = self.tail_k.shape[-2]
+        if p.evicts and n_tail > p.window:
+            self.tail_k = self.tail_k[..., n_tail - p.window:, :].contiguous()
+            self.tail_v = self.tail_v[..., n_tail - p.window:, :].contiguous()
+        elif p.quantized and n_tail - p.window >= p.group:
+            m = p.group * ((n_tail - p.window) // p.group)
+            self.mid_k.append(self.tail_k[..., :m, :])
+            self.mid_v.append(self.tail_v[..., :m, :])
+            self.tail_k = self.tail_k[..., m:, :].contiguous()
+            self.tail_v = self.tail_v[..., m:, :].contiguous()
+
+    # -- accounting and evidence -----------------------------------------------------------------
+    def stored_bytes(self) -> int:
+        """Bytes this layer stores for one sequence: float32 sink and tail, packed middle, header."""
+        if not self.is_initialized:
+            return 0
+        batch = self.sink_k.shape[0]
+        total = sum(x.numel() * x.element_size() for x in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
+        if self.mid_k is not None:
+            total += self.mid_k.used_bytes() + self.mid_v.used_bytes()
+        return total // batch + HEADER_BYTES
+
+    def evidence(self) -> dict[str, torch.Tensor]:
+        """Every stored array of batch row 0 (``sink.k``, ``key.codes``, ``float.v``, ...) and, when
+        recording, ``input.k`` / ``input.v``: the float32 K/V of every token appended."""
+        out = {"sink.k": self.sink_k[0], "sink.v": self.sink_v[0], "float.k": self.tail_k[0], "float.v": self.tail_v[0]}
+        if self.mid_k is not None and self.mid_k.tokens:
+            for label, span in (("key", self.mid_k), ("value", self.mid_v)):
+                for name, buf in span.buffers.items():
+                    out[f"{label}.{name}"] = buf.view()[0]
+        if self.record:
+            out["input.k"] = torch.cat(self.recorded_k, dim=-2)
+            out["input.v"] = torch.cat(self.recorded_v, dim=-2)
+        return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+class PolicyCache(Cache):
+    """``Cache(layers=[PolicyLayer(policy), ...])`` for a model of ``num_layers`` layers;
+    ``record_layer`` records its float32 inputs (see :meth:`PolicyLayer.evidence`)."""
+
+    def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None):
+        super().__init__(layers=[PolicyLayer(policy, record=(i == record_layer)) for i in range(num_layers)])
+        self.policy = policy
+
+    def stored_bytes(self) -> int:
+        """Bytes of every layer's cache for one sequence."""
+        return sum(layer.stored_bytes() for layer in self.layers)

@@ -1,0 +1,196 @@
+"""KV-cache policies: what a live cache keeps, and at which precision, as tokens arrive.
+
+A policy splits the key axis of one layer's cache into three regions, in physical order::
+
+    sink (first S tokens) | middle (everything older than the window) | recent window (newest R)
+
+The sink and the window are kept float32. The middle is kept float32, quantized with a scheme of
+:mod:`testbed.quant` (grouped integers with K per channel or per token and V per token, as in KIVI;
+MX) or dropped (eviction, as StreamingLLM does with its sink + window).
+
+Tokens leave the window one at a time, but a quantized middle takes them only in whole groups of
+``group`` tokens: the newest tokens wait in float32 until a whole group has aged out of the
+window, so K per channel is always quantized over complete groups and never re-quantized
+(KIVI's schedule; Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache"). Between R and R + G - 1 tokens are therefore float32 behind the sink. A dropped middle
+keeps exactly the newest R tokens (StreamingLLM: Xiao et al., 2024, "Efficient Streaming Language
+Models with Attention Sinks"; keys keep the positions they were rotated with).
+
+A policy also says where its stored state next changes (:meth:`Policy.next_change`): between two
+such points every new token attends the same stored history plus float32 tokens, so a study can
+feed those tokens as one forward call and get exactly what one token per forward would give.
+
+Byte accounting (per layer and sequence; heads and head_dim are the model's): float32 sink and
+window K + V, the middle's packed arrays (codes, float16 scales and zero-points or E8M0 scales),
+one 16-byte (N, D) header; :meth:`Policy.layer_bytes` is that closed form.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from ..quant import MX, IntGrouped, Quantizer
+
+__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "preset", "HEADER_BYTES"]
+
+HEADER_BYTES = 16
+# Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
+MIDDLE_SCHEMES = ("float32", "drop", "int2", "int4", "int8", "mxfp8", "mxfp4")
+_MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One cache policy. ``sink``: S first tokens kept float32; ``window``: R newest tokens kept
+    float32; ``middle``: the scheme of everything in between (one of ``MIDDLE_SCHEMES``);
+    ``key_axis``: ``"channel"`` (K per channel over groups of ``group`` tokens, KIVI) or
+    ``"token"`` (K per token over groups of ``feature_group`` features, the axis KIVI reports to
+    fail at 2 bits); V is always per token over groups of ``feature_group`` features;
+    ``group``: G tokens moved from the window to a quantized middle at a time."""
+
+    name: str
+    middle: str = "float32"
+    sink: int = 0
+    window: int = 0
+    group: int = 32
+    feature_group: int = 32
+    key_axis: str = "channel"
+    description: str = ""
+
+    def __post_init__(self):
+        if self.middle not in MIDDLE_SCHEMES:
+            raise ValueError(f"policy {self.name}: middle {self.middle!r} is not one of {list(MIDDLE_SCHEMES)}")
+        for label in ("sink", "window"):
+            v = getattr(self, label)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"policy {self.name}: {label} must be a non-negative integer, got {v!r}")
+        for label in ("group", "feature_group"):
+            v = getattr(self, label)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 2 or v & (v - 1):
+                raise ValueError(f"policy {self.name}: {label} must be a power of two >= 2, got {v!r}")
+        if self.key_axis not in ("channel", "token"):
+            raise ValueError(f"policy {self.name}: key_axis must be 'channel' or 'token', got {self.key_axis!r}")
+        if self.middle == "drop" and self.window == 0:
+            raise ValueError(f"policy {self.name}: a dropped middle needs a window of at least one token")
+
+    # -- what the middle is ------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.middle not in ("float32", "drop")
+
+    @property
+    def evicts(self) -> bool:
+        return self.middle == "drop"
+
+    def quantizers(self) -> tuple[Quantizer, Quantizer] | None:
+        """(key quantizer, value quantizer) of the middle, or None when it is not quantized."""
+        if not self.quantized:
+            return None
+        if self.middle in _MX_ELEMENT:
+            q = MX(_MX_ELEMENT[self.middle], 32)
+            return q, q
+        bits = int(self.middle[3:])
+        kg = self.group if self.key_axis == "channel" else self.feature_group
+        return IntGrouped(bits, kg, self.key_axis), IntGrouped(bits, self.feature_group, "token")
+
+    def config(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> "Policy":
+        return replace(self, **changes)
+
+    # -- the schedule ------------------------------------------------------------------------
+    def packed_tokens(self, n: int) -> int:
+        """Tokens of the middle held quantized after ``n`` tokens have been appended."""
+        if not self.quantized:
+            return 0
+        aged = n - self.sink - self.window
+        return self.group * (aged // self.group) if aged > 0 else 0
+
+    def kept_spans(self, n: int) -> dict[str, tuple[int, int]]:
+        """Token spans ``[start, stop)`` of each stored region after ``n`` tokens."""
+        s = min(self.sink, n)
+        if self.evicts:
+            return {"sink": (0, s), "packed": (s, s), "float": (max(s, n - self.window), n)}
+        p = self.packed_tokens(n)
+        return {"sink": (0, s), "packed": (s, s + p), "float": (s + p, n)}
+
+    def next_change(self, n: int) -> int:
+        """How many tokens, appended to a cache holding ``n``, can go through one forward call exactly.
+
+        With ``k`` tokens appended in one call, each attends the state after ``n`` tokens plus the
+        float32 new tokens before it; one token per call attends the state after ``n + i``. They are
+        equal while no flush or eviction happens inside the call: a quantized middle changes only
+        when a whole group ages out (so a call may run up to and including the token whose append
+        flushes), an evicting policy on every token once its window is full, a float32 one never."""
+        if self.middle == "float32":
+            return math.inf
+        if self.evicts:
+            return 1 if n >= self.sink + self.window else self.sink + self.window - n
+        # smallest m > n with m - S - R a positive multiple of G: the append that flushes
+        base = self.sink + self.window
+        if n < base + self.group:
+            m = base + self.group
+        else:
+            m = base + self.group * ((n - base) // self.group + 1)
+        return m - n
+
+    # -- bytes -------------------------------------------------------------------------------
+    def packed_bytes_per_token(self, heads: int, head_dim: int) -> float:
+        """Bytes of K + V per packed token of one layer (codes, scales, zero-points)."""
+        if not self.quantized:
+            return 0.0
+        d, g, f = head_dim, self.group, self.feature_group
+        if self.middle in _MX_ELEMENT:
+            bits = 8 if self.middle == "mxfp8" else 4
+            dp = -(-d // 32) * 32
+            per = dp * bits // 8 + dp // 32
+            return 2.0 * heads * per
+        bits = int(self.middle[3:])
+        v = -(-(-(-d // f) * f) * bits // 8) + 4 * (-(-d // f))
+        if self.key_axis == "channel":
+            k = -(-d * bits // 8) + 4 * d / g
+        else:
+            k = v
+        return heads * (k + v)
+
+    def layer_bytes(self, n: int, heads: int, head_dim: int) -> int:
+        """Exact bytes of one layer's cache (one sequence) after ``n`` tokens."""
+        spans = self.kept_spans(n)
+        floats = sum(b - a for key, (a, b) in spans.items() if key != "packed")
+        p = spans["packed"][1] - spans["packed"][0]
+        return int(HEADER_BYTES + floats * 2 * heads * head_dim * 4 + round(p * self.packed_bytes_per_token(heads, head_dim)))
+
+
+def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: int = 4) -> dict[str, Policy]:
+    """The named policies, for a given float32 window R, group G, eviction window W and sink S."""
+    out = [
+        Policy("float32", "float32", description="every token float32 through the policy's own cache (a check "
+               "against the DynamicCache reference: KL should be ~0)"),
+        Policy("int4", "int4", 0, window, group, description=f"KIVI-style: K per channel, V per token, 4 bits, "
+               f"window R={window}, groups G={group}"),
+        Policy("int2", "int2", 0, window, group, description=f"KIVI-style 2 bits, R={window}, G={group}"),
+        Policy("int4_sink4", "int4", sink, window, group, description=f"int4 with the first {sink} tokens float32"),
+        Policy("int2_sink4", "int2", sink, window, group, description=f"int2 with the first {sink} tokens float32"),
+        Policy("int2_ktoken", "int2", 0, window, group, key_axis="token",
+               description="control: 2-bit K per token (the axis KIVI says fails), V per token"),
+        Policy("mxfp8", "mxfp8", 0, window, group, description=f"MXFP8 E4M3 (block 32) K and V, R={window}"),
+        Policy("mxfp4", "mxfp4", 0, window, group, description=f"MXFP4 E2M1 (block 32) K and V, R={window}"),
+        Policy("streaming", "drop", sink, evict_window,
+               description=f"StreamingLLM-style eviction: sink {sink} + newest {evict_window}, middle dropped"),
+        Policy("window_only", "drop", 0, evict_window,
+               description=f"the newest {evict_window} only: StreamingLLM without its sink (drop-sink, live)"),
+    ]
+    return {p.name: p for p in out}
+
+
+PRESETS = tuple(_presets())
+
+
+def preset(name: str, *, window: int = 128, group: int = 32, evict_window: int = 256, sink: int = 4) -> Policy:
+    """A named policy (``PRESETS``) at the given window, group, eviction window and sink size."""
+    table = _presets(window, group, evict_window, sink)
+    if name not in table:
+        raise ValueError(f"unknown policy {name!r}; presets: {', '.join(PRESETS)}")
+    return table[name]
