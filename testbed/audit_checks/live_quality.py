@@ -106,8 +106,7 @@ def next_change(pol: dict, n: int):
     if pol["middle"] == "float32":
         return math.inf
     if pol["middle"] == "drop":
-        full = pol["sink"] + pol["window"]
-        return 1 if n >= full else full - n
+        return max(1, pol["sink"] + pol["window"] + 1 - n)
     base, g = pol["sink"] + pol["window"], pol["group"]
     m = base + g if n < base + g else base + g * ((n - base) // g + 1)
     return m - n

@@ -126,8 +126,8 @@ class Policy:
         flushes), an evicting policy on every token once its window is full, a float32 one never."""
         if self.middle == "float32":
             return math.inf
-        if self.evicts:
-            return 1 if n >= self.sink + self.window else self.sink + self.window - n
+        if self.evicts:  # the append that makes the cache exceed S + W evicts
+            return max(1, self.sink + self.window + 1 - n)
         # smallest m > n with m - S - R a positive multiple of G: the append that flushes
         base = self.sink + self.window
         if n < base + self.group:

@@ -1,0 +1,216 @@
+"""Cache policies and the live cache layer, without a model: the schedule, what attention sees,
+what is stored, and its bytes against a closed form written out here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.policies import PRESETS, Policy, preset
+from testbed.quant import MX, IntGrouped
+
+cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: pip install -e '.[capture]'")
+PolicyLayer = cache_mod.PolicyLayer
+
+H, D = 3, 64
+
+
+def _kv(n, seed=0, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, H, n, D, generator=g) * 2.0
+    v = torch.randn(batch, H, n, D, generator=g)
+    k[..., 5] += 8.0  # an outlier channel, as real keys have
+    return k, v
+
+
+def _bytes_formula(pol: Policy, n: int) -> int:
+    """The byte accounting written out independently of Policy.layer_bytes: float32 K+V of the sink
+    and of the float tokens behind it, the packed groups, one 16-byte header (one layer, one sequence)."""
+    s = min(pol.sink, n)
+    if pol.middle == "drop":
+        floats, packed = s + min(n - s, pol.window), 0
+    elif pol.middle == "float32":
+        floats, packed = n, 0
+    else:
+        aged = max(0, n - s - pol.window)
+        packed = (aged // pol.group) * pol.group
+        floats = n - packed
+    total = 16 + floats * 2 * H * D * 4
+    if packed:
+        if pol.middle == "mxfp8":
+            total += 2 * H * packed * (64 + 2)  # 64 E4M3 bytes + 2 E8M0 scales per token and head
+        elif pol.middle == "mxfp4":
+            total += 2 * H * packed * (32 + 2)
+        else:
+            bits = int(pol.middle[3:])
+            v = H * packed * (64 * bits // 8 + 2 * 2 * (64 // 32))      # codes + fp16 scale/zero per 32 features
+            if pol.key_axis == "channel":
+                k = H * (packed * 64 * bits // 8 + 2 * 2 * 64 * (packed // pol.group))  # per channel per group
+            else:
+                k = v
+            total += k + v
+    return total
+
+
+POLICIES = [preset(name, window=16, group=16, evict_window=24, sink=4) for name in PRESETS]
+
+
+@pytest.mark.parametrize("pol", POLICIES, ids=lambda p: p.name)
+def test_stored_bytes_match_the_closed_form_at_every_step(pol):
+    layer = PolicyLayer(pol)
+    k, v = _kv(120)
+    n = 0
+    for c in (7, 1, 1, 16, 3, 30, 1, 1, 1, 59):
+        layer.update(k[..., n:n + c, :], v[..., n:n + c, :])
+        n += c
+        assert layer.stored_bytes() == _bytes_formula(pol, n) == pol.layer_bytes(n, H, D), (pol.name, n)
+
+
+@pytest.mark.parametrize("name", ["int4", "int2_sink4", "int2_ktoken", "mxfp8", "mxfp4"])
+def test_attention_sees_the_decoded_stored_bytes_and_the_float_tokens(name):
+    pol = preset(name, window=16, group=16, sink=4)
+    kq, vq = pol.quantizers()
+    layer = PolicyLayer(pol)
+    k, v = _kv(101)
+    layer.update(k[..., :70, :], v[..., :70, :])
+    for i in range(70, 100):
+        layer.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+    keys, values = layer.update(k[..., 100:, :], v[..., 100:, :])  # what token 100 attends
+    s, (a, b) = min(pol.sink, 100), pol.kept_spans(100)["packed"]
+    assert b - a == pol.packed_tokens(100) > 48
+    assert torch.equal(keys[..., :s, :], k[..., :s, :])               # sink float32, bit for bit
+    assert torch.equal(keys[..., b:, :], k[..., b:101, :])            # window + new token float32
+    # the middle is what quantizing the whole span at once decodes to: groups are independent,
+    # and nothing stored was quantized twice
+    assert torch.equal(keys[..., a:b, :], kq.dequantize(kq.quantize(k[..., a:b, :])))
+    assert torch.equal(values[..., a:b, :], vq.dequantize(vq.quantize(v[..., a:b, :])))
+    assert not torch.equal(keys[..., a:b, :], k[..., a:b, :])
+
+
+def test_an_append_never_rewrites_what_is_packed():
+    pol = preset("int4", window=16, group=16)
+    layer = PolicyLayer(pol)
+    k, v = _kv(200)
+    layer.update(k[..., :64, :], v[..., :64, :])
+    before = {name: buf.view().clone() for name, buf in layer.mid_k.buffers.items()}
+    assert before["codes"].shape[-2] == 48
+    for i in range(64, 200):
+        layer.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+    for name, old in before.items():
+        now = layer.mid_k.buffers[name].view()
+        assert now.shape[-2] > old.shape[-2]
+        assert torch.equal(now[..., :old.shape[-2], :], old), name
+
+
+def test_eviction_keeps_the_sink_and_the_newest_window():
+    pol = preset("streaming", sink=4, evict_window=24)
+    layer = PolicyLayer(pol)
+    k, v = _kv(80)
+    for i in range(79):
+        layer.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+    keys, _ = layer.update(k[..., 79:, :], v[..., 79:, :])
+    want = torch.cat([k[..., :4, :], k[..., 79 - 24:80, :]], dim=-2)
+    assert torch.equal(keys, want)
+    assert layer.get_seq_length() == 80 and layer.held_tokens() == 28
+    assert layer.get_mask_sizes(1) == (29, 0)
+
+
+def _status(pol: Policy, m: int) -> list[str]:
+    """Per token of a cache holding m: 'f' float32 (sink or window), 'q' packed, 'x' dropped."""
+    sp = pol.kept_spans(m)
+    out = ["x"] * m
+    for key, mark in (("sink", "f"), ("packed", "q"), ("float", "f")):
+        a, b = sp[key]
+        out[a:b] = [mark] * (b - a)
+    return out
+
+
+def _exact(pol: Policy, n: int, c: int) -> bool:
+    """Tokens n .. n+c-1 in one forward each attend the stored state after n tokens plus float32 new
+    tokens; one token per forward, token n+i attends the state after n+i. Equal iff every token the
+    state after n + i holds has the status it has after n, and the new ones are float32."""
+    before = _status(pol, n)
+    for i in range(1, c):
+        after = _status(pol, n + i)
+        if after[:n] != before or any(x != "f" for x in after[n:]):
+            return False
+    return True
+
+
+@settings(max_examples=200, deadline=None)
+@given(sink=st.integers(0, 8), window=st.integers(0, 40), group=st.sampled_from([2, 4, 8, 16, 32]),
+       n=st.integers(0, 300), middle=st.sampled_from(["int4", "mxfp8", "drop", "float32"]))
+def test_next_change_is_the_longest_exact_chunk(sink, window, group, n, middle):
+    if middle == "drop" and window == 0:
+        window = 1
+    pol = Policy("p", middle, sink, window, group)
+    c = pol.next_change(n)
+    if middle == "float32":
+        assert c == math.inf and _exact(pol, n, 64)
+        return
+    assert c >= 1 and _exact(pol, n, c)
+    assert not _exact(pol, n, c + 1)  # the longest such chunk
+
+
+def test_chunked_appends_store_the_same_state_as_one_token_at_a_time():
+    """Issue #21's state test at the layer: after each chunk of a next_change schedule, the stored
+    arrays equal those of one-token updates after the same token, byte for byte."""
+    for name in ("int4", "int2_sink4", "mxfp4", "streaming"):
+        pol = preset(name, window=16, group=8, evict_window=16, sink=4)
+        k, v = _kv(150, seed=3)
+        a, b = PolicyLayer(pol), PolicyLayer(pol)
+        a.update(k[..., :40, :], v[..., :40, :])
+        b.update(k[..., :40, :], v[..., :40, :])
+        n = 40
+        while n < 150:
+            c = int(min(pol.next_change(n), 150 - n))
+            a.update(k[..., n:n + c, :], v[..., n:n + c, :])
+            for i in range(n, n + c):
+                b.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+            n += c
+            ea, eb = a.evidence(), b.evidence()
+            assert ea.keys() == eb.keys()
+            for key in ea:
+                assert torch.equal(ea[key], eb[key]), (name, n, key)
+
+
+def test_bad_policies_are_refused_with_their_name():
+    with pytest.raises(ValueError, match="policy p: middle 'int3'"):
+        Policy("p", "int3")
+    with pytest.raises(ValueError, match="group must be a power of two"):
+        Policy("p", "int4", 0, 16, 24)
+    with pytest.raises(ValueError, match="needs a window"):
+        Policy("p", "drop", 4, 0)
+    with pytest.raises(ValueError, match="unknown policy 'int5'"):
+        preset("int5")
+
+
+def test_quantizers_follow_kivi_axes():
+    kq, vq = preset("int2").quantizers()
+    assert isinstance(kq, IntGrouped) and (kq.bits, kq.axis, kq.group_size) == (2, "channel", 32)
+    assert (vq.axis, vq.group_size) == ("token", 32)
+    kq, _ = preset("int2_ktoken").quantizers()
+    assert kq.axis == "token"
+    kq, vq = preset("mxfp4").quantizers()
+    assert isinstance(kq, MX) and kq.element == "e2m1" and kq is vq
+    assert preset("float32").quantizers() is None and preset("streaming").quantizers() is None
+
+
+def test_reference_quantizer_agrees_with_the_audit_encoder():
+    """The audit's numpy integer encoder and testbed.quant store the same bytes (both directions of the
+    live evidence check)."""
+    from testbed.audit_checks.live_quality import encode_int
+
+    k, _ = _kv(64, batch=1)
+    for bits, axis, g in ((4, "channel", 32), (2, "channel", 16), (2, "token", 32), (8, "token", 32)):
+        q = IntGrouped(bits, g, axis)
+        p = q.quantize(k[0])
+        want = encode_int(k[0].numpy(), bits, g, axis)
+        for name in ("codes", "scale", "zero"):
+            assert p.arrays[name].tobytes() == want[name].tobytes(), (bits, axis, name)
+    assert np.all(np.isfinite(k.numpy()))
