@@ -166,7 +166,7 @@ class Policy:
 def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: int = 4) -> dict[str, Policy]:
     """The named policies, for a given float32 window R, group G, eviction window W and sink S."""
     out = [
-        Policy("float32", "float32", description="every token float32 through the policy's own cache (a check "
+        Policy("float32", "float32", group=group, description="every token float32 through the policy's own cache (a check "
                "against the DynamicCache reference: KL should be ~0)"),
         Policy("int4", "int4", 0, window, group, description=f"KIVI-style: K per channel, V per token, 4 bits, "
                f"window R={window}, groups G={group}"),
@@ -177,9 +177,9 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
                description="control: 2-bit K per token (the axis KIVI says fails), V per token"),
         Policy("mxfp8", "mxfp8", 0, window, group, description=f"MXFP8 E4M3 (block 32) K and V, R={window}"),
         Policy("mxfp4", "mxfp4", 0, window, group, description=f"MXFP4 E2M1 (block 32) K and V, R={window}"),
-        Policy("streaming", "drop", sink, evict_window,
+        Policy("streaming", "drop", sink, evict_window, group,
                description=f"StreamingLLM-style eviction: sink {sink} + newest {evict_window}, middle dropped"),
-        Policy("window_only", "drop", 0, evict_window,
+        Policy("window_only", "drop", 0, evict_window, group,
                description=f"the newest {evict_window} only: StreamingLLM without its sink (drop-sink, live)"),
     ]
     return {p.name: p for p in out}

