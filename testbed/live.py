@@ -14,9 +14,10 @@ on its own schedule).
 
 Modes (protocol key ``mode``): ``"chunked"`` feeds the tokens between two changes of a policy's
 stored state (:meth:`~testbed.policies.policy.Policy.next_change`: a flush of a group for a
-quantized middle, every token for an evicting one) as one forward call, which is exact — each of
-those tokens attends the same stored history plus the float32 tokens before it, as it would one
-token per forward; ``"step"`` feeds one token per forward for every arm. The reference is exact in
+quantized middle) as one forward call, which is exact — each of those tokens attends the same
+stored history plus the float32 tokens before it, as it would one token per forward; an evicting
+policy takes any chunk, its cache handing attention a per-token mask that hides from each token
+what it would already have evicted; ``"step"`` feeds one token per forward for every arm. The reference is exact in
 any chunking and runs in chunks of ``reference_chunk`` tokens.
 
 Units are segments: every per-token array is stored, rows are per (segment, arm), and the report's
@@ -148,15 +149,13 @@ def segment_starts(n_tokens: int, segments: int, length: int) -> list[int]:
 
 
 def chunk_schedule(policy: Policy | None, start: int, steps: int, mode: str, ref_chunk: int) -> list[int]:
-    """Tokens per forward for ``steps`` decode tokens after a cache of ``start`` tokens."""
+    """Tokens per forward for ``steps`` decode tokens after a cache of ``start`` tokens: one each
+    in step mode; else up to the policy's next change of stored state (the reference: any), at
+    most ``ref_chunk`` (the logits of a chunk are held in float32 and its KL summed in float64)."""
     out, n = [], start
     while n < start + steps:
-        if policy is None:
-            c = 1 if mode == "step" else ref_chunk
-        elif mode == "step":
-            c = 1
-        else:
-            c = policy.next_change(n)
+        # a chunk never exceeds ref_chunk (exact in any chunking below a change point; bounds memory)
+        c = 1 if mode == "step" else ref_chunk if policy is None else min(policy.next_change(n, masked=True), ref_chunk)
         c = int(min(c, start + steps - n))
         out.append(c)
         n += c
@@ -200,15 +199,17 @@ def _peer_name(peer: dict) -> str:
 
 # -- running ----------------------------------------------------------------------------------------
 
-def _metrics(logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None):
-    """Per token: log-prob of the target, KL(ref || this) (float64 sums), argmax."""
+def _metrics(logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None, piece: int = 32):
+    """Per token: log-prob of the target, KL(ref || this) (float64 sums), argmax, and the float32
+    log-probabilities; KL is summed ``piece`` positions at a time to bound its float64 temporaries."""
     logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     am = logp.argmax(dim=-1)
-    if ref_logp is None:
-        return lp, torch.zeros_like(lp, dtype=torch.float64), am, logp
-    r = ref_logp.to(torch.float64)
-    kl = (r.exp() * (r - logp.to(torch.float64))).sum(-1)
+    kl = torch.zeros(lp.shape, dtype=torch.float64)
+    if ref_logp is not None:
+        for a in range(0, logp.shape[1], piece):
+            r = ref_logp[:, a:a + piece].to(torch.float64)
+            kl[:, a:a + piece] = (r.exp() * (r - logp[:, a:a + piece].to(torch.float64))).sum(-1)
     return lp, kl, am, logp
 
 
@@ -312,9 +313,12 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
             elif isinstance(what, Policy):
                 from .policies.cache import PolicyCache
 
+                from .policies.cache import policy_attention
+
                 cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.quantized else None)
                 schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
-                res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
+                with policy_attention(model):
+                    res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
                 kind, mode = "policy", p["mode"]
             else:
                 from transformers import QuantizedCache

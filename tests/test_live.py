@@ -95,6 +95,22 @@ def test_chunked_teacher_forcing_equals_one_token_per_forward(smollm2):
     assert (lp_bad - lp_step).abs().max() > 1e-3
 
 
+def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
+    """An evicting cache given 48 tokens in one forward (window 16: most of its keys already evicted
+    for the later tokens) gives what 48 one-token forwards give; without the mask it would not."""
+    from testbed.policies.cache import PolicyCache, policy_attention
+
+    model, tok = smollm2
+    pol = preset("streaming", sink=4, evict_window=16)
+    ids = _ids(tok, 64 + 48 + 1)
+    with policy_attention(model):
+        lp_chunk = _logprobs(model, ids, PolicyCache(pol, 30), 64, [48])
+        lp_step = _logprobs(model, ids, PolicyCache(pol, 30), 64, [1] * 48)
+    assert (lp_chunk - lp_step).abs().max() < 1e-4
+    with pytest.raises(RuntimeError, match="never applied"):  # the plain SDPA path refuses, never guesses
+        _logprobs(model, ids, PolicyCache(pol, 30), 64, [24, 24])
+
+
 def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
     proto["name"] = "live_tiny"

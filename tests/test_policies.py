@@ -62,11 +62,12 @@ POLICIES = [preset(name, window=16, group=16, evict_window=24, sink=4) for name 
 
 @pytest.mark.parametrize("pol", POLICIES, ids=lambda p: p.name)
 def test_stored_bytes_match_the_closed_form_at_every_step(pol):
-    layer = PolicyLayer(pol)
+    layer = PolicyLayer(pol, layer_idx=0)
     k, v = _kv(120)
     n = 0
     for c in (7, 1, 1, 16, 3, 30, 1, 1, 1, 59):
         layer.update(k[..., n:n + c, :], v[..., n:n + c, :])
+        cache_mod._PENDING.clear()  # no attention call here to consume an eviction mask
         n += c
         assert layer.stored_bytes() == _bytes_formula(pol, n) == pol.layer_bytes(n, H, D), (pol.name, n)
 
@@ -105,6 +106,31 @@ def test_an_append_never_rewrites_what_is_packed():
         now = layer.mid_k.buffers[name].view()
         assert now.shape[-2] > old.shape[-2]
         assert torch.equal(now[..., :old.shape[-2], :], old), name
+
+
+def test_an_eviction_mask_gives_each_chunk_token_what_one_token_per_forward_sees():
+    pol = preset("streaming", sink=4, evict_window=24)
+    k, v = _kv(140, seed=5)
+    chunked, step = PolicyLayer(pol, layer_idx=0), PolicyLayer(pol, layer_idx=1)
+    chunked.update(k[..., :60, :], v[..., :60, :])
+    cache_mod._PENDING.clear()
+    step.update(k[..., :60, :], v[..., :60, :])
+    cache_mod._PENDING.clear()
+    for a, b in ((60, 61), (61, 100), (100, 140)):  # chunks longer than the window too
+        keys, _ = chunked.update(k[..., a:b, :], v[..., a:b, :])
+        mask = cache_mod._PENDING.pop(0, (None, None))[1]
+        assert (mask is None) == (b - a == 1)
+        for i in range(a, b):
+            want, _ = step.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+            got = keys if mask is None else keys[..., mask[i - a], :]
+            assert torch.equal(got, want), (a, b, i)
+    with pytest.raises(RuntimeError, match="never applied"):
+        chunked.update(k[..., :2, :], v[..., :2, :])
+        chunked.update(k[..., :2, :], v[..., :2, :])
+    step.layer_idx = 0
+    step.update(k[..., :2, :], v[..., :2, :])  # a mask another layer object left is not this one's
+    cache_mod._PENDING.clear()
+    assert pol.next_change(100, masked=True) == math.inf
 
 
 def test_eviction_keeps_the_sink_and_the_newest_window():
@@ -163,13 +189,14 @@ def test_chunked_appends_store_the_same_state_as_one_token_at_a_time():
     for name in ("int4", "int2_sink4", "mxfp4", "streaming"):
         pol = preset(name, window=16, group=8, evict_window=16, sink=4)
         k, v = _kv(150, seed=3)
-        a, b = PolicyLayer(pol), PolicyLayer(pol)
+        a, b = PolicyLayer(pol, layer_idx=0), PolicyLayer(pol, layer_idx=1)
         a.update(k[..., :40, :], v[..., :40, :])
         b.update(k[..., :40, :], v[..., :40, :])
         n = 40
         while n < 150:
             c = int(min(pol.next_change(n), 150 - n))
             a.update(k[..., n:n + c, :], v[..., n:n + c, :])
+            cache_mod._PENDING.clear()  # no attention call here to consume an eviction mask
             for i in range(n, n + c):
                 b.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
             n += c

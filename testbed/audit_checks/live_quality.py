@@ -3,7 +3,8 @@
 What it re-derives for every (segment, arm) row, from the stored arrays and the frozen protocol:
 
 - the schedule: tokens per forward (``context``), from its own statement of each policy's
-  flush / eviction points (chunked) or one token per forward (step, peers), the reference's chunks;
+  flush points (chunked; an evicting policy's chunks are masked, so only the chunk cap applies) or
+  one token per forward (step, peers), the reference's chunks;
 - every ``bytes`` entry of a policy against its own closed form of the policy's byte accounting at
   that context (float32 sink and window, packed codes + float16 scale / zero or E8M0 scales, the
   16-byte header, per layer, for the model's known dimensions), of the reference (float32 K+V) and
@@ -105,8 +106,8 @@ def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dim
 def next_change(pol: dict, n: int):
     if pol["middle"] == "float32":
         return math.inf
-    if pol["middle"] == "drop":
-        return max(1, pol["sink"] + pol["window"] + 1 - n)
+    if pol["middle"] == "drop":  # the cache masks what each token of a chunk would have evicted
+        return math.inf
     base, g = pol["sink"] + pol["window"], pol["group"]
     m = base + g if n < base + g else base + g * ((n - base) // g + 1)
     return m - n
@@ -117,12 +118,13 @@ def schedule(kind: str, name: str, live: dict) -> list[int]:
     pol = _policy(name, live) if kind == "policy" else None
     out, n = [P], P
     while n < P + T:
+        cap = live.get("reference_chunk", 256)
         if kind == "reference":
-            c = live.get("reference_chunk", 256)
+            c = cap
         elif kind == "peer" or live.get("mode", "chunked") == "step":
             c = 1
         else:
-            c = next_change(pol, n)
+            c = min(next_change(pol, n), cap)
         n += int(min(c, P + T - n))
         out.append(n)
     return out

@@ -11,9 +11,20 @@ re-quantized) or are dropped.
 
 ``stored_bytes()`` sums the stored tensors' bytes (the used part of each buffer), per sequence;
 it equals :meth:`Policy.layer_bytes` at every step (tested against the closed form).
+
+The first update is the prefill: its tokens attend each other causally in float32, as they would
+with no cache, and the policy applies to what it stores afterwards (quantization or eviction).
+After it, an evicting policy can take many tokens in one forward only if each of them is kept from the
+window keys it would already have evicted one token at a time: the layer then leaves a boolean
+mask (query × returned key: ``key position < S`` or ``query − W <= key position <= query``) for
+the attention function :data:`ATTN_NAME`, registered through transformers' ``AttentionInterface``
+and wrapping SDPA (:func:`policy_attention` switches a model to it for a block). A mask that no
+attention call consumed is an error at the layer's next update, never a silent wrong answer.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -22,7 +33,43 @@ from ..quant import Packed
 from ..quant.base import make_header
 from .policy import HEADER_BYTES, Policy
 
-__all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer"]
+__all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer", "ATTN_NAME", "policy_attention"]
+
+ATTN_NAME = "testbed_policy"
+# layer index -> (the layer, the boolean mask its last update left for the attention call after it)
+_PENDING: dict[int, tuple] = {}
+
+
+def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    pending = _PENDING.pop(getattr(module, "layer_idx", None), None)
+    if pending is not None:
+        mask = pending[1]
+        attention_mask = mask.to(query.device)[None, None].expand(query.shape[0], 1, *mask.shape)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                          **kwargs)
+
+
+@contextlib.contextmanager
+def policy_attention(model):
+    """Run ``model`` with SDPA behind :data:`ATTN_NAME` (which applies a policy layer's eviction
+    mask) for the duration of the block."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _masked_sdpa)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    previous = model.config._attn_implementation
+    if previous != "sdpa":
+        raise ValueError(f"policy_attention wraps SDPA; the model runs {previous!r} attention")
+    model.set_attn_implementation(ATTN_NAME)
+    _PENDING.clear()
+    try:
+        yield model
+    finally:
+        _PENDING.clear()
+        model.set_attn_implementation(previous)
 
 
 class GrowBuffer:
@@ -95,9 +142,10 @@ class PolicyLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, policy: Policy, record: bool = False):
+    def __init__(self, policy: Policy, record: bool = False, layer_idx: int | None = None):
         super().__init__()
         self.policy = policy
+        self.layer_idx = layer_idx
         self.record = record
         self.recorded_k: list[torch.Tensor] = []
         self.recorded_v: list[torch.Tensor] = []
@@ -120,6 +168,15 @@ class PolicyLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        stale = _PENDING.get(self.layer_idx)
+        if stale is not None and stale[0] is not self:
+            del _PENDING[self.layer_idx]  # left by another cache whose forward did not finish
+        elif stale is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the eviction mask of the previous update was never applied; "
+                               f"run the model inside testbed.policies.cache.policy_attention(model)")
+        t = key_states.shape[-2]
+        if self.policy.evicts and t > 1 and self.seen > 0:  # the prefill attends itself causally, as for
+            self._leave_mask(t)                               # every policy; the policy applies after it
         k_new = key_states.to(torch.float32)
         v_new = value_states.to(torch.float32)
         if self.record:
@@ -135,6 +192,21 @@ class PolicyLayer(DynamicLayer):
         values = torch.cat(parts_v, dim=-2).to(value_states.dtype)
         self._commit(k_new, v_new)
         return keys, values
+
+    def _leave_mask(self, t: int) -> None:
+        """The mask that gives each of ``t`` new tokens exactly what one token per forward sees."""
+        p = self.policy
+        s, w = self.sink_k.shape[-2], self.tail_k.shape[-2]
+        held = torch.cat([torch.arange(s), torch.arange(self.seen - w, self.seen)])
+        keys = torch.cat([held, torch.arange(self.seen, self.seen + t)])
+        queries = torch.arange(self.seen, self.seen + t)[:, None]
+        causal = keys[None] <= queries
+        visible = causal & ((keys[None] < p.sink) | (keys[None] >= queries - p.window))
+        if s + w == self.seen and torch.equal(visible, causal):
+            return  # nothing evicted yet, nothing to hide: transformers' causal mask is this one
+        if self.layer_idx is None:
+            raise RuntimeError("an evicting PolicyLayer needs its layer_idx to take several tokens per forward")
+        _PENDING[self.layer_idx] = (self, visible)
 
     def get_seq_length(self) -> int:
         return self.seen  # positions continue from here, also after an eviction
@@ -223,7 +295,7 @@ class PolicyCache(Cache):
     ``record_layer`` records its float32 inputs (see :meth:`PolicyLayer.evidence`)."""
 
     def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None):
-        super().__init__(layers=[PolicyLayer(policy, record=(i == record_layer)) for i in range(num_layers)])
+        super().__init__(layers=[PolicyLayer(policy, record=(i == record_layer), layer_idx=i) for i in range(num_layers)])
         self.policy = policy
 
     def stored_bytes(self) -> int:

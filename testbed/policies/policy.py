@@ -116,18 +116,20 @@ class Policy:
         p = self.packed_tokens(n)
         return {"sink": (0, s), "packed": (s, s + p), "float": (s + p, n)}
 
-    def next_change(self, n: int) -> int:
+    def next_change(self, n: int, masked: bool = False) -> int:
         """How many tokens, appended to a cache holding ``n``, can go through one forward call exactly.
 
         With ``k`` tokens appended in one call, each attends the state after ``n`` tokens plus the
         float32 new tokens before it; one token per call attends the state after ``n + i``. They are
         equal while no flush or eviction happens inside the call: a quantized middle changes only
         when a whole group ages out (so a call may run up to and including the token whose append
-        flushes), an evicting policy on every token once its window is full, a float32 one never."""
+        flushes), an evicting policy on every token once its window is full -- unless ``masked``:
+        the cache then hands attention a per-token mask that hides what each token would already
+        have evicted, which is exact for any chunk -- and a float32 one never."""
         if self.middle == "float32":
             return math.inf
-        if self.evicts:  # the append that makes the cache exceed S + W evicts
-            return max(1, self.sink + self.window + 1 - n)
+        if self.evicts:  # the append that makes the cache exceed S + W evicts (without a mask)
+            return math.inf if masked else max(1, self.sink + self.window + 1 - n)
         # smallest m > n with m - S - R a positive multiple of G: the append that flushes
         base = self.sink + self.window
         if n < base + self.group:
