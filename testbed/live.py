@@ -435,7 +435,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "perplexity": ppl, "mean_kl": float(np.mean([segs[s]["mean_kl"] for s in ids])),
                  "top1": float(np.mean([segs[s]["top1_agreement"] for s in ids])),
                  "bytes_per_token": float(np.mean([segs[s]["bytes_per_token"] for s in ids])),
-                 "context": segs[ids[0]]["context_final"]}
+                 "context": segs[ids[0]]["context_final"], "forwards": segs[ids[0]]["forwards"]}
         if ref_nll.size == nll.size and arm != REFERENCE:
             seg_ratio = np.exp(nll - ref_nll) - 1.0  # per segment: ppl_policy / ppl_ref - 1
             entry["delta_pct"] = 100.0 * (ppl / math.exp(float(ref_nll.mean())) - 1.0)
@@ -461,23 +461,26 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
         ms = secs.get(e["arm"])
         ms = 1000 * sum(s for s, _ in ms) / sum(n for _, n in ms) if ms else float("nan")
         ci = e.get("delta_ci")
-        table.append([e["arm"], e["mode"], f"{e['perplexity']:.4f}",
+        table.append([e["arm"], f"{e['mode']}, {e['forwards']}", f"{e['perplexity']:.4f}",
                       "—" if "delta_pct" not in e else f"{e['delta_pct']:+.2f} %",
                       "—" if not ci or math.isnan(ci[0]) else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]",
                       "—" if "worse" not in e else f"{e['worse']}/{e['segments']}",
                       f"{e['mean_kl']:.5f}", f"{100 * e['top1']:.2f} %", f"{e['bytes_per_token']:,.0f}",
                       f"{e['bytes_per_token'] / f16:.3f}", f"{ms:.1f}"])
     n_seg = len({r["case"] for r in rows})
-    text = tabulate(table, headers=["arm", "mode", "perplexity", "Δ ppl vs float32", "95 % CI (segments)",
+    text = tabulate(table, headers=["arm", "mode, forwards", "perplexity", "Δ ppl vs float32", "95 % CI (segments)",
                                     "segments worse", "mean KL", "top-1 agree", "bytes / token", "÷ float16",
                                     "ms / scored token"], tablefmt="github")
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
-             "sorted by bytes per token (the whole cache of all 30 layers at the end of a segment, ÷ the tokens it has "
+             "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all 30 layers at the end of a segment, ÷ the tokens it has "
              "seen; float16 K+V would be 23,040 B/token). Δ is the perplexity over all segments against the "
              "DynamicCache reference; its interval is a bootstrap of per-segment Δ over segments, 'segments worse' "
              "counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "
              "Log-probabilities and KL rest on model forward passes the audit cannot repeat; the audit re-derives "
              "every aggregate, agreement and byte count from the stored arrays. ms / scored token is wall time of "
              "the whole arm (prefill included) on this machine, not a benchmark. With few segments the intervals "
-             "are wide and say little; they are not over tokens.")
+             "are wide and say little; they are not over tokens. What this table does not show: one small model "
+             "(float32 weights dequantized from Q4_1), one corpus of technical English, teacher forcing (no "
+             "free-running generation, no task accuracy); a policy's bytes per token include its float32 window, "
+             "which dominates at short contexts.")
     return text + notes

@@ -1,0 +1,113 @@
+"""Decode-step time of testbed's live cache policies against transformers' caches, in one process.
+
+    python benchmarks/bench_live.py                       # contexts 256 1024 2048, batch 1, 2 threads
+    python benchmarks/bench_live.py --contexts 256 4096 --steps 8 --threads 2
+
+For each context C: the model (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized to float32) reads a
+C-token prefill of the built-in corpus into each cache, then runs one-token decode steps; the time
+of a step is the median over ``--steps`` steps after ``--warmup`` untimed ones, every arm on the same
+tokens, arms interleaved in a shuffled order per repeat so that drift of the machine spreads over
+all of them. Arms: ``DynamicCache`` (float32, the reference), transformers' ``QuantizedCache``
+(quanto) at 4 and 2 bits (groups of 64, residual 128; its CPU extension is compiled and warmed up
+before anything is timed), and testbed policies (KIVI-style int4 / int2 with R = 128, G = 32;
+MXFP8; StreamingLLM eviction sink 4 + window 256), whose step decodes the packed history.
+
+Also printed: the bytes of tensors each cache object holds against its accounted bytes (testbed
+policies: their byte accounting; the others: what they hold is what they are charged). Ratios
+are against DynamicCache and against quanto at the same bits; figures go to benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from testbed.live import _dynamic_bytes, _warm_quanto, corpus_text, quanto_bytes  # noqa: E402
+from testbed.policies import preset  # noqa: E402
+from testbed.sources.capture import _forward_kwargs, load_model  # noqa: E402
+
+
+def _held_bytes(cache) -> int:
+    """Every tensor the policy cache object holds (buffers at their capacity), per sequence."""
+    total = 0
+    for layer in cache.layers:
+        for x in (layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v):
+            total += x.numel() * x.element_size()
+        for span in (layer.mid_k, layer.mid_v):
+            if span is not None:
+                total += sum(b.data.numel() * b.data.element_size() for b in span.buffers.values() if b.data is not None)
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
+    ap.add_argument("--steps", type=int, default=6, help="timed one-token steps per arm and repeat")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    if any(not 16 <= c <= 8000 for c in args.contexts) or args.steps < 1 or args.repeats < 1:
+        ap.error("contexts must be in [16, 8000]; steps and repeats at least 1")
+    torch.set_num_threads(args.threads)
+    from transformers import DynamicCache, QuantizedCache
+
+    from testbed.policies.cache import PolicyCache, policy_attention
+
+    model, tok, _ = load_model(progress=lambda m: print(m, file=sys.stderr))
+    kw = _forward_kwargs(model)
+    cfg = model.config
+    text, _ = corpus_text({"builtin": "pydoc_topics"})
+    ids = tok(text, return_tensors="pt").input_ids[:, : max(args.contexts) + args.warmup + args.steps + 1]
+    _warm_quanto(model, kw, cfg)
+    policies = [preset(n, window=128, group=32, evict_window=256, sink=4) for n in ("int4", "int2", "mxfp8", "streaming")]
+    arms = {"DynamicCache": (lambda: DynamicCache(config=cfg), _dynamic_bytes),
+            "quanto int4": (lambda: QuantizedCache("quanto", cfg, nbits=4, q_group_size=64, residual_length=128), quanto_bytes),
+            "quanto int2": (lambda: QuantizedCache("quanto", cfg, nbits=2, q_group_size=64, residual_length=128), quanto_bytes)}
+    for p in policies:
+        arms[f"testbed {p.name}"] = ((lambda p=p: PolicyCache(p, cfg.num_hidden_layers)), (lambda c: c.stored_bytes()))
+    rng = random.Random(0)
+    print(f"# bench_live: SmolLM2-135M float32, batch 1, {args.threads} threads, median of {args.steps} steps x "
+          f"{args.repeats} repeats after {args.warmup} warm-up steps")
+    for ctx_len in args.contexts:
+        times = {a: [] for a in arms}
+        held = {}
+        for _ in range(args.repeats):
+            order = list(arms)
+            rng.shuffle(order)
+            for arm in order:
+                make, accounted = arms[arm]
+                cache = make()
+                with torch.no_grad(), policy_attention(model):
+                    model(input_ids=ids[:, :ctx_len], use_cache=True, logits_to_keep=1, **{kw["cache"]: cache})
+                    pos = ctx_len
+                    for i in range(args.warmup + args.steps):
+                        t0 = time.perf_counter()
+                        model(input_ids=ids[:, pos:pos + 1], use_cache=True, logits_to_keep=1, **{kw["cache"]: cache})
+                        dt = time.perf_counter() - t0
+                        if i >= args.warmup:
+                            times[arm].append(dt)
+                        pos += 1
+                held[arm] = (_held_bytes(cache) if arm.startswith("testbed") else accounted(cache), accounted(cache))
+        med = {a: statistics.median(t) for a, t in times.items()}
+        print(f"\n## context {ctx_len}\n")
+        print("| arm | step (ms) | × DynamicCache | × quanto same bits | tensor bytes held (MB) | accounted (MB) |")
+        print("|---|---|---|---|---|---|")
+        for arm, m in med.items():
+            bits = "int4" if "int4" in arm else "int2" if "int2" in arm else None
+            peer = f"{med[f'quanto {bits}'] and m / med[f'quanto {bits}']:.2f}" if bits and not arm.startswith("quanto") else "—"
+            h, acc = held[arm]
+            print(f"| {arm} | {1000 * m:.1f} | {m / med['DynamicCache']:.2f} | {peer} | {h / 1e6:.2f} | {acc / 1e6:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
