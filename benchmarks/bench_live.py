@@ -10,7 +10,8 @@ tokens, arms interleaved in a shuffled order per repeat so that drift of the mac
 all of them. Arms: ``DynamicCache`` (float32, the reference), transformers' ``QuantizedCache``
 (quanto) at 4 and 2 bits (groups of 64, residual 128; its CPU extension is compiled and warmed up
 before anything is timed), and testbed policies (KIVI-style int4 / int2 with R = 128, G = 32;
-MXFP8; StreamingLLM eviction sink 4 + window 256), whose step decodes the packed history.
+MXFP8; StreamingLLM eviction sink 4 + window 256), whose step decodes the packed history, and the
+int policies again with ``direct`` attention, which reads the packed history from its codes.
 
 Also printed: the bytes of tensors each cache object holds against its accounted bytes (testbed
 policies: their byte accounting; the others: what they hold is what they are charged). Ratios
@@ -74,6 +75,9 @@ def main(argv=None) -> int:
             "quanto int2": (lambda: QuantizedCache("quanto", cfg, nbits=2, q_group_size=64, residual_length=128), quanto_bytes)}
     for p in policies:
         arms[f"testbed {p.name}"] = ((lambda p=p: PolicyCache(p, cfg.num_hidden_layers)), (lambda c: c.stored_bytes()))
+        if p.name in ("int4", "int2"):
+            arms[f"testbed {p.name} direct"] = ((lambda p=p: PolicyCache(p, cfg.num_hidden_layers, direct=True)),
+                                                (lambda c: c.stored_bytes()))
     rng = random.Random(0)
     print(f"# bench_live: SmolLM2-135M float32, batch 1, {args.threads} threads, median of {args.steps} steps x "
           f"{args.repeats} repeats after {args.warmup} warm-up steps")

@@ -111,6 +111,22 @@ def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
         _logprobs(model, ids, PolicyCache(pol, 30), 64, [24, 24])
 
 
+def test_direct_attention_in_the_model_equals_decode_then_attend(smollm2):
+    """Attention reading the packed history from its codes gives the model's log-probs of
+    decode-then-attend within 1e-4, one token per forward and in a chunk."""
+    from testbed.policies.cache import PolicyCache, policy_attention
+
+    model, tok = smollm2
+    pol = preset("int4", window=32, group=32)
+    ids = _ids(tok, 128 + 40 + 1, batch=2)
+    with policy_attention(model):
+        a = _logprobs(model, ids, PolicyCache(pol, 30), 128, [1] * 8 + [32])
+        direct = PolicyCache(pol, 30, direct=True)
+        b = _logprobs(model, ids, direct, 128, [1] * 8 + [32])
+    assert direct.layers[5].mid_k.tokens == 128
+    assert (a - b).abs().max() < 1e-4
+
+
 def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
     proto["name"] = "live_tiny"

@@ -241,3 +241,35 @@ def test_reference_quantizer_agrees_with_the_audit_encoder():
         for name in ("codes", "scale", "zero"):
             assert p.arrays[name].tobytes() == want[name].tobytes(), (bits, axis, name)
     assert np.all(np.isfinite(k.numpy()))
+
+
+@pytest.mark.parametrize("name", ["int4", "int2_sink4"])
+@pytest.mark.parametrize("new", [1, 5])
+def test_direct_attention_over_codes_equals_decode_then_attend(name, new):
+    """The packed history's scores and values read from the codes (scales folded into q and P)
+    equal attention over the decoded history, within float32 rounding; the float32 part (sink,
+    window, new tokens, causal among the new) merges exactly."""
+    from testbed.policies import packed_attention as pa
+
+    pol = preset(name, window=16, group=16, sink=4)
+    layer = PolicyLayer(pol, layer_idx=0)
+    k, v = _kv(160, seed=7, batch=2)
+    layer.update(k[..., :150, :], v[..., :150, :])
+    tokens, s = layer.mid_k.tokens, min(pol.sink, 150)
+    assert tokens >= 96
+    q = torch.randn(2, 9, new, D, generator=torch.Generator().manual_seed(new))
+    keys, values = layer.update(k[..., 150:150 + new, :], v[..., 150:150 + new, :])  # decode-then-attend
+    scale = D ** -0.5
+    n = keys.shape[-2]
+    causal = torch.ones(new, n, dtype=torch.bool).tril(n - new)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(3, 1), values.repeat_interleave(3, 1), attn_mask=causal, scale=scale)
+    # what a direct update returns instead: the float32 keys only (sink, window, new tokens)
+    fk = torch.cat([keys[..., :s, :], keys[..., s + tokens:, :]], dim=-2)
+    fv = torch.cat([values[..., :s, :], values[..., s + tokens:, :]], dim=-2)
+    floats = pa.float_part(q, fk, fv, scale, new)
+    ref = pa.merge(pa.packed_part_reference(q, layer, scale, tokens), floats)
+    got = pa.merge(pa.packed_part(q, layer, scale, tokens), floats)
+    assert torch.allclose(ref, want, rtol=1e-5, atol=1e-6), (ref - want).abs().max()
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert not torch.allclose(got, pa.merge(floats), rtol=1e-3)  # the packed part matters

@@ -38,11 +38,22 @@ __all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer", "ATTN_NAME", "policy_atte
 ATTN_NAME = "testbed_policy"
 # layer index -> (the layer, the boolean mask its last update left for the attention call after it)
 _PENDING: dict[int, tuple] = {}
+# layer index -> (the layer, new tokens): its update returned only the float32 keys; attention reads
+# the packed middle from its codes (testbed.policies.packed_attention)
+_DIRECT: dict[int, tuple] = {}
 
 
 def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    direct = _DIRECT.pop(getattr(module, "layer_idx", None), None)
+    if direct is not None:
+        from . import packed_attention as pa
+
+        layer, new, packed = direct  # the middle as it was when update returned (a flush may follow it)
+        scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
+        out = pa.merge(pa.packed_part(query, layer, scale, packed), pa.float_part(query, key, value, scale, new))
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
     pending = _PENDING.pop(getattr(module, "layer_idx", None), None)
     if pending is not None:
         mask = pending[1]
@@ -65,10 +76,12 @@ def policy_attention(model):
         raise ValueError(f"policy_attention wraps SDPA; the model runs {previous!r} attention")
     model.set_attn_implementation(ATTN_NAME)
     _PENDING.clear()
+    _DIRECT.clear()
     try:
         yield model
     finally:
         _PENDING.clear()
+        _DIRECT.clear()
         model.set_attn_implementation(previous)
 
 
@@ -123,11 +136,14 @@ class _PackedSpan:
             self.buffers.setdefault(name, GrowBuffer()).append(t)
         self.tokens += x.shape[-2]
 
-    def packed(self) -> Packed:
-        tensors = {name: buf.view().contiguous() for name, buf in self.buffers.items()}
+    def packed(self, tokens: int | None = None) -> Packed:
+        """The stored arrays as a `Packed` (of the first ``tokens`` packed tokens: buffers only grow)."""
+        n = self.tokens if tokens is None else tokens
+        tensors = {name: buf.view()[..., :buf.rows * n // self.tokens, :].contiguous()
+                   for name, buf in self.buffers.items()}
         first = next(iter(self.buffers.values())).data
-        tensors["header"] = make_header(self.tokens, self.dim, first.device)
-        return Packed(self.q.name, (*self.shape_lead, self.tokens, self.dim), self.dtype, tensors, self.q.config())
+        tensors["header"] = make_header(n, self.dim, first.device)
+        return Packed(self.q.name, (*self.shape_lead, n, self.dim), self.dtype, tensors, self.q.config())
 
     def decode(self) -> torch.Tensor:
         return self.q.dequantize(self.packed())
@@ -142,10 +158,19 @@ class PolicyLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, policy: Policy, record: bool = False, layer_idx: int | None = None):
+    def __init__(self, policy: Policy, record: bool = False, layer_idx: int | None = None, direct: bool = False):
         super().__init__()
         self.policy = policy
         self.layer_idx = layer_idx
+        if direct:
+            from .packed_attention import supported
+
+            if not supported(policy):
+                raise ValueError(f"policy {policy.name}: direct attention over codes needs an integer middle "
+                                 "with K per channel")
+            if layer_idx is None:
+                raise ValueError("direct attention needs the layer's index")
+        self.direct = direct
         self.record = record
         self.recorded_k: list[torch.Tensor] = []
         self.recorded_v: list[torch.Tensor] = []
@@ -183,7 +208,12 @@ class PolicyLayer(DynamicLayer):
             self.recorded_k.append(k_new[0].detach().clone())
             self.recorded_v.append(v_new[0].detach().clone())
         parts_k, parts_v = [self.sink_k], [self.sink_v]
-        if self.mid_k is not None and self.mid_k.tokens:
+        if self.direct and self.mid_k.tokens:
+            if self.layer_idx in _DIRECT:
+                raise RuntimeError(f"layer {self.layer_idx}: direct attention of the previous update never ran; "
+                                   "run the model inside testbed.policies.cache.policy_attention(model)")
+            _DIRECT[self.layer_idx] = (self, t, self.mid_k.tokens)  # attention reads these codes
+        elif self.mid_k is not None and self.mid_k.tokens:
             parts_k.append(self.mid_k.decode())
             parts_v.append(self.mid_v.decode())
         parts_k += [self.tail_k, k_new]
@@ -292,10 +322,13 @@ class PolicyLayer(DynamicLayer):
 
 class PolicyCache(Cache):
     """``Cache(layers=[PolicyLayer(policy), ...])`` for a model of ``num_layers`` layers;
-    ``record_layer`` records its float32 inputs (see :meth:`PolicyLayer.evidence`)."""
+    ``record_layer`` records its float32 inputs (see :meth:`PolicyLayer.evidence`); ``direct``:
+    attention reads the packed middle from its codes (:mod:`testbed.policies.packed_attention`;
+    needs :func:`policy_attention`) instead of decoding it on every update."""
 
-    def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None):
-        super().__init__(layers=[PolicyLayer(policy, record=(i == record_layer), layer_idx=i) for i in range(num_layers)])
+    def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None, direct: bool = False):
+        super().__init__(layers=[PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
+                                 for i in range(num_layers)])
         self.policy = policy
 
     def stored_bytes(self) -> int:
