@@ -69,7 +69,7 @@ def validate(params, where: str) -> dict:
         "sink": (("range", int, 0, 1024), 4),
         "evict_window": (("range", int, 1, 8192), 256),
         "peers": (("list", dict, 0), []),
-        "peer_group": (("choice", (32, 64, 128)), 64),
+        "peer_group": (("choice", (32, 64)), 64),
         "reference_chunk": (("range", int, 1, 8192), 256),
         "evidence_layer": (("range", int, 0, 4095), 0),
     })
@@ -315,7 +315,7 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
 
                 from .policies.cache import policy_attention
 
-                cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.quantized else None)
+                cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.middle != "float32" else None)
                 schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
                 with policy_attention(model):
                     res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
@@ -356,7 +356,7 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
                 elif kind == "peer":
                     row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": p["peer_group"],
                                    "residual_length": p["window"], "axis_key": 0, "axis_value": 0}
-                if isinstance(what, Policy) and what.quantized and evidence_layer is not None and j == 0:
+                if isinstance(what, Policy) and what.middle != "float32" and evidence_layer is not None and j == 0:
                     ev = cache.layers[evidence_layer].evidence()
                     row["evidence"] = {"layer": evidence_layer,
                                        "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
@@ -410,9 +410,13 @@ def _warm_quanto(model, kw, cfg) -> None:
 
 # -- the report -------------------------------------------------------------------------------------
 
+MIN_CI_SEGMENTS = 5  # below this a bootstrap over segments is no interval at all (2 values: their min and max)
+
+
 def _bootstrap(x: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile interval of the mean over units (segments), resampled with replacement."""
-    if x.size < 2:
+    """95 % percentile interval of the mean over units (segments), resampled with replacement;
+    NaN below ``MIN_CI_SEGMENTS`` units."""
+    if x.size < MIN_CI_SEGMENTS:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, x.size, size=(n, x.size))].mean(axis=1)
@@ -437,11 +441,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "bytes_per_token": float(np.mean([segs[s]["bytes_per_token"] for s in ids])),
                  "context": segs[ids[0]]["context_final"], "forwards": segs[ids[0]]["forwards"]}
         if ref_nll.size == nll.size and arm != REFERENCE:
-            seg_ratio = np.exp(nll - ref_nll) - 1.0  # per segment: ppl_policy / ppl_ref - 1
-            entry["delta_pct"] = 100.0 * (ppl / math.exp(float(ref_nll.mean())) - 1.0)
-            lo, hi = _bootstrap(100.0 * seg_ratio)
-            entry["delta_ci"] = (lo, hi)
-            entry["worse"] = int((nll > ref_nll).sum())
+            d = nll - ref_nll  # per segment; perplexity ratio over all segments = exp(mean d)
+            entry["delta_pct"] = 100.0 * math.expm1(float(d.mean()))
+            lo, hi = _bootstrap(d)
+            entry["delta_ci"] = (100.0 * math.expm1(lo), 100.0 * math.expm1(hi))
+            entry["worse"] = int((d > 0).sum())
         out.append(entry)
     return sorted(out, key=lambda e: (-e["bytes_per_token"], e["arm"]))
 
@@ -474,12 +478,13 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
              "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all 30 layers at the end of a segment, ÷ the tokens it has "
              "seen; float16 K+V would be 23,040 B/token). Δ is the perplexity over all segments against the "
-             "DynamicCache reference; its interval is a bootstrap of per-segment Δ over segments, 'segments worse' "
-             "counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "
+             "DynamicCache reference (exp of the mean per-segment NLL difference, minus 1); its interval is a "
+             f"bootstrap over segments of that mean difference, given from {MIN_CI_SEGMENTS} segments on; "
+             "'segments worse' counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "
              "Log-probabilities and KL rest on model forward passes the audit cannot repeat; the audit re-derives "
              "every aggregate, agreement and byte count from the stored arrays. ms / scored token is wall time of "
-             "the whole arm (prefill included) on this machine, not a benchmark. With few segments the intervals "
-             "are wide and say little; they are not over tokens. What this table does not show: one small model "
+             "the whole arm (prefill included) on this machine, not a benchmark. Intervals are over segments, "
+             "never tokens. What this table does not show: one small model "
              "(float32 weights dequantized from Q4_1), one corpus of technical English, teacher forcing (no "
              "free-running generation, no task accuracy); a policy's bytes per token include its float32 window, "
              "which dominates at short contexts.")

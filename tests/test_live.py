@@ -97,7 +97,8 @@ def test_chunked_teacher_forcing_equals_one_token_per_forward(smollm2):
 
 def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
     """An evicting cache given 48 tokens in one forward (window 16: most of its keys already evicted
-    for the later tokens) gives what 48 one-token forwards give; without the mask it would not."""
+    for the later tokens) gives what 48 one-token forwards give; outside policy_attention (no
+    mask) the chunk is refused."""
     from testbed.policies.cache import PolicyCache, policy_attention
 
     model, tok = smollm2
@@ -107,7 +108,7 @@ def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
         lp_chunk = _logprobs(model, ids, PolicyCache(pol, 30), 64, [48])
         lp_step = _logprobs(model, ids, PolicyCache(pol, 30), 64, [1] * 48)
     assert (lp_chunk - lp_step).abs().max() < 1e-4
-    with pytest.raises(RuntimeError, match="never applied"):  # the plain SDPA path refuses, never guesses
+    with pytest.raises(RuntimeError, match="policy_attention"):  # refused before attention runs
         _logprobs(model, ids, PolicyCache(pol, 30), 64, [24, 24])
 
 
@@ -198,19 +199,34 @@ def test_live_run_rows_and_audit(live_run):
     # 72 tokens at the end: 48 in packed groups (two thirds), 16..31 float32 behind them
     assert int4["policy"]["window"] == 16 and int4["context_final"] == 72
     assert int4["bytes_per_token"] < f32["bytes_per_token"] / 2
-    assert "evidence" in int4 and "evidence" not in _row(res, "streaming")
+    assert "evidence" in int4 and "evidence" in _row(res, "streaming") and "evidence" not in f32
     report = (live_run / "report.md").read_text()
     assert "quanto_int4" in report and "bytes / token" in report
 
 
-@pytest.mark.parametrize("what", ["logprob", "bytes", "codes", "kl_negative", "context"])
-def test_consistent_forgeries_of_live_rows_fail(live_run, tmp_path, what):
+@pytest.mark.parametrize("what", ["logprob", "bytes", "codes", "kl_negative", "context", "evicted", "row_deleted"])
+def test_forgeries_of_live_rows_fail(live_run, tmp_path, what):
     run = _copy(live_run, tmp_path)
     res = _rows(run)
     row = _row(res, "int4")
-    if what == "logprob":  # better quality, arrays and manifest consistent, the row's summary left
+    if what == "logprob":  # better quality in the array (re-hashed), the row's summary left as it was
         _forge_array(run, row["arrays"]["logprob"], lambda x: x.__setitem__(slice(None), x * 0.5))
         expect = "nll"
+    elif what == "evicted":  # an evicting cache that kept another token than the newest W
+        ev = _row(res, "streaming")["evidence"]["arrays"]
+        _forge_array(run, ev["float.k"], lambda x: x.__setitem__((0, 0, 0), x[0, 0, 0] + 1.0))
+        expect, row = "kept tokens", _row(res, "streaming")
+    elif what == "row_deleted":  # a bad segment's row taken out with its own arrays, all re-hashed
+        victim = _row(res, "int4", "seg001")
+        res["rows"].remove(victim)
+        m = json.loads((run / "manifest.json").read_text())
+        for rel in victim["arrays"].values():
+            if not any(rel in json.dumps(r) for r in res["rows"]) and rel in m["arrays"]:
+                del m["arrays"][rel]
+                (run / rel).unlink()
+        (run / "manifest.json").write_text(json.dumps(m, indent=1))
+        _write_rows(run, res)
+        expect = "seg001 arm int4 is missing"
     elif what == "bytes":  # claim a smaller cache, arrays, row and manifest all consistent
         _forge_array(run, row["arrays"]["bytes"], lambda x: x.__setitem__(-1, x[-1] // 2))
         row["bytes_final"] //= 2
@@ -228,7 +244,43 @@ def test_consistent_forgeries_of_live_rows_fail(live_run, tmp_path, what):
         expect = "context schedule"
     ok, failures, _ = audit(run)
     assert not ok
-    assert any(expect in f and "int4" in f for f in failures), failures[:5]
+    assert any(expect in f and row["arm"] in f for f in failures), failures[:5]
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: log-probabilities rest on model forward passes the numpy audit "
+                                       "cannot repeat; a forger who rewrites them and every summary consistently "
+                                       "passes (an independent re-run with --same-as is the check)")
+def test_gap_consistently_rewritten_logprobs(live_run, tmp_path):
+    run = _copy(live_run, tmp_path)
+    res = _rows(run)
+    row = _row(res, "int4")
+    _forge_array(run, row["arrays"]["logprob"], lambda x: x.__setitem__(slice(None), x * 0.5))
+    lp = np.load(run / row["arrays"]["logprob"]).astype(np.float64)
+    row["nll"] = -float(lp.mean())
+    row["perplexity"] = float(np.exp(row["nll"]))
+    _write_rows(run, res)
+    assert not audit(run)[0]
+
+
+def test_summary_statistics_are_over_segments():
+    from testbed.live import MIN_CI_SEGMENTS, summarize
+
+    def rows(n, shift):
+        out = []
+        for i in range(n):
+            base = 2.0 + 0.1 * i
+            for arm, kind, nll in (("dynamic_cache", "reference", base), ("int4", "policy", base + shift[i % len(shift)])):
+                out.append({"arm": arm, "kind": kind, "mode": "chunked", "case": f"seg{i:03d}", "nll": nll,
+                            "mean_kl": 0.0, "top1_agreement": 1.0, "bytes_per_token": 1.0, "context_final": 10,
+                            "forwards": 2})
+        return out
+
+    few = {e["arm"]: e for e in summarize(rows(2, [0.01, 0.03]))}["int4"]
+    assert few["delta_pct"] == pytest.approx(100 * np.expm1(0.02))
+    assert np.isnan(few["delta_ci"][0]) and few["worse"] == 2          # 2 segments: no interval
+    many = {e["arm"]: e for e in summarize(rows(12, [0.01, -0.02, 0.05]))}["int4"]
+    lo, hi = many["delta_ci"]
+    assert lo < many["delta_pct"] < hi and many["worse"] == 8 and 12 >= MIN_CI_SEGMENTS
 
 
 def test_live_protocol_errors_name_the_key(tmp_path):

@@ -13,8 +13,11 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   group);
 - nll, perplexity, mean KL, top-1 agreement (against the reference row's argmax of the same
   segment), bytes per token, context, forwards, scored tokens;
-- for the one evidence layer: the packed middle re-encoded from the recorded float32 K/V with its
-  own integer and MX encoders, byte for byte, and the float32 sink and window equal to the inputs.
+- for the one evidence layer of the first segment: the packed middle re-encoded from the recorded
+  float32 K/V with its own integer and MX encoders, byte for byte, and the float32 sink and window
+  equal to the inputs; for an evicting policy, that it kept exactly the first S and newest W;
+- once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
+  against their recorded hashes, disjoint evenly spaced segment starts.
 
 What it cannot re-derive: the log-probabilities, KL and argmax themselves rest on model forward
 passes; they are checked for shape, finiteness and sign (KL ≥ 0 up to float rounding) only.
@@ -22,6 +25,7 @@ passes; they are checked for shape, finiteness and sign (KL ≥ 0 up to float ro
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -193,6 +197,20 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     a = {k: ctx.load(v) for k, v in ev["arrays"].items()}
     n = live["prefill"] + live["steps"]
     s, p, f = _spans(pol, n)
+    if pol["middle"] == "drop":  # what an evicting cache kept: the first S and the newest W inputs
+        for name in ("k", "v"):
+            x = a[f"input.{name}"]
+            for label, want in (("sink", x[:, :s]), ("float", x[:, n - f:])):
+                got = a.get(f"{label}.{name}")
+                ctx.numbers += 1
+                if got is None or got.shape != want.shape or got.tobytes() != want.tobytes():
+                    ctx.fail(row, f"{label}.{name}: the kept tokens are not the inputs' first {s} / newest {f}")
+        extra = sorted(k for k in a if not k.startswith(("input.", "sink.", "float.")))
+        if extra:
+            ctx.fail(row, f"an evicting cache stores no packed arrays, found {extra}")
+        total = sum(int(v.nbytes) for k, v in a.items() if not k.startswith("input."))
+        ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
+        return
     for name in ("k", "v"):
         x = a[f"input.{name}"]
         if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
@@ -222,9 +240,55 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
 
 
+def _check_study(ctx, study: str, live: dict) -> bool:
+    """Once per study: exactly one row per (segment, arm) the protocol implies, segments as the
+    protocol lays them out, token ids that match their recorded hash."""
+    arms = ["dynamic_cache"] + list(live.get("policies", [])) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
+    segs = [f"seg{i:03d}" for i in range(live["segments"])]
+    where = f"results.json {study}"
+    cases = ctx.results.get("cases", {}).get(study, {})
+    if sorted(cases) != segs:
+        ctx.fail(where, f"segments {sorted(cases)[:4]}... are not the protocol's {len(segs)} ({segs[0]}..)")
+    length = live["prefill"] + live["steps"] + 1
+    starts = []
+    for sid in segs:
+        rec = cases.get(sid, {})
+        meta = rec.get("meta", {}) if isinstance(rec, dict) else {}
+        try:
+            tok = ctx.load(rec.get("arrays", {}).get("token_ids"))
+        except Exception as e:  # noqa: BLE001 - reported as a FAIL line
+            ctx.fail(f"{where} {sid}", f"token_ids: {e}")
+            continue
+        if tok.shape != (length,) or tok.dtype != np.int32:
+            ctx.fail(f"{where} {sid}", f"token_ids must be int32 [{length}], got {tok.dtype} {list(tok.shape)}")
+        ctx.numbers += 1
+        if hashlib.sha256(tok.tobytes()).hexdigest() != meta.get("token_ids_sha256"):
+            ctx.fail(f"{where} {sid}", "token_ids do not match their recorded sha256")
+        starts.append(meta.get("start_token"))
+    if len(starts) == len(segs) and all(isinstance(x, int) for x in starts):
+        stride = starts[1] if len(starts) > 1 else length
+        if starts != [i * stride for i in range(len(segs))] or stride < length:
+            ctx.fail(where, f"segment starts {starts[:4]}... are not disjoint, evenly spaced windows of {length} tokens")
+    seen: dict[tuple, int] = {}
+    for r in ctx.results.get("rows", []):
+        if isinstance(r, dict) and r.get("study") == study:
+            key = (r.get("case"), r.get("arm"))
+            seen[key] = seen.get(key, 0) + 1
+    want = {(sg, a) for sg in segs for a in arms}
+    for key in sorted(want - set(seen)):
+        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is missing")
+    for key in sorted(set(seen) - want):
+        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is not one the protocol implies")
+    for key, count in sorted(seen.items()):
+        if count > 1:
+            ctx.fail(where, f"segment {key[0]} arm {key[1]} has {count} rows")
+    return True
+
+
 def check(row: dict, ctx) -> None:
     study = row.get("study")
     live = _live_params(ctx, study)
+    ctx.cached(("live_study", study), lambda: _check_study(ctx, study, live))
     dims = MODELS.get(live.get("model"))
     if dims is None:
         raise ValueError(f"model {live.get('model')!r} is not one the audit knows")
@@ -276,7 +340,7 @@ def check(row: dict, ctx) -> None:
     ref = _reference_row(ctx, study, row.get("case"))
     ref_am = ctx.load(ref["arrays"]["argmax"])
     ctx.close(row, "top1_agreement", row.get("top1_agreement"), float(np.mean(am == ref_am)))
-    if kind == "policy" and _policy(arm, live)["middle"] not in ("float32", "drop") and row.get("case") == "seg000":
+    if kind == "policy" and _policy(arm, live)["middle"] != "float32" and row.get("case") == "seg000":
         _check_evidence(row, ctx, _policy(arm, live), live)
 
 

@@ -18,8 +18,9 @@ After it, an evicting policy can take many tokens in one forward only if each of
 window keys it would already have evicted one token at a time: the layer then leaves a boolean
 mask (query × returned key: ``key position < S`` or ``query − W <= key position <= query``) for
 the attention function :data:`ATTN_NAME`, registered through transformers' ``AttentionInterface``
-and wrapping SDPA (:func:`policy_attention` switches a model to it for a block). A mask that no
-attention call consumed is an error at the layer's next update, never a silent wrong answer.
+and wrapping SDPA (:func:`policy_attention` switches a model to it for a block). An update that
+needs the mask (or the direct path) outside such a block is refused at once, and a mask that no
+attention call consumed is an error at the layer's next update.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ _PENDING: dict[int, tuple] = {}
 # layer index -> (the layer, new tokens): its update returned only the float32 keys; attention reads
 # the packed middle from its codes (testbed.policies.packed_attention)
 _DIRECT: dict[int, tuple] = {}
+# how many policy_attention blocks are open: an update that needs the mask or the direct path
+# outside one is refused before attention can run with transformers' own (wrong) mask
+_ACTIVE = [0]
+
+
+def _require_active(what: str, layer_idx) -> None:
+    if not _ACTIVE[0]:
+        raise RuntimeError(f"layer {layer_idx}: {what} needs the model to run inside "
+                           "testbed.policies.cache.policy_attention(model); refused rather than attending wrongly")
 
 
 def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -77,9 +87,11 @@ def policy_attention(model):
     model.set_attn_implementation(ATTN_NAME)
     _PENDING.clear()
     _DIRECT.clear()
+    _ACTIVE[0] += 1
     try:
         yield model
     finally:
+        _ACTIVE[0] -= 1
         _PENDING.clear()
         _DIRECT.clear()
         model.set_attn_implementation(previous)
@@ -209,6 +221,7 @@ class PolicyLayer(DynamicLayer):
             self.recorded_v.append(v_new[0].detach().clone())
         parts_k, parts_v = [self.sink_k], [self.sink_v]
         if self.direct and self.mid_k.tokens:
+            _require_active("direct attention over codes", self.layer_idx)
             if self.layer_idx in _DIRECT:
                 raise RuntimeError(f"layer {self.layer_idx}: direct attention of the previous update never ran; "
                                    "run the model inside testbed.policies.cache.policy_attention(model)")
@@ -236,6 +249,7 @@ class PolicyLayer(DynamicLayer):
             return  # nothing evicted yet, nothing to hide: transformers' causal mask is this one
         if self.layer_idx is None:
             raise RuntimeError("an evicting PolicyLayer needs its layer_idx to take several tokens per forward")
+        _require_active("an eviction mask", self.layer_idx)
         _PENDING[self.layer_idx] = (self, visible)
 
     def get_seq_length(self) -> int:

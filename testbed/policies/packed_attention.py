@@ -14,7 +14,8 @@ tokens) with torch, and the two are merged exactly through their running maxima 
 into a 64-float scratch row at a time.
 
 The definition is decode-then-attend (``PolicyLayer`` without ``direct``); this path must equal it
-within float32 rounding (tests/test_policies.py: relative 1e-5 on random packed layers).
+within float32 rounding (tests/test_policies.py: relative 1e-4 on random packed layers; in SmolLM2
+the log-probs agree within 1e-4, tests/test_live.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def supported(policy) -> bool:
 
 
 if njit is not None:
-    @njit(parallel=True, fastmath=True, cache=True)
+    @njit(parallel=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"}, cache=True)  # no ninf/nnan: -inf is used
     def _kernel(q, kc, ks, kz, vc, vs, vz, bits, group, fgroup, scaling, num, mx, sm):  # pragma: no cover - numba
         nb, nh, nr, d = q.shape
         n = kc.shape[2]
@@ -106,10 +107,11 @@ def _unrows(x: torch.Tensor, hq: int, tq: int) -> torch.Tensor:
 
 def packed_part(query: torch.Tensor, layer, scaling: float, tokens: int | None = None):
     """(numerator [B, Hq, tq, D], max [B, Hq, tq], sum [B, Hq, tq]) of softmax attention over the
-    layer's packed middle, from its codes. CPU float32 through the numba kernel, else the reference."""
+    layer's packed middle, from its codes. CPU float32 through the numba kernel, else the reference.
+    Every packed key is older than every query, so no mask applies here (no padded batches)."""
     pk, pv = layer.mid_k.packed(tokens), layer.mid_v.packed(tokens)
     kq, vq = layer.mid_k.q, layer.mid_v.q
-    if njit is None or query.device.type != "cpu":
+    if njit is None or query.device.type != "cpu" or query.shape[-1] % vq.group_size:
         return packed_part_reference(query, layer, scaling, tokens)
     b, hq, tq, d = query.shape
     hkv = pk.shape[-3]
