@@ -2,6 +2,7 @@
 
     python benchmarks/bench_live.py                       # contexts 256 1024 2048, batch 1, 2 threads
     python benchmarks/bench_live.py --contexts 256 4096 --steps 8 --threads 2
+    python benchmarks/bench_live.py --throughput          # the study's scored tokens per second
 
 For each context C: the model (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized to float32) reads a
 C-token prefill of the built-in corpus once; each cache is filled with those post-RoPE K/V through
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--throughput", action="store_true",
+                    help="instead: teacher forcing of 256 steps after a 256-token prefill (int4, R 128, G 32), one "
+                         "token per forward at batch 1 against chunked at batch 1 and 4, ms per scored token")
     args = ap.parse_args(argv)
     if any(not 16 <= c <= 8000 for c in args.contexts) or args.steps < 1 or args.repeats < 1:
         ap.error("contexts must be in [16, 8000]; steps and repeats at least 1")
@@ -70,6 +74,8 @@ def main(argv=None) -> int:
     cfg = model.config
     text, _ = corpus_text({"builtin": "pydoc_topics"})
     ids = tok(text, return_tensors="pt").input_ids[:, : max(args.contexts) + args.warmup + args.steps + 1]
+    if args.throughput:
+        return _throughput(model, kw, ids if ids.shape[1] >= 513 else tok(text, return_tensors="pt").input_ids)
     _warm_quanto(model, kw, cfg)
     policies = [preset(n, window=128, group=32, evict_window=256, sink=4) for n in ("int4", "int2", "mxfp8", "streaming")]
     arms = {"DynamicCache": (lambda: DynamicCache(config=cfg), _dynamic_bytes),
@@ -119,6 +125,33 @@ def main(argv=None) -> int:
             peer = f"{med[f'quanto {bits}'] and m / med[f'quanto {bits}']:.2f}" if bits and not arm.startswith("quanto") else "—"
             h, acc = held[arm]
             print(f"| {arm} | {1000 * m:.1f} | {m / med['DynamicCache']:.2f} | {peer} | {h / 1e6:.2f} | {acc / 1e6:.2f} |")
+    return 0
+
+
+def _throughput(model, kw, ids) -> int:
+    from testbed.live import chunk_schedule
+    from testbed.policies.cache import PolicyCache, policy_attention
+
+    pol = preset("int4", window=128, group=32)
+    seg = ids[:, 1000:1000 + 513]
+
+    def run(chunks, b):
+        x = seg.repeat(b, 1)
+        cache = PolicyCache(pol, model.config.num_hidden_layers)
+        with torch.no_grad(), policy_attention(model):
+            model(input_ids=x[:, :256], use_cache=True, logits_to_keep=1, **{kw["cache"]: cache})
+            t0, pos = time.perf_counter(), 256
+            for c in chunks:  # every position's logits, as the study scores them
+                model(input_ids=x[:, pos:pos + c], use_cache=True, **{kw["cache"]: cache})
+                pos += c
+            return time.perf_counter() - t0
+
+    sched = chunk_schedule(pol, 256, 256, "chunked", 256)
+    step, ch1, ch4 = run([1] * 256, 1), run(sched, 1), run(sched, 4)
+    print(f"# teacher forcing, int4 R=128 G=32, 256 steps after 256 tokens ({len(sched)} chunked forwards)")
+    print(f"one token per forward, batch 1: {1000 * step / 256:.1f} ms per scored token")
+    print(f"chunked, batch 1: {1000 * ch1 / 256:.1f} ms ({step / ch1:.1f} x)")
+    print(f"chunked, batch 4: {1000 * ch4 / 1024:.1f} ms ({step / (ch4 / 4):.1f} x)")
     return 0
 
 
