@@ -40,14 +40,14 @@ from testbed.sources.capture import _forward_kwargs, load_model  # noqa: E402
 
 
 def _held_bytes(cache) -> int:
-    """Every tensor the policy cache object holds (buffers at their capacity), per sequence."""
+    """Every tensor the policy cache object holds, per sequence (batch 1)."""
     total = 0
     for layer in cache.layers:
         for x in (layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v):
             total += x.numel() * x.element_size()
         for span in (layer.mid_k, layer.mid_v):
             if span is not None:
-                total += sum(b.data.numel() * b.data.element_size() for b in span.buffers.values() if b.data is not None)
+                total += sum(x.numel() * x.element_size() for b in span.buffers.values() for x in b.parts)
     return total
 
 

@@ -6,7 +6,7 @@ takes a cache. Each ``update(k, v)`` receives the layer's post-RoPE keys and val
 tokens ``[B, H_kv, t, D]`` and returns what attention sees: the float32 sink, the middle decoded
 from its stored bytes (never a float copy of it), the float32 window and the new tokens. Then the
 new tokens are committed: tokens that aged out of the window move into the middle in whole groups
-(quantized once, appended to preallocated code / scale buffers; nothing already packed is
+(quantized once, appended as parts of the code / scale arrays; nothing already packed is
 re-quantized) or are dropped.
 
 ``stored_bytes()`` sums the stored tensors' bytes (the used part of each buffer), per sequence;
@@ -98,33 +98,31 @@ def policy_attention(model):
 
 
 class GrowBuffer:
-    """A tensor that grows along dim -2 into preallocated capacity (doubling), read as a view."""
+    """A stored array that grows along dim -2 by appended parts (one per flush), read as one tensor.
+
+    Parts are kept as they were quantized, so the object holds exactly the accounted bytes (no
+    spare capacity); reading concatenates them, which costs what copying a preallocated buffer's
+    used rows would."""
 
     def __init__(self):
-        self.data: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] = []
         self.rows = 0
 
     def append(self, x: torch.Tensor) -> None:
-        n = x.shape[-2]
-        if self.data is None:
-            cap = max(2 * n, 64)
-            self.data = torch.empty((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype, device=x.device)
-        elif self.rows + n > self.data.shape[-2]:
-            cap = max(2 * self.data.shape[-2], self.rows + n)
-            grown = torch.empty((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype, device=x.device)
-            grown[..., :self.rows, :] = self.data[..., :self.rows, :]
-            self.data = grown
-        self.data[..., self.rows:self.rows + n, :] = x
-        self.rows += n
+        self.parts.append(x.contiguous())
+        self.rows += x.shape[-2]
 
     def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[..., :self.rows, :]
+        if not self.parts:
+            return None
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=-2)
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        return self.parts[0] if self.parts else None
 
     def used_bytes(self) -> int:
-        if self.data is None:
-            return 0
-        per_row = self.data[..., :1, :].numel() * self.data.element_size()
-        return per_row * self.rows
+        return sum(x.numel() * x.element_size() for x in self.parts)
 
 
 class _PackedSpan:
