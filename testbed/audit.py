@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .audit_checks import CHECKS
+
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
@@ -181,6 +183,7 @@ class Audit:
         self.manifest: dict = {}
         self.results: dict = {}
         self.tolerances: dict[str, dict] = {}
+        self.protocol_copies: dict[str, dict] = {}  # study -> its frozen protocol copy, once it passed its checks
         self.numbers = 0
         self.rows_checked = 0
         self._cache: dict = {}
@@ -362,6 +365,7 @@ class Audit:
                 if not isinstance(proto, dict) or proto.get("name") != name:
                     raise AuditError(f"protocol copy is not the protocol named {name!r}")
                 self.tolerances[name] = _tolerances(proto)
+                self.protocol_copies[name] = proto
             except AuditError as e:
                 self.fail(rel, str(e).removeprefix(f"{rel}: "))
 
@@ -380,8 +384,6 @@ class Audit:
                 self.fail(f"source {rel}", "differs from the version that made this run (regenerate, or --no-sources)")
 
     def _check_results(self) -> None:
-        from .audit_checks import CHECKS
-
         if "results.json" not in self.manifest.get("files", {}):
             self.fail("results.json", "not named in the manifest")
             return

@@ -27,7 +27,7 @@ from .schema import ProtocolError, check_object, check_value, key_name
 from .sources import SOURCES
 
 __all__ = ["ProtocolError", "load_protocol", "validate_protocol", "check_object", "check_value", "PROTOCOL_DIR",
-           "default_protocols", "parse_json"]
+           "default_protocols", "parse_json", "estimate_protocol"]
 
 PROTOCOL_DIR = Path(__file__).resolve().parent.parent / "protocols"
 
@@ -82,6 +82,15 @@ def _validate_live(raw: dict, where: str) -> dict:
     _check_name(proto, where)
     proto["live"] = live.validate(proto["live"], f"{where}.live")
     return _common(proto, where)
+
+
+def estimate_protocol(proto: dict) -> int | None:
+    """Peak bytes of a validated protocol's largest unit (a Case, or a live study's batch), or None
+    when its source has no ``estimate_bytes`` hook (see :mod:`testbed.resources`)."""
+    if proto.get("kind") == "live":
+        return int(live.estimate_bytes(proto["live"]))
+    hook = getattr(SOURCES.get(proto["source"]["kind"]), "estimate_bytes", None)
+    return None if hook is None else int(hook(proto["source"]))
 
 
 def _strict_pairs(pairs):

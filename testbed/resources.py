@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["ResourceError", "attention_chain_bytes", "estimate_protocol", "available_bytes", "check_memory",
+__all__ = ["ResourceError", "attention_chain_bytes", "available_bytes", "check_memory",
            "format_bytes", "synthetic_estimate_bytes"]
 
 
@@ -64,23 +64,6 @@ def synthetic_estimate_bytes(params: dict) -> int:
                                  params["head_dim"])
 
 
-# Used when the source module has no ``estimate_bytes`` of its own.
-_FALLBACK = {"synthetic": synthetic_estimate_bytes}
-
-
-def estimate_protocol(proto: dict) -> int | None:
-    """Peak bytes of the protocol's largest Case, or None when its source has no estimate."""
-    from .sources import SOURCES
-
-    if proto.get("kind") == "live":
-        from .live import estimate_bytes
-
-        return int(estimate_bytes(proto["live"]))
-    kind = proto["source"]["kind"]
-    hook = getattr(SOURCES.get(kind), "estimate_bytes", None) or _FALLBACK.get(kind)
-    return None if hook is None else int(hook(proto["source"]))
-
-
 def _read_int(path: str) -> int | None:
     try:
         text = Path(path).read_text().strip()
@@ -120,13 +103,13 @@ def format_bytes(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-def check_memory(protocols: list[dict], available: int | None = None) -> dict:
-    """Refuse (``ResourceError``, naming the estimate) a protocol whose largest Case cannot fit.
+def check_memory(estimates: dict[str, int | None], available: int | None = None) -> dict:
+    """Refuse (``ResourceError``, naming the estimate) a protocol whose largest Case cannot fit;
+    ``estimates``: {study: peak bytes or None} (:func:`testbed.protocol.estimate_protocol`).
 
     Returns ``{"available_bytes": ..., "estimated_peak_bytes": {study: bytes or None}}`` for the manifest.
     """
     available = available_bytes() if available is None else available
-    estimates = {p["name"]: estimate_protocol(p) for p in protocols}
     if available is not None:
         for name, est in estimates.items():
             if est is not None and est > available:

@@ -41,7 +41,7 @@ import torch
 from .context import RunContext
 from .live import run as run_live
 from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
-from .protocol import ProtocolError, default_protocols, load_protocol
+from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
 from .report import build_report
 from .resources import ResourceError, check_memory
 
@@ -343,7 +343,8 @@ def main(argv=None) -> int:
         if not paths:
             raise ProtocolError("no --protocol given and no protocol in protocols/ is marked default")
         protocols = [(p, *load_protocol(p)) for p in paths]
-        memory = None if args.no_memory_guard else check_memory([proto for _, proto, _ in protocols])
+        memory = None if args.no_memory_guard else check_memory(
+            {proto["name"]: estimate_protocol(proto) for _, proto, _ in protocols})
     except (ProtocolError, ResourceError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2

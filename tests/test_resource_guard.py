@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from testbed import resources
-from testbed.protocol import validate_protocol
+from testbed.protocol import estimate_protocol, validate_protocol
 from testbed.run import main as run_main
 from tests._helpers import synthetic_protocol as synthetic
 from tests._reliability import reliability  # noqa: F401  (fixture)
@@ -53,7 +53,9 @@ def test_guard_compares_with_available_memory(tmp_path, monkeypatch, capsys, ava
 
 
 def test_source_without_estimate_is_not_guarded(tmp_path, monkeypatch, capsys, reliability):
-    monkeypatch.setattr(resources, "_FALLBACK", {})
+    from testbed.sources import synthetic as synthetic_source
+
+    monkeypatch.delattr(synthetic_source, "estimate_bytes")  # a source without the hook
     monkeypatch.setattr(resources, "available_bytes", lambda: 1)  # would refuse anything estimated
     path = tmp_path / "p.json"
     path.write_text(json.dumps(synthetic()))
@@ -89,7 +91,7 @@ MEASURE = r"""
 import json, resource, sys, tempfile
 from pathlib import Path
 from testbed.protocol import validate_protocol
-from testbed.resources import estimate_protocol
+from testbed.protocol import estimate_protocol
 from testbed.run import run_protocols
 def proto(name, **kw):
     src = {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["recent_focus"], "head_dim": 32,
@@ -147,4 +149,4 @@ def test_estimate_bounds_measured_peak(shape, reliability):
 
 def test_estimate_uses_the_longest_length():
     p = validate_protocol(synthetic(lengths=[64, 4096, 128]), "p")
-    assert resources.estimate_protocol(p) == resources.attention_chain_bytes(1, 1, 4, 4096, 16)
+    assert estimate_protocol(p) == resources.attention_chain_bytes(1, 1, 4, 4096, 16)

@@ -135,18 +135,10 @@ def schedule(kind: str, name: str, live: dict) -> list[int]:
 
 
 def _live_params(ctx, study) -> dict:
-    def load():
-        from ..audit import _safe_relpath, load_json
-
-        for entry in ctx.manifest.get("protocols", []):
-            if isinstance(entry, dict) and entry.get("name") == study:
-                proto = load_json(_safe_relpath(ctx.root, entry["copy"]))
-                if not isinstance(proto, dict) or proto.get("kind") != "live" or not isinstance(proto.get("live"), dict):
-                    raise ValueError(f"protocol copy of {study} is not a live protocol")
-                return proto["live"]
-        raise ValueError(f"no protocol copy for study {study}")
-
-    return ctx.cached(("live_params", study), load)
+    proto = ctx.protocol_copies.get(study)
+    if not isinstance(proto, dict) or proto.get("kind") != "live" or not isinstance(proto.get("live"), dict):
+        raise ValueError(f"no frozen live protocol copy for study {study} passed its checks")
+    return proto["live"]
 
 
 def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -45,8 +45,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..evidence import sha256_file
+from ..evidence import _cpu_name, sha256_file
 from ..case import Case, Region
+from ..resources import attention_chain_bytes
 from ..schema import ProtocolError, check_object, check_value
 
 __all__ = [
@@ -535,8 +536,6 @@ def validate(params: dict, where: str) -> dict:
 
 def estimate_bytes(params: dict) -> int:
     """Peak bytes: the float32 model, a prefill's activations, and the largest Case's analysis chain."""
-    from ..resources import attention_chain_bytes
-
     dims = MODELS[params["model"]]
     kv = dims["kv_heads"] if params["kv_heads"] is None else len(params["kv_heads"])
     heads = kv * dims["heads"] // dims["kv_heads"]
@@ -562,8 +561,6 @@ def _software() -> dict:
 
 
 def _hardware() -> dict:
-    from ..evidence import _cpu_name
-
     hw = {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu", "accelerators": []}
     if torch.cuda.is_available():

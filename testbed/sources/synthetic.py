@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from ..case import Case, Region
+from ..resources import synthetic_estimate_bytes as estimate_bytes  # noqa: F401 (the source's memory hook)
 from ..schema import check_object
 
 __all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases"]

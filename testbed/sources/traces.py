@@ -39,6 +39,7 @@ import torch
 
 from ..evidence import sha256_file
 from ..case import Case, Region
+from ..resources import attention_chain_bytes
 from ..schema import ProtocolError, check_object
 
 __all__ = ["TraceError", "METADATA_KEY", "VERSION", "save_trace", "load_trace", "iter_trace", "validate", "cases",
@@ -234,8 +235,6 @@ def estimate_bytes(params: dict) -> int:
 
     A file that cannot be read counts 0 here; loading it then fails with its own clear error."""
     from safetensors import safe_open
-
-    from ..resources import attention_chain_bytes
 
     best = 0
     for f in params["files"]:
