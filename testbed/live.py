@@ -43,13 +43,13 @@ import torch
 
 from .policies import PRESETS, Policy, preset
 from .schema import ProtocolError, check_object, check_value
-from .sources.capture import INSTALL_HINT, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
+from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software,
+                              load_model)
 
 __all__ = ["validate", "run", "report", "policies_of", "corpus_text", "segment_starts", "chunk_schedule",
            "quanto_bytes", "REFERENCE"]
 
 REFERENCE = "dynamic_cache"
-MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 PEER_SPEC = {"backend": ("choice", ("quanto",)), "bits": ("choice", (2, 4))}
 
 
@@ -74,9 +74,9 @@ def validate(params, where: str) -> dict:
         "evidence_layer": (("range", int, 0, 4095), 0),
     })
     corpus = check_object(p["corpus"], f"{where}.corpus", required={}, optional={
-        "builtin": ((str, type(None)), "pydoc_topics"),
-        "files": (("list", str, 1), None) if "files" in p["corpus"] else ((list, type(None)), None),
-    })
+        "builtin": ((str, type(None)), "pydoc_topics"), "files": ((list, type(None)), None)})
+    if corpus["files"] is not None:
+        check_value(corpus["files"], ("list", str, 1), f"{where}.corpus.files")
     if corpus["builtin"] is not None:
         check_value(corpus["builtin"], ("choice", ("pydoc_topics",)), f"{where}.corpus.builtin")
     if corpus["builtin"] is None and not corpus["files"]:
@@ -89,8 +89,9 @@ def validate(params, where: str) -> dict:
     if p["prefill"] + p["steps"] + 1 > 8192:
         raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {p['prefill'] + p['steps'] + 1} exceeds the model's "
                             "8,192 positions")
-    if p["evidence_layer"] >= 30:
-        raise ProtocolError(f"{where}.evidence_layer: {MODEL_ID} has layers 0..29, not {p['evidence_layer']}")
+    layers = MODELS[p["model"]]["layers"]
+    if p["evidence_layer"] >= layers:
+        raise ProtocolError(f"{where}.evidence_layer: {p['model']} has layers 0..{layers - 1}, not {p['evidence_layer']}")
     try:
         policies_of(p)
     except ValueError as e:
@@ -105,13 +106,14 @@ def policies_of(p: dict) -> list[Policy]:
 
 def estimate_bytes(p: dict) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the caches."""
-    vocab, layers, kv, d = 49152, 30, 3, 64
+    dims = MODELS[p["model"]]
+    vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
     b = min(p["batch"], p["segments"])
     n = p["prefill"] + p["steps"] + 1
     ref = b * p["steps"] * vocab * 4 * 2
     work = b * max(p["reference_chunk"], p["prefill"]) * vocab * 4 * 3 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b
-    return 134_515_008 * 4 + ref + work + cache
+    return dims["parameters"] * 4 + ref + work + cache
 
 
 # -- the corpus -------------------------------------------------------------------------------------
@@ -231,7 +233,9 @@ def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, byte
             targets = ids[:, pos + 1:pos + c + 1]
             ref = None if ref_logp is None else ref_logp[:, pos - P:pos - P + c]
             lp, kl, am, logp = _metrics(logits, targets, ref)
-            lps.append(lp), kls.append(kl), ams.append(am)
+            lps.append(lp)
+            kls.append(kl)
+            ams.append(am)
             if keep_logp:
                 logps.append(logp)
             pos += c
@@ -291,12 +295,11 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
     batches = [seg_ids[i:i + p["batch"]] for i in range(0, len(seg_ids), p["batch"])]
     n_units = len(batches) * len(arms)
     done, t_all = 0, time.perf_counter()
-    if any(peer for peer in p["peers"]):
+    if p["peers"]:
         _warm_quanto(model, kw, cfg)
     for bi, batch in enumerate(batches):
         ids = torch.stack([seg_tokens[s] for s in batch])
-        ref_logp = None
-        ref_argmax = None
+        ref_logp = ref_argmax = None  # set by the reference, the first arm
         for arm, what in arms:
             t_arm = time.perf_counter()
             evidence_layer = p["evidence_layer"] if bi == 0 else None
@@ -348,8 +351,7 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
                        "scored_tokens": p["steps"], "context_final": int(res["context"][-1]),
                        "bytes_final": int(res["bytes"][-1]),
                        "bytes_per_token": float(res["bytes"][-1]) / float(res["context"][-1]),
-                       **_summary(lp, kl if kind != "reference" else np.zeros(1), agree[j] if kind != "reference"
-                                  else np.ones(1)),
+                       **_summary(lp, kl, agree[j]),  # the reference: KL 0, agreement with itself 1
                        "arrays": arrays}
                 if isinstance(what, Policy):
                     row["policy"] = what.config()
@@ -455,7 +457,8 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
 
     if not rows:
         return "(no rows: the live study was excluded; see the manifest's excluded entries)"
-    f16 = 30 * 3 * 64 * 2 * 2  # float16 K + V bytes per token of SmolLM2-135M: 30 layers, 3 KV heads, D 64
+    dims = MODELS[params["model"]]
+    f16 = dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2  # float16 K + V bytes per token
     secs: dict[str, list] = {}
     for t in timings or []:
         if t.get("op") == "decode" and t.get("arm") is not None and t.get("scored_tokens"):
@@ -477,7 +480,7 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
                                     "ms / scored token"], tablefmt="github")
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
              "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all 30 layers at the end of a segment, ÷ the tokens it has "
-             "seen; float16 K+V would be 23,040 B/token). Δ is the perplexity over all segments against the "
+             f"seen; float16 K+V would be {f16:,} B/token). Δ is the perplexity over all segments against the "
              "DynamicCache reference (exp of the mean per-segment NLL difference, minus 1); its interval is a "
              f"bootstrap over segments of that mean difference, given from {MIN_CI_SEGMENTS} segments on; "
              "'segments worse' counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "

@@ -121,17 +121,8 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
     entry = {"name": study, "path": _display_path(path), "sha256": sha256_bytes(raw), "copy": rel}
     ctx = RunContext(store, study=study, timing_repeats=proto["timing"]["repeats"],
                      timing_seed=proto["timing"]["seed"], progress=progress)
-    cases, rows, files = {}, [], {}
-    if proto.get("kind") == "live":
-        cases, rows = run_live(proto, ctx, path)
-    t0 = time.perf_counter()
-    for i, case in enumerate(_built_cases(_source(proto), proto, ctx) if proto.get("kind") != "live" else (), 1):
-        if case.id in cases:
-            raise ProtocolError(f"{study}: two cases are named {case.id!r}")
-        cases[case.id] = _save_case(case, ctx)
-        for name, params in proto["analyses"].items():
-            rows.extend(_analysis(name).evaluate(case, params, ctx))
-        progress(f"[{study}] case {i} {case.id}: {len(rows)} rows so far ({time.perf_counter() - t0:.1f} s)")
+    files = {}
+    cases, rows = run_live(proto, ctx, path) if proto.get("kind") == "live" else _case_rows(proto, ctx)
     for rel_extra, data in ctx.extra_files.items():
         (root / rel_extra).parent.mkdir(parents=True, exist_ok=True)
         (root / rel_extra).write_bytes(data)
@@ -139,6 +130,20 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
     return {"entry": entry, "cases": cases, "rows": rows, "timings": ctx.timings,
             "gates": {f"{study}.{k}": v for k, v in ctx.gates.items()}, "excluded": ctx.excluded,
             "files": files, "arrays": store.entries}
+
+
+def _case_rows(proto: dict, ctx: RunContext) -> tuple[dict, list]:
+    """An attention study: every Case of the source, saved, through every analysis."""
+    cases, rows = {}, []
+    t0 = time.perf_counter()
+    for i, case in enumerate(_built_cases(_source(proto), proto, ctx), 1):
+        if case.id in cases:
+            raise ProtocolError(f"{ctx.study}: two cases are named {case.id!r}")
+        cases[case.id] = _save_case(case, ctx)
+        for name, params in proto["analyses"].items():
+            rows.extend(_analysis(name).evaluate(case, params, ctx))
+        ctx.progress(f"[{ctx.study}] case {i} {case.id}: {len(rows)} rows so far ({time.perf_counter() - t0:.1f} s)")
+    return cases, rows
 
 
 def _study_worker(root: str, path: str, proto: dict, raw: bytes, threads, quiet: bool) -> str:

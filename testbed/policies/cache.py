@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..quant import Packed
 from ..quant.base import make_header
+from . import packed_attention as pa
 from .policy import HEADER_BYTES, Policy
 
 __all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer", "ATTN_NAME", "policy_attention"]
@@ -58,8 +59,6 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 
     direct = _DIRECT.pop(getattr(module, "layer_idx", None), None)
     if direct is not None:
-        from . import packed_attention as pa
-
         layer, new, packed = direct  # the middle as it was when update returned (a flush may follow it)
         scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
         out = pa.merge(pa.packed_part(query, layer, scale, packed), pa.float_part(query, key, value, scale, new))
@@ -117,10 +116,6 @@ class GrowBuffer:
             return None
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=-2)
 
-    @property
-    def data(self) -> torch.Tensor | None:
-        return self.parts[0] if self.parts else None
-
     def used_bytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.parts)
 
@@ -151,8 +146,7 @@ class _PackedSpan:
         n = self.tokens if tokens is None else tokens
         tensors = {name: buf.view()[..., :buf.rows * n // self.tokens, :].contiguous()
                    for name, buf in self.buffers.items()}
-        first = next(iter(self.buffers.values())).data
-        tensors["header"] = make_header(n, self.dim, first.device)
+        tensors["header"] = make_header(n, self.dim, next(iter(tensors.values())).device)
         return Packed(self.q.name, (*self.shape_lead, n, self.dim), self.dtype, tensors, self.q.config())
 
     def decode(self) -> torch.Tensor:
@@ -173,9 +167,7 @@ class PolicyLayer(DynamicLayer):
         self.policy = policy
         self.layer_idx = layer_idx
         if direct:
-            from .packed_attention import supported
-
-            if not supported(policy):
+            if not pa.supported(policy):
                 raise ValueError(f"policy {policy.name}: direct attention over codes needs an integer middle "
                                  "with K per channel")
             if layer_idx is None:

