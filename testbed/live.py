@@ -46,7 +46,7 @@ from .schema import ProtocolError, check_object, check_value
 from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software,
                               load_model)
 
-__all__ = ["validate", "run", "report", "policies_of", "corpus_text", "segment_starts", "chunk_schedule",
+__all__ = ["validate", "plan", "run_unit", "report", "policies_of", "corpus_text", "segment_starts", "chunk_schedule",
            "quanto_bytes", "REFERENCE"]
 
 REFERENCE = "dynamic_cache"
@@ -221,7 +221,7 @@ def _forward(model, ids, cache, kw):
 
 def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, bytes_of=None):
     """Prefill, then the decode tokens in ``schedule``; returns per-token arrays and per-forward bytes."""
-    P, T = p["prefill"], p["steps"]
+    P = p["prefill"]
     lps, kls, ams, logps, nbytes, context = [], [], [], [], [], []
     with torch.no_grad():
         _forward(model, ids[:, :P], cache, kw)
@@ -254,8 +254,16 @@ def _summary(lp: np.ndarray, kl: np.ndarray, agree: np.ndarray) -> dict:
             "top1_agreement": float(np.mean(agree.astype(np.float64)))}
 
 
-def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list]:
-    """Run the live study of ``proto``; returns (segments as case records, rows)."""
+def _arms(p: dict) -> list[tuple[str, object]]:
+    """(name, what) of every arm, the reference first: what is None, a Policy or a peer's dict."""
+    return [(REFERENCE, None)] + [(pol.name, pol) for pol in policies_of(p)] + [(_peer_name(x), x) for x in p["peers"]]
+
+
+def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list[dict]]:
+    """The study's shared part, done once into ``ctx`` (model, corpus, segments and their stored
+    token ids, the live manifest): returns the segments as case records and the units, one per
+    (batch of segments, arm), the reference of each batch first, every other arm of the batch
+    needing it. No units when the model is missing (recorded as an exclusion, as a capture does)."""
     p = proto["live"]
     study = ctx.study
     progress = ctx.progress
@@ -267,7 +275,6 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
         ctx.excluded.append(entry)
         print(f"[{study}] live study skipped: {e}; install with: {INSTALL_HINT}", file=sys.stderr, flush=True)
         return {}, []
-    kw = _forward_kwargs(model)
     cfg = model.config
     n_layers, kv_heads = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -279,96 +286,18 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
     starts = segment_starts(int(stream.numel()), p["segments"], length)
     progress(f"[{study}] corpus: {corpus_info['characters']:,} characters, {stream.numel():,} tokens "
              f"({time.perf_counter() - t0:.1f} s); {len(starts)} segments of {length} tokens")
-    policies = policies_of(p)
-    arms = [(REFERENCE, None)] + [(pol.name, pol) for pol in policies] + [(_peer_name(x), x) for x in p["peers"]]
-    cases, rows = {}, []
+    arms = _arms(p)
     seg_ids = [f"seg{i:03d}" for i in range(len(starts))]
-    seg_tokens = {}
+    seg_tokens, cases = {}, {}
     for sid, s in zip(seg_ids, starts):
         tok = stream[s:s + length].to(torch.int64)
-        seg_tokens[sid] = tok
+        seg_tokens[sid] = tok.tolist()
         arr = store.save(f"{study}/{sid}/token_ids", tok.to(torch.int32))
-        cases[sid] = {"id": sid, "causal": True, "layout": [], "tokens_per_frame": None, "head_map": None,
-                      "meta": {"source": "corpus", "model": p["model"], "start_token": int(s), "tokens": length,
-                               "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
-                      "arrays": {"token_ids": arr}}
-    batches = [seg_ids[i:i + p["batch"]] for i in range(0, len(seg_ids), p["batch"])]
-    n_units = len(batches) * len(arms)
-    done, t_all = 0, time.perf_counter()
-    if p["peers"]:
-        _warm_quanto(model, kw, cfg)
-    for bi, batch in enumerate(batches):
-        ids = torch.stack([seg_tokens[s] for s in batch])
-        ref_logp = ref_argmax = None  # set by the reference, the first arm
-        for arm, what in arms:
-            t_arm = time.perf_counter()
-            evidence_layer = p["evidence_layer"] if bi == 0 else None
-            if arm == REFERENCE:
-                from transformers import DynamicCache
-
-                cache = DynamicCache(config=cfg)
-                schedule = chunk_schedule(None, p["prefill"], p["steps"], "chunked", p["reference_chunk"])
-                res = _run_arm(model, kw, ids, p, cache, schedule, None, keep_logp=True,
-                               bytes_of=lambda c: _dynamic_bytes(c))
-                ref_logp = res.pop("logp")
-                ref_argmax = res["argmax"]
-                kind, mode = "reference", "chunked"
-            elif isinstance(what, Policy):
-                from .policies.cache import PolicyCache
-
-                from .policies.cache import policy_attention
-
-                cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.middle != "float32" else None)
-                schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
-                with policy_attention(model):
-                    res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
-                kind, mode = "policy", p["mode"]
-            else:
-                from transformers import QuantizedCache
-
-                cache = QuantizedCache("quanto", cfg, nbits=what["bits"], q_group_size=p["peer_group"],
-                                       residual_length=p["window"])
-                schedule = [1] * p["steps"]
-                res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=quanto_bytes)
-                kind, mode = "peer", "step"
-            seconds = time.perf_counter() - t_arm
-            ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
-                                "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
-                                "forwards": len(schedule) + 1})
-            agree = (res["argmax"] == ref_argmax).numpy()
-            for j, sid in enumerate(batch):
-                prefix = f"{study}/{sid}/{arm}"
-                lp = res["logprob"][j].numpy().astype(np.float32)
-                kl = res["kl"][j].numpy().astype(np.float64)
-                am = res["argmax"][j].numpy().astype(np.int32)
-                arrays = {"logprob": store.save(f"{prefix}/logprob", lp), "argmax": store.save(f"{prefix}/argmax", am),
-                          "bytes": store.save(f"{prefix}/bytes", res["bytes"]),
-                          "context": store.save(f"{prefix}/context", res["context"])}
-                if kind != "reference":
-                    arrays["kl"] = store.save(f"{prefix}/kl", kl)
-                row = {"study": study, "analysis": "live_quality", "case": sid, "source": "corpus", "model": p["model"],
-                       "arm": arm, "kind": kind, "mode": mode, "forwards": len(schedule) + 1,
-                       "scored_tokens": p["steps"], "context_final": int(res["context"][-1]),
-                       "bytes_final": int(res["bytes"][-1]),
-                       "bytes_per_token": float(res["bytes"][-1]) / float(res["context"][-1]),
-                       **_summary(lp, kl, agree[j]),  # the reference: KL 0, agreement with itself 1
-                       "arrays": arrays}
-                if isinstance(what, Policy):
-                    row["policy"] = what.config()
-                elif kind == "peer":
-                    row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": p["peer_group"],
-                                   "residual_length": p["window"], "axis_key": 0, "axis_value": 0}
-                if isinstance(what, Policy) and what.middle != "float32" and evidence_layer is not None and j == 0:
-                    ev = cache.layers[evidence_layer].evidence()
-                    row["evidence"] = {"layer": evidence_layer,
-                                       "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
-                rows.append(row)
-            done += 1
-            left = (time.perf_counter() - t_all) / done * (n_units - done)
-            progress(f"[{study}] {done}/{n_units} batch {bi + 1}/{len(batches)} {arm}: {len(schedule) + 1} forwards, "
-                     f"{seconds:.1f} s ({1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token); "
-                     f"~{left:.0f} s left")
-        del ref_logp
+        cases[sid] = {
+            "id": sid, "causal": True, "layout": [], "tokens_per_frame": None, "head_map": None,
+            "meta": {"source": "corpus", "model": p["model"], "start_token": int(s), "tokens": length,
+                     "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
+            "arrays": {"token_ids": arr}}
     ctx.extra_files[f"{study}/live_manifest.json"] = (json.dumps({
         "schema_version": 1,
         "experiment": f"{study}: cache policies inside {p['model']} (the Q4_1 GGUF dequantized to float32), "
@@ -381,7 +310,100 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
         "arms": [a for a, _ in arms],
         "software": _software(), "hardware": _hardware(),
     }, indent=1) + "\n").encode("utf-8")
-    return cases, rows
+    batches = [seg_ids[i:i + p["batch"]] for i in range(0, len(seg_ids), p["batch"])]
+    units = []
+    for bi, batch in enumerate(batches):
+        ref = len(units)
+        for j, (arm, what) in enumerate(arms):
+            # forward calls of the arm: what a scheduler starts first (quanto's one token per forward)
+            forwards = 1 + (p["steps"] if what is not None and not isinstance(what, Policy) else
+                            len(chunk_schedule(what, p["prefill"], p["steps"], "chunked" if what is None else p["mode"],
+                                               p["reference_chunk"])))
+            units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "segments": batch,
+                          "tokens": [seg_tokens[sid] for sid in batch], "arm": j, "needs": None if j == 0 else ref,
+                          "forwards": forwards})
+    return cases, units
+
+
+def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None]:
+    """One arm on one batch of segments: its rows (arrays into ``ctx.store``) and, for the
+    reference, ``(log-probabilities, argmax)`` that the batch's other arms are compared with."""
+    p = proto["live"]
+    study = ctx.study
+    store = ctx.store
+    model, _, _ = load_model()
+    kw = _forward_kwargs(model)
+    cfg = model.config
+    n_layers = int(cfg.num_hidden_layers)
+    arm, what = _arms(p)[unit["arm"]]
+    bi, batch = unit["batch"], unit["segments"]
+    ids = torch.tensor(unit["tokens"], dtype=torch.int64)
+    ref_logp, ref_argmax = (None, None) if ref is None else ref
+    if what is not None and not isinstance(what, Policy):
+        _warm_quanto(model, kw, cfg)  # before the arm's clock starts
+    t_arm = time.perf_counter()
+    evidence_layer = p["evidence_layer"] if bi == 0 else None
+    if arm == REFERENCE:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=cfg)
+        schedule = chunk_schedule(None, p["prefill"], p["steps"], "chunked", p["reference_chunk"])
+        res = _run_arm(model, kw, ids, p, cache, schedule, None, keep_logp=True, bytes_of=lambda c: _dynamic_bytes(c))
+        ref_logp = res.pop("logp")
+        ref_argmax = res["argmax"]
+        kind, mode = "reference", "chunked"
+    elif isinstance(what, Policy):
+        from .policies.cache import PolicyCache, policy_attention
+
+        cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.middle != "float32" else None)
+        schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
+        with policy_attention(model):
+            res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
+        kind, mode = "policy", p["mode"]
+    else:
+        from transformers import QuantizedCache
+
+        cache = QuantizedCache("quanto", cfg, nbits=what["bits"], q_group_size=p["peer_group"],
+                               residual_length=p["window"])
+        schedule = [1] * p["steps"]
+        res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=quanto_bytes)
+        kind, mode = "peer", "step"
+    seconds = time.perf_counter() - t_arm
+    ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
+                        "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
+                        "forwards": len(schedule) + 1})
+    agree = (res["argmax"] == ref_argmax).numpy()
+    rows = []
+    for j, sid in enumerate(batch):
+        prefix = f"{study}/{sid}/{arm}"
+        lp = res["logprob"][j].numpy().astype(np.float32)
+        kl = res["kl"][j].numpy().astype(np.float64)
+        am = res["argmax"][j].numpy().astype(np.int32)
+        arrays = {"logprob": store.save(f"{prefix}/logprob", lp), "argmax": store.save(f"{prefix}/argmax", am),
+                  "bytes": store.save(f"{prefix}/bytes", res["bytes"]),
+                  "context": store.save(f"{prefix}/context", res["context"])}
+        if kind != "reference":
+            arrays["kl"] = store.save(f"{prefix}/kl", kl)
+        row = {"study": study, "analysis": "live_quality", "case": sid, "source": "corpus", "model": p["model"],
+               "arm": arm, "kind": kind, "mode": mode, "forwards": len(schedule) + 1,
+               "scored_tokens": p["steps"], "context_final": int(res["context"][-1]),
+               "bytes_final": int(res["bytes"][-1]),
+               "bytes_per_token": float(res["bytes"][-1]) / float(res["context"][-1]),
+               **_summary(lp, kl, agree[j]),  # the reference: KL 0, agreement with itself 1
+               "arrays": arrays}
+        if isinstance(what, Policy):
+            row["policy"] = what.config()
+        elif kind == "peer":
+            row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": p["peer_group"],
+                           "residual_length": p["window"], "axis_key": 0, "axis_value": 0}
+        if isinstance(what, Policy) and what.middle != "float32" and evidence_layer is not None and j == 0:
+            ev = cache.layers[evidence_layer].evidence()
+            row["evidence"] = {"layer": evidence_layer,
+                               "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
+        rows.append(row)
+    ctx.progress(f"[{study}] {unit['label']}: {len(schedule) + 1} forwards, {seconds:.1f} s "
+                 f"({1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token)")
+    return rows, ((ref_logp, ref_argmax) if arm == REFERENCE else None)
 
 
 def _dynamic_bytes(cache) -> int:

@@ -18,13 +18,13 @@ torch's deterministic algorithms, and records both in the manifest's environment
 protocol on the same machine then gives the same array bytes (docs/reliability.md says what
 still varies across CPUs).
 
-Exit codes: 0 done, 2 bad input (protocol, paths, memory), 130 interrupted, 143 terminated.
+Exit codes: 0 done, 1 a backend failure (a Ray task that failed beyond its retries), 2 bad input (protocol,
+paths, memory), 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -36,14 +36,13 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
+from . import ray_backend
 from .context import RunContext
-from .live import run as run_live
-from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
+from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_file, source_hashes, write_json
 from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
 from .report import build_report
 from .resources import ResourceError, check_memory
+from .units import pinned_torch, run_serial, study_entry, study_result
 
 __all__ = ["main", "run_protocols", "sweep_stale_partials", "partial_dir"]
 
@@ -54,47 +53,17 @@ class Terminated(BaseException):
     """Raised by the SIGTERM handler so that the partial folder is cleaned up like on Ctrl-C."""
 
 
-@contextlib.contextmanager
-def pinned_torch(threads: int | None):
-    """Pin torch's intra-op threads and turn on deterministic algorithms; restore both afterwards.
-
-    Large reductions (a sum over millions of elements) split their work by thread count, so their
-    last bits depend on it; one fixed count makes a run's bytes independent of the machine's cores."""
-    old_threads = torch.get_num_threads()
-    old_det = torch.are_deterministic_algorithms_enabled()
-    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    if threads:
-        torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old_threads)
-        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
-
-
-def _save_case(case, ctx: RunContext) -> dict:
-    prefix = f"{ctx.study}/{case.id}"
-    arrays = {name: ctx.store.save(f"{prefix}/{name}", getattr(case, name)) for name in ("q", "k", "v", "query_positions")}
-    return {
-        "id": case.id,
-        "causal": case.causal,
-        "layout": case.layout_json(),
-        "tokens_per_frame": case.tokens_per_frame,
-        "head_map": case.head_map,
-        "meta": case.meta,
-        "arrays": arrays,
-    }
-
-
 def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progress=None, *, threads: int | None = 1,
-                  memory: dict | None = None, jobs: int = 1, quiet: bool = False) -> dict:
+                  memory: dict | None = None, jobs: int = 1, quiet: bool = False, backend: str = "local",
+                  address: str | None = None) -> dict:
     """Run each (path, protocol, raw bytes) into ``root`` (which must exist and be empty).
 
     ``threads``: torch intra-op threads for the run (None keeps the current setting); ``memory``:
     the memory guard's estimates, recorded in the manifest; ``jobs``: protocols run in that many
     worker processes at once (each study is a cell: its arrays, rows and timings depend on
-    nothing else, so the merged result is the serial one, byte for byte)."""
+    nothing else, so the merged result is the serial one, byte for byte); ``backend="ray"``: every
+    unit of every protocol is a Ray task (:mod:`testbed.ray_backend`; ``address`` of a running
+    cluster, or a local Ray with ``jobs`` CPUs, all cores when ``jobs`` is 1), with the same result."""
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     names = [proto["name"] for _, proto, _ in protocols]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -105,7 +74,11 @@ def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progres
     sources = source_hashes()
     t_run = time.perf_counter()
     with pinned_torch(threads):  # also while the manifest records the environment
-        if jobs > 1 and len(protocols) > 1:
+        if backend == "ray":
+            studies = ray_backend.run_studies(root, protocols, threads, progress, address=address,
+                                              cpus=jobs if jobs > 1 else None,
+                                              fault_dir=os.environ.get("TESTBED_RAY_FAULT_DIR"))
+        elif jobs > 1 and len(protocols) > 1:
             studies = _run_parallel(root, protocols, threads, jobs, progress, quiet)
         else:
             studies = [_run_study(root, path, proto, raw, progress) for path, proto, raw in protocols]
@@ -113,37 +86,13 @@ def run_protocols(root: Path, protocols: list[tuple[Path, dict, bytes]], progres
 
 
 def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
-    """One protocol (a cell): cases, rows, timings, gates and extra files, all inside ``root``."""
-    study = proto["name"]
-    store = ArrayStore(root)
-    rel = f"protocols/{study}.json"
-    (root / rel).write_bytes(raw)
-    entry = {"name": study, "path": _display_path(path), "sha256": sha256_bytes(raw), "copy": rel}
-    ctx = RunContext(store, study=study, timing_repeats=proto["timing"]["repeats"],
+    """One protocol (a cell), its units one after the other: cases, rows, timings, gates and extra
+    files, all inside ``root``."""
+    entry = study_entry(root, path, proto, raw)
+    ctx = RunContext(ArrayStore(root), study=proto["name"], timing_repeats=proto["timing"]["repeats"],
                      timing_seed=proto["timing"]["seed"], progress=progress)
-    files = {}
-    cases, rows = run_live(proto, ctx, path) if proto.get("kind") == "live" else _case_rows(proto, ctx)
-    for rel_extra, data in ctx.extra_files.items():
-        (root / rel_extra).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel_extra).write_bytes(data)
-        files[rel_extra] = sha256_bytes(data)
-    return {"entry": entry, "cases": cases, "rows": rows, "timings": ctx.timings,
-            "gates": {f"{study}.{k}": v for k, v in ctx.gates.items()}, "excluded": ctx.excluded,
-            "files": files, "arrays": store.entries}
-
-
-def _case_rows(proto: dict, ctx: RunContext) -> tuple[dict, list]:
-    """An attention study: every Case of the source, saved, through every analysis."""
-    cases, rows = {}, []
-    t0 = time.perf_counter()
-    for i, case in enumerate(_built_cases(_source(proto), proto, ctx), 1):
-        if case.id in cases:
-            raise ProtocolError(f"{ctx.study}: two cases are named {case.id!r}")
-        cases[case.id] = _save_case(case, ctx)
-        for name, params in proto["analyses"].items():
-            rows.extend(_analysis(name).evaluate(case, params, ctx))
-        ctx.progress(f"[{ctx.study}] case {i} {case.id}: {len(rows)} rows so far ({time.perf_counter() - t0:.1f} s)")
-    return cases, rows
+    cases, rows = run_serial(proto, ctx, path)
+    return study_result(root, entry, ctx, cases, rows)
 
 
 def _study_worker(root: str, path: str, proto: dict, raw: bytes, threads, quiet: bool) -> str:
@@ -220,45 +169,6 @@ def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
     return manifest
 
 
-def _built_cases(source, proto, ctx):
-    """The source's Cases; a protocol whose values pass the schema but cannot make a Case (e.g. a
-    seed beyond the generator's 64 bits, focus_tokens longer than half a length) is a ProtocolError
-    that names the study and the case, not a traceback from inside torch."""
-    it = iter(source.cases(proto["source"], ctx))
-    i = 0
-    while True:
-        i += 1
-        try:
-            case = next(it)
-        except StopIteration:
-            return
-        except (ValueError, TypeError, OverflowError, RuntimeError, IndexError) as e:
-            raise ProtocolError(f"protocol {proto['name']}: source {proto['source']['kind']!r} cannot build case {i} "
-                                f"from source parameters: {type(e).__name__}: {e}") from e
-        yield case
-
-
-def _source(proto):
-    from .sources import SOURCES
-
-    return SOURCES[proto["source"]["kind"]]
-
-
-def _analysis(name):
-    from .analyses import ANALYSES
-
-    return ANALYSES[name]
-
-
-def _display_path(path: Path) -> str:
-    from .evidence import REPO_ROOT
-
-    try:
-        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        return str(path)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m testbed.run", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -271,6 +181,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="torch intra-op threads for the run (default 1: the same bytes on any number of cores)")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="run up to N protocols at once in worker processes (results identical to a serial run)")
+    ap.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="local (this process, or --jobs worker processes) or ray: every unit of every protocol "
+                         "(a case with its analyses, a capture prompt, a live arm on a batch of segments) is a Ray "
+                         "task; needs the [ray] extra; results identical to a serial run")
+    ap.add_argument("--address", metavar="ADDR",
+                    help="with --backend ray: a running Ray cluster (e.g. ray://head:10001 or auto); without it a "
+                         "local Ray with --jobs CPUs (default: all cores) starts and stops with the run")
     ap.add_argument("--no-memory-guard", action="store_true",
                     help="run even when the largest case's estimated memory exceeds the available memory")
     return ap
@@ -340,6 +257,9 @@ def main(argv=None) -> int:
     if not 1 <= args.jobs <= 64:
         print(f"error: --jobs {args.jobs} must be between 1 and 64", file=sys.stderr)
         return 2
+    if args.address and args.backend != "ray":
+        print("error: --address needs --backend ray", file=sys.stderr)
+        return 2
     if args.threads is not None and not 1 <= args.threads <= 1024:
         print(f"error: --threads {args.threads} must be between 1 and 1024", file=sys.stderr)
         return 2
@@ -370,7 +290,7 @@ def main(argv=None) -> int:
     renamed = False
     try:
         manifest = run_protocols(tmp, protocols, progress, threads=args.threads, memory=memory, jobs=args.jobs,
-                                 quiet=args.quiet)
+                                 quiet=args.quiet, backend=args.backend, address=args.address)
         if out.exists() or out.is_symlink():
             raise FileExistsError(f"--out {out} appeared while the run was going; results left unwritten")
         os.rename(tmp, out)
@@ -387,6 +307,10 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except ray_backend.BackendError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"error: {_one_line(e)}; nothing was written to {out}", file=sys.stderr)
+        return 1
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

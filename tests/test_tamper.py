@@ -652,8 +652,8 @@ def test_repo_protocol_copy_edit_caught_by_sources(tmp_path, reliability):
                  "FAIL: copy differs from the recorded source")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: the cross-check follows the recorded path, which the forger can blank")
-def test_gap_repo_protocol_copy_edit_with_path_blanked(tmp_path, reliability):
+def test_repo_protocol_copy_edit_with_path_blanked(tmp_path, reliability):
+    """Blanking the recorded path no longer skips the cross-check: a run always records it."""
     out = tmp_path / "default"
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(DEFAULT_PROTOCOL)]) == 0
     rel = "protocols/residual_window.json"
@@ -661,23 +661,73 @@ def test_gap_repo_protocol_copy_edit_with_path_blanked(tmp_path, reliability):
     p["description"] = "something else"
     (out / rel).write_text(json.dumps(p, indent=1))
     rehash(out, rel)
-    m = manifest(out)
-    m["protocols"][0]["path"] = None
-    write_manifest(out, m)
-    reliability("gap", "repo protocol copy edited, hashes updated and its recorded path blanked",
-                "not caught (the copy is then checked against its own hash only)")
-    assert not check(out)[0]
+    for blank in (None, "", "absent"):
+        m = manifest(out)
+        if blank == "absent":
+            m["protocols"][0].pop("path", None)
+        else:
+            m["protocols"][0]["path"] = blank
+        write_manifest(out, m)
+        assert_fails(reliability, "tamper: consistent forger", f"repo protocol copy edited, hashes updated, path {blank!r}",
+                     out, [rel, "path is not recorded"], "FAIL: the protocol's path is not recorded")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: a protocol from outside the repository is covered only by its own hash")
-def test_gap_outside_protocol_copy_edit(run, reliability):
+def test_outside_protocol_copy_edit_is_reported_self_consistent_only(run, reliability):
+    """A protocol from outside the repository has nothing outside the run to vouch for it: the
+    audit cannot tell an edited copy from the one that ran, and its verdict says so."""
     rel = "protocols/residual_window.json"
     p = json.loads((run / rel).read_text())
     p["description"] = "something else"
     (run / rel).write_text(json.dumps(p))
     rehash(run, rel)
-    reliability("gap", "copy of a protocol from outside the repo edited, hashes updated", "not caught")
-    assert not check(run)[0]
+    ok, failures, summary = audit(run, check_sources=False)
+    reliability("tamper: consistent forger", "copy of a protocol from outside the repo edited, hashes updated",
+                "PASS, the verdict saying the protocol is self-consistent only", summary if ok else failures[0])
+    assert ok and "protocol residual_window from outside the repository" in summary and "self-consistent only" in summary
+
+
+def _loosened_copy(run_dir: Path, rtol) -> None:
+    rel = "protocols/residual_window.json"
+    p = json.loads((run_dir / rel).read_text())
+    p["audit"] = {"rtol": rtol, "atol": 1e-9}
+    (run_dir / rel).write_text(json.dumps(p, indent=1))
+    rehash(run_dir, rel)
+
+
+@pytest.mark.parametrize("rtol", [1.0, 2e-6])
+def test_protocol_cannot_loosen_the_audit_tolerance(run, rtol, reliability):
+    _loosened_copy(run, rtol)
+    assert_fails(reliability, "tamper: consistent forger", f"protocol copy's audit rtol raised to {rtol:g}, hashes updated",
+                 run, ["would loosen the audit's own tolerance"], "FAIL: a protocol may only tighten the tolerance")
+
+
+@pytest.mark.parametrize("how", ["inflated x1.5", "halved"])
+def test_loosened_tolerance_does_not_hide_a_changed_error(run, how, reliability):
+    """The forgery of issue #13: tolerances raised to 1, the path removed, rel-L2 changed, every hash redone."""
+    _loosened_copy(run, 1.0)
+    m = manifest(run)
+    m["protocols"][0].pop("path", None)
+    write_manifest(run, m)
+    res = results(run)
+    i = row_index(res)
+    res["rows"][i]["rel_l2"] *= 1.5 if how == "inflated x1.5" else 0.5
+    write_results(run, res, forge=True)
+    failures = assert_fails(reliability, "tamper: consistent forger", f"rel_l2 {how} under a protocol copy with rtol 1 "
+                            "and no path, hashes updated", run, ["rel_l2"], "FAIL naming rel_l2")
+    assert any("would loosen" in f for f in failures) and any("path is not recorded" in f for f in failures)
+
+
+def test_integers_are_compared_exactly():
+    """A count or byte total off by one is caught however large it is; the same values as floats
+    are within the float64 tolerance (1e-7 relative)."""
+    from testbed.audit import Audit
+
+    a = Audit(Path("."))
+    row = {"study": "x", "case": "c", "_index": 0}
+    assert not a.close(row, "bytes", 10_000_001, 10_000_000)
+    assert not a.close(row, "bytes", np.array([10_000_001]), np.array([10_000_000]))
+    assert a.close(row, "mean", 10_000_001.0, 10_000_000.0)
+    assert a.close(row, "bytes", 10_000_000, 10_000_000)
 
 
 def test_source_hash_changed(run, monkeypatch, reliability):

@@ -8,7 +8,23 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["unpack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention", "rel_l2", "cosine",
+# The audit's tolerances, one per kind of number (docs/audit.md). They are the audit's: nothing a
+# run wrote (its protocol copies included) can loosen them; a protocol may only tighten "derived".
+TOLERANCES = {
+    # counts, bytes, shapes, codes, indices, token ids: exact
+    "integer": {"rtol": 0.0, "atol": 0.0},
+    # a number the run and the audit both compute in float64 from the same stored arrays
+    "derived": {"rtol": 1e-6, "atol": 1e-9},
+    # rates of strict float32 zeros: an entry at the float32 underflow edge may land either side in
+    # two softmax implementations, so the rate is compared with this absolute tolerance
+    "float32_zero_rate": {"rtol": 0.0, "atol": 1e-3},
+    # KL of two float32 softmaxes summed in float64 may dip this far below zero
+    "kl_floor": {"rtol": 0.0, "atol": 1e-6},
+    # the coverage threshold of effective support (a sum of float64 masses against coverage x total)
+    "coverage": {"rtol": 0.0, "atol": 1e-9},
+}
+
+__all__ = ["TOLERANCES", "unpack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention", "rel_l2", "cosine",
            "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw", "decode_mx"]
 
 

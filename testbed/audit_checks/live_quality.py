@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 
+from .common import TOLERANCES
 from .mx_paths import encode_mx
 
 __all__ = ["check", "MODELS", "POLICY_TABLE"]
@@ -50,7 +51,7 @@ POLICY_TABLE = {
     "window_only": ("drop", False, "evict_window", "channel"),
 }
 HEADER = 16
-KL_FLOOR = -1e-6  # KL of two float32 softmaxes summed in float64 may dip this far below zero
+KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
 
 
 def _policy(name: str, live: dict) -> dict:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .common import TOLERANCES
+
 REGIONS = ("sink", "middle", "recent", "current", "history")
 PERCENTS = (1, 5, 10)
-COVERAGE_EPS = 1e-9
-ZERO_ATOL = 1e-3
+COVERAGE_EPS = TOLERANCES["coverage"]["atol"]
+ZERO_ATOL = TOLERANCES["float32_zero_rate"]["atol"]
 HEATMAP_INLINE_MAX = 1024
 
 

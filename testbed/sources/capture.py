@@ -578,9 +578,39 @@ def _timing(ctx, study: str, op: str, seconds: float, **extra) -> None:
                             "repeat": 0, "seconds": seconds, **extra})
 
 
+def _manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
+
+
 def _write_manifest(ctx, manifest: dict) -> None:
     if ctx is not None:
-        ctx.extra_files[f"{ctx.study}/capture_manifest.json"] = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
+        ctx.extra_files[f"{ctx.study}/capture_manifest.json"] = _manifest_bytes(manifest)
+
+
+UNIT = "prompt"  # what one unit of this source is, in progress lines
+
+
+def units(params: dict) -> list[dict]:
+    """One unit per prompt (what a Ray task runs): the parameters with that prompt alone. Each
+    unit writes a capture manifest of its own prompt; `merge_file` joins them. Without the extra or
+    the weights, one unit: the capture is skipped and excluded once, as a whole."""
+    gguf = None if _missing_modules() else locate_gguf()
+    if gguf is None or not gguf.is_file():
+        return [params]
+    return [{**params, "prompts": [prompt]} for prompt in params["prompts"]]
+
+
+def merge_file(first: bytes, second: bytes) -> bytes:
+    """The capture manifest of two consecutive units as one: their prompts' runs and exclusions in
+    order; everything else (configuration, model, software) must be the same."""
+    a, b = json.loads(first), json.loads(second)
+    rest = {k: v for k, v in a.items() if k not in ("runs", "excluded")}
+    if rest != {k: v for k, v in b.items() if k not in ("runs", "excluded")}:
+        raise ValueError("two capture units describe a different configuration, model or software")
+    merged = dict(a)
+    merged["runs"] = a["runs"] + b["runs"]
+    merged["excluded"] = a["excluded"] + [e for e in b["excluded"] if e not in a["excluded"]]
+    return _manifest_bytes(merged)
 
 
 def cases(params: dict, ctx=None) -> Iterator[Case]:

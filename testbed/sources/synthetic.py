@@ -85,6 +85,16 @@ def validate(params: dict, where: str) -> dict:
     })
 
 
+UNIT = "case"  # what one unit of this source is, in progress lines
+
+
+def units(params: dict) -> list[dict]:
+    """One unit per case, in the order `cases` makes them: the parameters with one seed, length and
+    distribution each (what a Ray task runs)."""
+    return [{**params, "seeds": [seed], "lengths": [n], "distributions": [dist]}
+            for seed in params["seeds"] for n in params["lengths"] for dist in params["distributions"]]
+
+
 def cases(params: dict, ctx=None) -> Iterator[Case]:
     for seed in params["seeds"]:
         for n in params["lengths"]:

@@ -171,6 +171,20 @@ def validate(params: dict, where: str) -> dict:
     return p
 
 
+UNIT = "case"  # what one unit of this source is, in progress lines
+
+
+def units(params: dict) -> list[dict]:
+    """One unit per case, in the order `cases` makes them (what a Ray task runs)."""
+    out = []
+    for seed in params["seeds"]:
+        for layout in params["layouts"]:
+            for chunk in (params["chunks"] if layout == "video" else [None]):
+                out.append({**params, "seeds": [seed], "layouts": [layout],
+                            "chunks": [chunk] if chunk is not None else params["chunks"]})
+    return out
+
+
 def cases(params: dict, ctx=None) -> Iterator[Case]:
     common = dict(heads=params["heads"], head_dim=params["head_dim"], concentrations=params["concentrations"],
                   noise=params["noise"], query_noise=params["query_noise"])

@@ -1,0 +1,200 @@
+"""``--backend ray``: every unit of every protocol (:mod:`testbed.units`) is a Ray task.
+
+Workers compute; the driver alone writes. A task returns its rows and case records as JSON text,
+its arrays as the ``.npy`` bytes it would have written (in the order it saved them) and its
+timings, gates, exclusions and files; the driver replays the saves of every unit in the order a
+serial run takes the units, so the run folder is the serial run's, array for array and row for
+row, whichever order the tasks finished in (results are collected with ``ray.wait`` as they
+finish, for the progress line). Between driver and workers Ray's own serialization carries plain
+data (str, bytes, numbers and the live reference's numpy arrays): a Ray cluster is one trust
+domain. Nothing the run folder holds is ever loaded with pickle.
+
+Faults: a task whose worker dies is retried up to ``RETRIES`` times (Ray's ``max_retries``); an
+exception inside a task is the protocol's own error (the same on every retry), is not retried and
+ends the run, which then writes nothing to ``--out``. Ctrl-C cancels every task still pending.
+
+Every task reports the SHA-256 of the testbed sources it imported and its torch CPU capability;
+a worker running other sources than the driver is an error, one of another instruction set a
+warning (float kernels round differently there, docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .context import RunContext
+from .evidence import ArrayStore, RecordingStore, environment, replay, sha256_bytes, source_hashes
+from .units import Unit, absorb, lists_of, pinned_torch, plan, run_unit, study_entry, study_result, unit_context
+
+__all__ = ["run_studies", "BackendError", "RETRIES", "INSTALL_HINT"]
+
+RETRIES = 2
+INSTALL_HINT = "pip install -e '.[ray]' (Ray 2.x) on the driver and on every node of the cluster"
+_SOURCES_DIGEST = []
+
+
+class BackendError(RuntimeError):
+    """The backend could not finish the run (Ray missing, a task failed beyond its retries)."""
+
+
+def _sources_digest() -> str:
+    if not _SOURCES_DIGEST:
+        _SOURCES_DIGEST.append(sha256_bytes(json.dumps(source_hashes(), sort_keys=True).encode()))
+    return _SOURCES_DIGEST[0]
+
+
+def _import_ray():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
+    try:
+        import ray
+    except ImportError as e:
+        raise BackendError(f"--backend ray needs Ray: {INSTALL_HINT} ({e})") from None
+    return ray
+
+
+def _task(proto: dict, unit_json: str, threads, dep, fault_dir):
+    """Worker side: one unit, recorded. Returns (result JSON text, saves, files, dependency output)."""
+    _maybe_fault(fault_dir, json.loads(unit_json))
+    unit = Unit(**json.loads(unit_json))
+    store = RecordingStore()
+    uc = unit_context(store, proto["name"], proto, unit, lambda m: None)
+    if dep is not None:  # the live reference: numpy arrays from its task, as torch tensors again
+        import torch
+
+        dep = tuple(torch.from_numpy(x.copy()) for x in dep)
+    with pinned_torch(threads):
+        result = run_unit(proto, unit, uc, dep)
+    out = result.pop("out")
+    if out is not None:
+        out = tuple(x.numpy() for x in out)
+    lists = lists_of(uc)
+    files = lists.pop("extra_files")
+    env = environment()
+    text = json.dumps({"result": result, "lists": lists, "sources": _sources_digest(),
+                       "cpu_capability": env["torch_cpu_capability"], "node": env["cpu"]}, allow_nan=True)
+    return text, store.saves, files, out
+
+
+def _maybe_fault(fault_dir, unit: dict) -> None:
+    """Fault injection for the tests: with TESTBED_RAY_FAULT=INDEX set in the worker's environment,
+    the first attempt at unit INDEX (per ``fault_dir`` marker) kills its worker process; with
+    TESTBED_RAY_FAULT=INDEX:always, every attempt does."""
+    spec = os.environ.get("TESTBED_RAY_FAULT")
+    if not spec or fault_dir is None:
+        return
+    index, _, how = spec.partition(":")
+    if int(index) != unit["index"]:
+        return
+    marker = os.path.join(fault_dir, f"fault-{index}")
+    if how == "always" or not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(17)
+
+
+def run_studies(root, protocols, threads, progress, *, address: str | None = None, cpus: int | None = None,
+                fault_dir: str | None = None) -> list[dict]:
+    """Run every protocol's units as Ray tasks; returns the per-study results `run._finish` merges."""
+    ray = _import_ray()
+    started = False
+    if not ray.is_initialized():
+        t0 = time.perf_counter()
+        env = {k: v for k, v in os.environ.items() if k.startswith("TESTBED_")}
+        kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                      runtime_env={"env_vars": env} if env else None)
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(num_cpus=cpus or os.cpu_count() or 1, **kwargs)
+        started = True
+        where = address or f"a local Ray with {int(ray.cluster_resources().get('CPU', 0))} CPUs"
+        progress(f"ray: connected to {where} in {time.perf_counter() - t0:.1f} s")
+    try:
+        return _run(ray, root, protocols, threads, progress, fault_dir)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _first_line(e) -> str:
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
+
+
+def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
+    remote = ray.remote(max_retries=RETRIES, retry_exceptions=False, num_returns=4)(_task)
+    driver_sources = _sources_digest()
+    driver_cpu = environment()["torch_cpu_capability"]
+    studies = []
+    for path, proto, raw in protocols:  # plan on the driver (cheap: the live study tokenizes its corpus)
+        store = ArrayStore(root)
+        entry = study_entry(root, path, proto, raw)
+        ctx = RunContext(store, study=proto["name"], timing_repeats=proto["timing"]["repeats"],
+                         timing_seed=proto["timing"]["seed"], progress=progress)
+        cases, units = plan(proto, ctx, path)
+        studies.append({"path": path, "proto": proto, "entry": entry, "ctx": ctx, "cases": cases, "units": units,
+                        "refs": {}, "done": {}})
+    pending = {}  # ObjectRef of the result text -> (study index, unit)
+    total = sum(len(s["units"]) for s in studies)
+
+    def submit(si, u):
+        st = studies[si]
+        dep = None
+        if u.needs is not None:
+            dep = st["refs"][u.needs][3]  # the reference's output ObjectRef: Ray passes it on when ready
+        opts = {k: v for k, v in u.resources.items() if k in ("num_cpus", "num_gpus")}
+        refs = remote.options(**opts).remote(st["proto"], json.dumps(u.__dict__), threads, dep, fault_dir)
+        st["refs"][u.index] = refs
+        pending[refs[0]] = (si, u)
+
+    order = [(si, u) for si, st in enumerate(studies) for u in st["units"]]
+    # Units that need nothing first (a live reference must be submitted before the arms that take
+    # its output), each group heaviest first: quanto's one token per forward does not end the run alone.
+    for si, u in sorted(order, key=lambda x: (x[1].needs is not None, -x[1].weight)):
+        submit(si, u)
+    t0, n_done = time.perf_counter(), 0
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            si, u = pending.pop(ready[0])
+            st = studies[si]
+            try:
+                text, saves, files = ray.get(st["refs"][u.index][:3])
+            except ray.exceptions.RayTaskError as e:  # the unit's own error: the same on every retry
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise BackendError(f"{st['proto']['name']} {u.label}: {_first_line(e)}") from None
+            except ray.exceptions.RayError as e:  # a worker or node lost more often than RETRIES
+                raise BackendError(f"{st['proto']['name']} {u.label} failed after {RETRIES} retries: "
+                                   f"{type(e).__name__}: {_first_line(e)}") from None
+            got = json.loads(text)
+            if got["sources"] != driver_sources:
+                raise BackendError(f"{st['proto']['name']} {u.label}: the worker ({got['node']}) imported other "
+                                   "testbed sources than the driver; install the same commit on every node")
+            if got["cpu_capability"] != driver_cpu:
+                progress(f"warning: {u.label} ran on {got['cpu_capability']} (the driver: {driver_cpu}); "
+                         "float results may differ in their last bits from a serial run here")
+            st["done"][u.index] = (got, saves, files)
+            for i in {u.index, u.needs} - {None}:  # drop outputs (the reference's log-probs) nobody waits for
+                if all(v.index in st["done"] for v in st["units"] if v.needs == i):
+                    st["refs"][i] = None
+            n_done += 1
+            spent = time.perf_counter() - t0
+            progress(f"[{st['proto']['name']}] {n_done}/{total} done ({u.label}); "
+                     f"{spent:.0f} s, ~{spent / n_done * (total - n_done):.0f} s left")
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    results = []
+    for st in studies:
+        ctx, cases, rows = st["ctx"], st["cases"], []
+        for u in st["units"]:  # the serial order, whatever order they finished in
+            got, saves, files = st["done"][u.index]
+            moved = replay(ctx.store, saves)
+            absorb(ctx, st["proto"], got["result"] | {"out": None}, got["lists"] | {"extra_files": files},
+                   cases, rows, moved)
+        results.append(study_result(root, st["entry"], ctx, cases, rows))
+    return results
