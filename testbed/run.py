@@ -43,6 +43,7 @@ from .live import run as run_live
 from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
 from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
 from .report import build_report
+from .report_html import build_html
 from .resources import ResourceError, check_memory
 
 __all__ = ["main", "run_protocols", "sweep_stale_partials", "partial_dir"]
@@ -209,7 +210,8 @@ def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
     write_json(root / "results.json", {"schema_version": SCHEMA_VERSION, "cases": cases, "rows": rows})
     write_json(root / "timings.json", timings)
     (root / "report.md").write_text(build_report([p for _, p, _ in protocols], rows, manifest, timings), encoding="utf-8")
-    for rel in ("results.json", "timings.json", "report.md"):
+    (root / "report.html").write_text(build_html([p for _, p, _ in protocols], rows, root), encoding="utf-8")
+    for rel in ("results.json", "timings.json", "report.md", "report.html"):
         files[rel] = sha256_file(root / rel)
     for e in proto_entries:
         files[e["copy"]] = e["sha256"]
