@@ -14,7 +14,9 @@ metrics. It checks, in order:
    decoding and float64 attention, every reported number recomputed within the protocol's
    tolerances (``|a - b| <= atol + rtol * |b|``); the labels a row copies from its case agree
    with the case; no row is an exact duplicate; every stored array is used by a case or a row
-   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails).
+   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails);
+7. ``report.html``: no outside reference or executable script, one intact inline PNG per figure,
+   and every figure's embedded data recomputed from the rows (``audit_checks/report_html.py``).
 
 With ``--same-as OTHER`` it also compares the recorded array and result hashes with another run
 of the same protocol: on one machine a run is deterministic, so a re-run is the check against a
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .audit_checks import CHECKS
+from .audit_checks import CHECKS, RUN_CHECKS
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -229,6 +231,10 @@ class Audit:
             self._cache[key] = case
         return self._cache[key]
 
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of a file of the run (inside it, no symlink followed)."""
+        return _safe_relpath(self.root, rel).read_bytes()
+
     def cached(self, key, fn):
         if key not in self._cache:
             self._cache[key] = fn()
@@ -324,6 +330,11 @@ class Audit:
         if check_sources:
             self._check_sources()
         self._check_results()
+        for rel, run_check in RUN_CHECKS.items():
+            try:
+                run_check(self)
+            except AuditError as e:
+                self.fail(rel, str(e).removeprefix(f"{rel}: "))
 
     def _check_gates(self) -> None:
         gates = self.manifest.get("gates", {})
