@@ -25,3 +25,32 @@ def finished_run(tmp_path_factory, protocol: str, folder: str) -> Path:
     out = tmp_path_factory.mktemp("runs") / folder
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(REPO / "protocols" / protocol)]) == 0
     return out
+
+
+# Small copies of three default protocols (seeds, lengths and arms cut down): together they make
+# every attention figure of report.html (heatmap, support ECDF, region mass, ablation pairs, MX
+# paths, residual window) in about 20 s on 2 cores.
+FIGURE_PROTOCOLS = {
+    "ablation": {"source": {"seeds": [1, 2]}},
+    "mx_paths": {"source": {"seeds": [7, 19], "lengths": [128]}},
+    "residual_window": {"source": {"seeds": [7, 19], "lengths": [128]}},
+}
+
+
+def figure_run(tmp_path_factory, folder: str = "figures") -> Path:
+    """A finished run of the small copies of FIGURE_PROTOCOLS."""
+    import json
+
+    base = tmp_path_factory.mktemp("figure_run")
+    args = ["--quiet", "--out", str(base / folder)]
+    for name, edits in FIGURE_PROTOCOLS.items():
+        proto = json.loads((REPO / "protocols" / f"{name}.json").read_text())
+        proto["source"].update(edits["source"])
+        proto.update(default=False, timing={"repeats": 0, "seed": 0})
+        if name == "ablation":
+            proto["analyses"]["ablation"]["kv_arms"] = proto["analyses"]["ablation"]["kv_arms"][:2]
+        path = base / f"{name}.json"
+        path.write_text(json.dumps(proto, indent=1))
+        args += ["--protocol", str(path)]
+    assert run_main(args) == 0
+    return base / folder
