@@ -54,3 +54,20 @@ def figure_run(tmp_path_factory, folder: str = "figures") -> Path:
         args += ["--protocol", str(path)]
     assert run_main(args) == 0
     return base / folder
+
+
+def forge_report_html(run_dir: Path) -> None:
+    """What a consistent forger does after rewriting results.json: redraw report.html from it with the
+    run's own builder and record its new sha256 (the audit recomputes the figures from the rows, so a
+    forger who left report.html alone would be caught there)."""
+    import hashlib
+    import json
+
+    from testbed.report_html import build_html
+
+    m = json.loads((run_dir / "manifest.json").read_text())
+    protocols = [json.loads((run_dir / e["copy"]).read_text()) for e in m["protocols"]]
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    (run_dir / "report.html").write_text(build_html(protocols, rows, run_dir), encoding="utf-8")
+    m["files"]["report.html"] = hashlib.sha256((run_dir / "report.html").read_bytes()).hexdigest()
+    (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
