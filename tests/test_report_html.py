@@ -148,6 +148,7 @@ def test_figure_image_removed(run, reliability):
     '<div style="background:url(https://example.com/y.png)">x</div>',
     '<style>@import url("https://example.com/s.css");</style>',
     '<script>fetch("data:,x")</script>',
+    '<meta http-equiv="refresh" content="0; url=https://example.com/">',
 ])
 def test_outside_reference_or_script_added(run, snippet, reliability):
     edit_report(run, "</body>", snippet + "</body>")

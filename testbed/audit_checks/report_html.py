@@ -77,8 +77,11 @@ class _Reader(HTMLParser):
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         self._refs(tag, attrs)
-        if tag == "meta" and (a.get("http-equiv") or "").lower() == "content-security-policy":
+        equiv = (a.get("http-equiv") or "").lower()
+        if tag == "meta" and equiv == "content-security-policy":
             self.csp.append(a.get("content") or "")
+        elif tag == "meta" and equiv == "refresh":
+            self.problems.append("a <meta http-equiv=\"refresh\"> (navigates away from the file)")
         elif tag == "figure":
             if self._fig is not None:
                 self.problems.append("a <figure> inside another figure")
