@@ -15,7 +15,9 @@ metrics. It checks, in order:
    tolerances (``|a - b| <= atol + rtol * |b|``, integers exactly; the table is
    ``audit_checks.common.TOLERANCES``, a protocol may tighten it, never loosen it); the labels a row copies from its case agree
    with the case; no row is an exact duplicate; every stored array is used by a case or a row
-   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails).
+   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails);
+7. ``report.html``: no outside reference or executable script, one intact inline PNG per figure,
+   and every figure's embedded data recomputed from the rows (``audit_checks/report_html.py``).
 
 With ``--same-as OTHER`` it also compares the recorded array and result hashes with another run
 of the same protocol: on one machine a run is deterministic, so a re-run is the check against a
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .audit_checks import CHECKS
+from .audit_checks import CHECKS, RUN_CHECKS
 from .audit_checks.common import TOLERANCES
 
 SCHEMA_VERSION = 1
@@ -232,6 +234,10 @@ class Audit:
             self._cache[key] = case
         return self._cache[key]
 
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of a file of the run (inside it, no symlink followed)."""
+        return _safe_relpath(self.root, rel).read_bytes()
+
     def cached(self, key, fn):
         if key not in self._cache:
             self._cache[key] = fn()
@@ -329,6 +335,11 @@ class Audit:
         if check_sources:
             self._check_sources()
         self._check_results()
+        for rel, run_check in RUN_CHECKS.items():
+            try:
+                run_check(self)
+            except AuditError as e:
+                self.fail(rel, str(e).removeprefix(f"{rel}: "))
 
     def _check_gates(self) -> None:
         gates = self.manifest.get("gates", {})
@@ -536,7 +547,9 @@ def compare(root: str | Path, other: str | Path) -> list[str]:
 
     Only the two manifests are read (the audit of ``root`` checks its files against its manifest;
     audit ``other`` as well). Timings, report.md and the manifest's dates, environment and wall time
-    are expected to differ and are not compared."""
+    are expected to differ and are not compared; nor is report.html, a rendering of the compared
+    results and arrays (whose PNG bytes may change with the plotting library's version) whose
+    plotted data the audit of each run recomputes."""
     out = []
     manifests = []
     for r in (root, other):
@@ -561,7 +574,7 @@ def compare(root: str | Path, other: str | Path) -> list[str]:
         elif digest(a, rel) != digest(b, rel):
             out.append(f"FAIL: {rel}: differs from {other}")
     for rel in sorted(set(a["files"]) | set(b["files"])):
-        if rel in ("timings.json", "report.md"):
+        if rel in ("timings.json", "report.md", "report.html"):
             continue
         if a["files"].get(rel) != b["files"].get(rel):
             out.append(f"FAIL: {rel}: differs from {other}")

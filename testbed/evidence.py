@@ -9,6 +9,7 @@ Layout of one run (DESIGN.md)::
     results.json   {"cases": {...}, "rows": [...]}
     timings.json   raw per-call timings
     report.md      tables
+    report.html    figures (testbed/report_html.py), their plotted data embedded for the audit
     arrays/...     .npy only
 
 The SHA-256 of an array is the hash of its ``.npy`` file as written (header included), so the

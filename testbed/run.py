@@ -41,6 +41,7 @@ from .context import RunContext
 from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_file, source_hashes, write_json
 from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
 from .report import build_report
+from .report_html import build_html
 from .resources import ResourceError, check_memory
 from .units import pinned_torch, run_serial, study_entry, study_result
 
@@ -158,7 +159,8 @@ def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
     write_json(root / "results.json", {"schema_version": SCHEMA_VERSION, "cases": cases, "rows": rows})
     write_json(root / "timings.json", timings)
     (root / "report.md").write_text(build_report([p for _, p, _ in protocols], rows, manifest, timings), encoding="utf-8")
-    for rel in ("results.json", "timings.json", "report.md"):
+    (root / "report.html").write_text(build_html([p for _, p, _ in protocols], rows, root), encoding="utf-8")
+    for rel in ("results.json", "timings.json", "report.md", "report.html"):
         files[rel] = sha256_file(root / rel)
     for e in proto_entries:
         files[e["copy"]] = e["sha256"]

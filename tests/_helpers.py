@@ -25,3 +25,49 @@ def finished_run(tmp_path_factory, protocol: str, folder: str) -> Path:
     out = tmp_path_factory.mktemp("runs") / folder
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(REPO / "protocols" / protocol)]) == 0
     return out
+
+
+# Small copies of three default protocols (seeds, lengths and arms cut down): together they make
+# every attention figure of report.html (heatmap, support ECDF, region mass, ablation pairs, MX
+# paths, residual window) in about 20 s on 2 cores.
+FIGURE_PROTOCOLS = {
+    "ablation": {"source": {"seeds": [1, 2]}},
+    "mx_paths": {"source": {"seeds": [7, 19], "lengths": [128]}},
+    "residual_window": {"source": {"seeds": [7, 19], "lengths": [128]}},
+}
+
+
+def figure_run(tmp_path_factory, folder: str = "figures") -> Path:
+    """A finished run of the small copies of FIGURE_PROTOCOLS."""
+    import json
+
+    base = tmp_path_factory.mktemp("figure_run")
+    args = ["--quiet", "--out", str(base / folder)]
+    for name, edits in FIGURE_PROTOCOLS.items():
+        proto = json.loads((REPO / "protocols" / f"{name}.json").read_text())
+        proto["source"].update(edits["source"])
+        proto.update(default=False, timing={"repeats": 0, "seed": 0})
+        if name == "ablation":
+            proto["analyses"]["ablation"]["kv_arms"] = proto["analyses"]["ablation"]["kv_arms"][:2]
+        path = base / f"{name}.json"
+        path.write_text(json.dumps(proto, indent=1))
+        args += ["--protocol", str(path)]
+    assert run_main(args) == 0
+    return base / folder
+
+
+def forge_report_html(run_dir: Path) -> None:
+    """What a consistent forger does after rewriting results.json: redraw report.html from it with the
+    run's own builder and record its new sha256 (the audit recomputes the figures from the rows, so a
+    forger who left report.html alone would be caught there)."""
+    import hashlib
+    import json
+
+    from testbed.report_html import build_html
+
+    m = json.loads((run_dir / "manifest.json").read_text())
+    protocols = [json.loads((run_dir / e["copy"]).read_text()) for e in m["protocols"]]
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    (run_dir / "report.html").write_text(build_html(protocols, rows, run_dir), encoding="utf-8")
+    m["files"]["report.html"] = hashlib.sha256((run_dir / "report.html").read_bytes()).hexdigest()
+    (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))

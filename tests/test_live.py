@@ -22,6 +22,7 @@ from testbed.audit import audit
 from testbed.policies import preset
 from testbed.run import main as run_main
 from testbed.sources import capture
+from tests._helpers import forge_report_html
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -259,6 +260,7 @@ def test_gap_consistently_rewritten_logprobs(live_run, tmp_path):
     row["nll"] = -float(lp.mean())
     row["perplexity"] = float(np.exp(row["nll"]))
     _write_rows(run, res)
+    forge_report_html(run)
     assert not audit(run)[0]
 
 

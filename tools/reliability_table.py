@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SUITES = ["tests/test_tamper.py", "tests/test_run_cli.py", "tests/test_determinism.py", "tests/test_fuzz_inputs.py",
-          "tests/test_resource_guard.py"]
+          "tests/test_resource_guard.py", "tests/test_report_html.py"]
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"
 
 # (summary line, categories) in table order
