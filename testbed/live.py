@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
+from .progress import Progress
 from .schema import ProtocolError, check_object, check_value
 from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software,
                               load_model)
@@ -293,8 +294,7 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
                                "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
                       "arrays": {"token_ids": arr}}
     batches = [seg_ids[i:i + p["batch"]] for i in range(0, len(seg_ids), p["batch"])]
-    n_units = len(batches) * len(arms)
-    done, t_all = 0, time.perf_counter()
+    bar = Progress(len(batches) * len(arms), study, progress, unit="batch x arm")
     if p["peers"]:
         _warm_quanto(model, kw, cfg)
     for bi, batch in enumerate(batches):
@@ -363,11 +363,8 @@ def run(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, list
                     row["evidence"] = {"layer": evidence_layer,
                                        "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
                 rows.append(row)
-            done += 1
-            left = (time.perf_counter() - t_all) / done * (n_units - done)
-            progress(f"[{study}] {done}/{n_units} batch {bi + 1}/{len(batches)} {arm}: {len(schedule) + 1} forwards, "
-                     f"{seconds:.1f} s ({1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token); "
-                     f"~{left:.0f} s left")
+            bar.step(f"(batch {bi + 1}/{len(batches)} {arm}: {len(schedule) + 1} forwards, {seconds:.1f} s, "
+                     f"{1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token)")
         del ref_logp
     ctx.extra_files[f"{study}/live_manifest.json"] = (json.dumps({
         "schema_version": 1,

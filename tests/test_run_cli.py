@@ -90,7 +90,7 @@ def leftovers(parent: Path) -> list[str]:
 def test_sigkill_leaves_nothing_at_out_and_a_rerun_works(tmp_path, reliability):
     out = tmp_path / "runs" / "slow"
     run = Run("--out", str(out), "--protocol", str(slow_protocol(tmp_path)))
-    run.wait_for("[slow] case 1 ")
+    run.wait_for("[slow] case 1/")
     run.proc.kill()  # SIGKILL: no handler can run
     code, _, _ = run.finish()
     partial = partial_dir(out, run.proc.pid)
@@ -116,7 +116,7 @@ def test_sigkill_leaves_nothing_at_out_and_a_rerun_works(tmp_path, reliability):
 def test_interrupt_ends_with_one_line_and_no_output(tmp_path, sig, code, word, reliability):
     out = tmp_path / "runs" / "slow"
     run = Run("--out", str(out), "--protocol", str(slow_protocol(tmp_path)))
-    run.wait_for("[slow] case 1 ")
+    run.wait_for("[slow] case 1/")
     run.proc.send_signal(sig)
     rc, stdout, stderr = run.finish()
     reliability("kill", f"{signal.Signals(sig).name} after the first case", f"exit {code}, one line, nothing written",

@@ -47,6 +47,7 @@ import torch
 
 from ..evidence import _cpu_name, sha256_file
 from ..case import Case, Region
+from ..progress import Progress
 from ..resources import attention_chain_bytes
 from ..schema import ProtocolError, check_object, check_value
 
@@ -419,7 +420,7 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     try:
         if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
             progress(f"converting {gguf.name} to float32 safetensors in {folder} (once; about 25 s)")
-            _convert(gguf, folder)
+            _convert(gguf, folder, progress)
             source = "gguf (converted now)"
         else:
             source = "safetensors cache"
@@ -435,20 +436,25 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     return _LOADED[key]
 
 
-def _convert(gguf: Path, folder: Path) -> None:
+def _convert(gguf: Path, folder: Path, progress: Callable[[str], None] | None = None) -> None:
     """Dequantize the GGUF through transformers and write config, float32 weights and tokenizer."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    bar = Progress(4, "convert", progress, unit="step")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    bar.step("weights dequantized")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    bar.step("tokenizer read")
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # the weights below are already dequantized
     tmp = folder.parent / f".{folder.name}.partial-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     type(model.config).from_dict(cfg).save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
+    bar.step("float32 safetensors written")
     tokenizer.save_pretrained(tmp)
+    bar.step("tokenizer written")
     if folder.exists():  # another process finished first; keep theirs
         import shutil
 
@@ -533,6 +539,12 @@ def validate(params: dict, where: str) -> dict:
     if p["queries"] is not None:
         check_value(p["queries"], ("range", int, 1, p["chunk"]), f"{where}.queries")
     return p
+
+
+def count(params: dict) -> int:
+    """Cases :func:`cases` yields when no prompt is skipped: prompts x layers x recorded chunks."""
+    n_chunks = params["tokens"] // params["chunk"]
+    return len(params["prompts"]) * len(params["layers"]) * len({c % n_chunks for c in params["record_chunks"]})
 
 
 def estimate_bytes(params: dict) -> int:
@@ -641,6 +653,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         "model_config": {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")},
     })
     progress(f"[{study}] {params['model']} loaded from {info['loaded_from']} in {info['load_seconds']:.1f} s")
+    bar = Progress(len(params["prompts"]), study, progress, unit="prompt")
     for prompt in params["prompts"]:
         t_prompt = time.perf_counter()
         pid = prompt["id"]
@@ -649,6 +662,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             msg = f"prompt has {ids.shape[1]} tokens, the protocol needs {params['tokens']}"
             print(f"[{study}] prompt {pid} skipped: {msg}", file=sys.stderr, flush=True)
             exclude(f"{study}/{pid}", "tokenize", msg)
+            bar.step(f"{pid} skipped")
             continue
         ids = ids[:, :params["tokens"]]
         obs = Observer(layers=params["layers"], forwards=record_chunks, kv_heads=params["kv_heads"],
@@ -676,8 +690,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             "expected_observer_calls": n_chunks * n_layers, "actual_observer_calls": counts["calls"],
         })
         _timing(ctx, study, "capture_prompt", time.perf_counter() - t_prompt, prompt=pid)
-        progress(f"[{study}] {pid}: {forwards} forwards of {params['chunk']} tokens, {len(obs.records)} records "
-                 f"({time.perf_counter() - t_prompt:.1f} s)")
+        bar.step(f"{pid}: {forwards} forwards of {params['chunk']} tokens, {len(obs.records)} records")
         records = sorted(obs.records, key=lambda r: (r.forward, r.layer))
         obs.records = []
         for rec in records:

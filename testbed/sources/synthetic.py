@@ -26,7 +26,7 @@ from ..case import Case, Region
 from ..resources import synthetic_estimate_bytes as estimate_bytes  # noqa: F401 (the source's memory hook)
 from ..schema import check_object
 
-__all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases"]
+__all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases", "count"]
 
 DISTRIBUTIONS = ("clean", "early_focus", "recent_focus")
 
@@ -83,6 +83,11 @@ def validate(params: dict, where: str) -> dict:
         "focus_tokens": (("range", int, 1, 1 << 16), 16),
         "focus_logit": (("range", float, 0.0, 100.0), 4.0),
     })
+
+
+def count(params: dict) -> int:
+    """How many Cases :func:`cases` yields (for progress lines)."""
+    return len(params["seeds"]) * len(params["lengths"]) * len(params["distributions"])
 
 
 def cases(params: dict, ctx=None) -> Iterator[Case]:
