@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from .audit_checks import CHECKS
+from ._cli import entry
+from .progress import Progress, stderr_emit
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +59,11 @@ __all__ = ["audit", "compare", "main", "load_json"]
 
 class AuditError(Exception):
     """A problem that stops the audit of one file or row."""
+
+
+class Consequence(AuditError):
+    """A row that cannot be re-derived because an array it uses already failed its own checks: the
+    cause has its FAIL line; the rows it takes down are summarized in one line, not one each."""
 
 
 def _sha256(path: Path) -> str:
@@ -176,9 +183,12 @@ def source_hashes(root: Path = REPO_ROOT) -> dict[str, str]:
 class Audit:
     """State of one audit: failures, loaded arrays, counters; handed to the per-analysis checks."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, progress=None):
         self.root = root
+        self.progress = progress  # a callable for progress lines (stderr), or None for none
         self.failures: list[str] = []
+        self.bad_arrays: set[str] = set()  # arrays that failed their own checks (each has its FAIL line)
+        self.consequences: dict[str, int] = {}  # bad array -> rows it kept from being re-derived
         self.arrays: dict[str, np.ndarray] = {}
         self.manifest: dict = {}
         self.results: dict = {}
@@ -204,6 +214,8 @@ class Audit:
 
     # -- helpers for checks ----------------------------------------------------------------
     def load(self, rel: str) -> np.ndarray:
+        if isinstance(rel, str) and rel in self.bad_arrays:
+            raise Consequence(rel)
         if not isinstance(rel, str) or rel not in self.arrays:
             raise AuditError(f"array {rel!r} is not in the manifest (or failed its checks)")
         return self.arrays[rel]
@@ -296,11 +308,18 @@ class Audit:
             self.fail(rel, "symlink inside the run; refused (not followed)")
         for rel in sorted(present - expected):
             self.fail(rel, "file not named in the manifest (added or renamed)")
-        for rel in sorted(expected - present):
-            if rel not in links:
-                self.fail(rel if isinstance(rel, str) and not _CONTROL.search(rel) else repr(rel),
-                          "named in the manifest but not a file of the run (deleted, renamed, or a path outside it)")
+        absent = {rel for rel in expected - present if rel not in links}
+        for rel in sorted(absent):
+            self.fail(rel if isinstance(rel, str) and not _CONTROL.search(rel) else repr(rel),
+                      "named in the manifest but not a file of the run (deleted, renamed, or a path outside it)")
+
+        def fail_once(rel, e):  # an absent file already has its line above; "missing" again adds nothing
+            if not (rel in absent and str(e) == f"{rel}: missing"):
+                self.fail(rel, str(e).removeprefix(f"{rel}: "))
+
+        bar = self._bar(len(files) + len(arrays), "file")
         for rel, digest in sorted(files.items()):
+            bar.step()
             try:
                 path = _safe_relpath(root, rel)
                 if not isinstance(digest, str):
@@ -308,8 +327,9 @@ class Audit:
                 if _sha256(path) != digest:
                     raise AuditError("sha256 differs from the manifest")
             except AuditError as e:
-                self.fail(rel, str(e).removeprefix(f"{rel}: "))
+                fail_once(rel, e)
         for rel, entry in sorted(arrays.items()):
+            bar.step()
             try:
                 path = _safe_relpath(root, rel)
                 if not rel.endswith(".npy"):
@@ -318,7 +338,8 @@ class Audit:
                     raise AuditError("sha256 differs from the manifest")
                 self.arrays[rel] = _load_npy(path, rel, entry)
             except AuditError as e:
-                self.fail(rel, str(e).removeprefix(f"{rel}: "))
+                self.bad_arrays.add(rel)
+                fail_once(rel, e)
         self._check_gates()
         self._check_protocols()
         if check_sources:
@@ -403,7 +424,9 @@ class Audit:
         for study in sorted(set(cases) - set(self.tolerances)):
             self.fail(f"results.json cases.{study}", "no frozen protocol copy for this study in the manifest")
         seen: dict[str, int] = {}
+        bar = self._bar(len(rows), "row")
         for i, row in enumerate(rows):
+            bar.step()
             if not isinstance(row, dict):
                 self.fail(f"results.json row {i}", "not an object")
                 continue
@@ -424,13 +447,24 @@ class Audit:
             try:
                 self._check_row_labels(row)
                 check(row, self)
+            except Consequence as e:
+                self.consequences[e.args[0]] = self.consequences.get(e.args[0], 0) + 1
+                continue
             except AuditError as e:
                 self.fail(row, str(e))
             except Exception as e:  # a forged row must give a FAIL line, never a traceback
                 self.fail(row, f"cannot re-derive ({type(e).__name__}: {str(e)[:200]})")
             if len(self.failures) == before:
                 self.rows_checked += 1
+        if self.consequences:
+            causes = sorted(self.consequences)
+            self.fail("results.json", f"{sum(self.consequences.values())} row(s) not re-derived: they use "
+                      f"{len(causes)} array(s) that failed above ({causes[0]}{', ...' if len(causes) > 1 else ''})")
         self._check_orphans()
+
+    def _bar(self, total: int, unit: str) -> Progress:
+        """A progress line every 2 s at most (and at the end) while a large run is audited."""
+        return Progress(total, f"audit {self.root.name}", self.progress, unit=unit, interval=2.0)
 
     def _check_row_labels(self, row: dict) -> None:
         """The fields a row copies from its case (distribution, seed, n, layer, ...) must agree."""
@@ -492,9 +526,10 @@ def _tolerances(proto: dict) -> dict:
     return out
 
 
-def audit(root: str | Path, check_sources: bool = True) -> tuple[bool, list[str], str]:
-    """Audit a run folder; returns (passed, FAIL lines, PASS summary)."""
-    a = Audit(Path(root))
+def audit(root: str | Path, check_sources: bool = True, progress=None) -> tuple[bool, list[str], str]:
+    """Audit a run folder; returns (passed, FAIL lines, PASS summary). ``progress``: a callable
+    that receives progress lines (the command line prints them on stderr unless --quiet)."""
+    a = Audit(Path(root), progress)
     try:
         a.run(check_sources)
     except Exception as e:  # fail closed: an audit that cannot finish never passes
@@ -552,6 +587,7 @@ def main(argv=None) -> int:
     ap.add_argument("--same-as", metavar="OTHER",
                     help="also require the same array, result and protocol hashes as the run OTHER "
                          "(a re-run of the same protocol on the same machine; see docs/reliability.md)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     root = Path(args.run_dir)
     if not root.is_dir():
@@ -560,7 +596,7 @@ def main(argv=None) -> int:
     if args.same_as is not None and not Path(args.same_as).is_dir():
         print(f"error: --same-as {args.same_as} is not a folder", file=sys.stderr)
         return 2
-    ok, failures, summary = audit(root, check_sources=not args.no_sources)
+    ok, failures, summary = audit(root, check_sources=not args.no_sources, progress=None if args.quiet else stderr_emit)
     if args.same_as is not None:
         diff = compare(root, args.same_as)
         failures = failures + diff
@@ -575,5 +611,10 @@ def main(argv=None) -> int:
     return 1
 
 
+def cli(argv=None) -> int:
+    """The ``testbed-audit`` console script: :func:`main` with Ctrl-C and a closed pipe handled."""
+    return entry(main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

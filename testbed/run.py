@@ -36,14 +36,22 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+from ._cli import entry, interrupted
 
-from .context import RunContext
-from .live import run as run_live
-from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
-from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
-from .report import build_report
-from .resources import ResourceError, check_memory
+try:  # torch and the model code take a second or more to import: Ctrl-C then is one line, not a traceback
+    import torch
+
+    from .context import RunContext
+    from .live import run as run_live
+    from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_bytes, sha256_file, source_hashes, write_json
+    from .progress import Progress
+    from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
+    from .report import build_report
+    from .resources import ResourceError, check_memory
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    sys.exit(interrupted("nothing was written"))
 
 __all__ = ["main", "run_protocols", "sweep_stale_partials", "partial_dir"]
 
@@ -135,14 +143,16 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
 def _case_rows(proto: dict, ctx: RunContext) -> tuple[dict, list]:
     """An attention study: every Case of the source, saved, through every analysis."""
     cases, rows = {}, []
-    t0 = time.perf_counter()
-    for i, case in enumerate(_built_cases(_source(proto), proto, ctx), 1):
+    source = _source(proto)
+    count = getattr(source, "count", None)
+    bar = Progress(count(proto["source"]) if count else None, ctx.study, ctx.progress, unit="case")
+    for case in _built_cases(source, proto, ctx):
         if case.id in cases:
             raise ProtocolError(f"{ctx.study}: two cases are named {case.id!r}")
         cases[case.id] = _save_case(case, ctx)
         for name, params in proto["analyses"].items():
             rows.extend(_analysis(name).evaluate(case, params, ctx))
-        ctx.progress(f"[{ctx.study}] case {i} {case.id}: {len(rows)} rows so far ({time.perf_counter() - t0:.1f} s)")
+        bar.step(f"{case.id}, {len(rows)} rows so far")
     return cases, rows
 
 
@@ -398,5 +408,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli(argv=None) -> int:
+    """The ``testbed-run`` console script: :func:`main` with Ctrl-C and a closed pipe handled."""
+    return entry(main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

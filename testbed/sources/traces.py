@@ -81,11 +81,25 @@ def save_trace(path: str | Path, cases: Iterable[Case]) -> Path:
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata={METADATA_KEY: header})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates it 0600; a trace is data to share, like any file
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _umask() -> int:
+    """The process umask (read from /proc where it can be, so it is never changed, even briefly)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fail(path: Path, msg: str) -> TraceError:

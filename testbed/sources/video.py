@@ -34,9 +34,10 @@ from typing import Iterator
 import torch
 
 from ..case import Case, Region
+from ..resources import attention_chain_bytes
 from ..schema import ProtocolError, check_object
 
-__all__ = ["LAYOUTS", "make_video_case", "make_llm_case", "validate", "cases"]
+__all__ = ["LAYOUTS", "make_video_case", "make_llm_case", "validate", "cases", "count", "estimate_bytes"]
 
 LAYOUTS = ("video", "llm")
 DEFAULT_CONCENTRATIONS = [16.0, 6.0, 3.0, 0.5]
@@ -169,6 +170,29 @@ def validate(params: dict, where: str) -> dict:
             if c * p["current_frames"] - p["recent_frames"] < p["sink_frames"]:
                 raise ProtocolError(f"{where}.chunks[{i}]: chunk {c} puts the recent frames over the sink frames")
     return p
+
+
+def count(params: dict) -> int:
+    """How many Cases :func:`cases` yields (for progress lines)."""
+    per_seed = sum(len(params["chunks"]) if layout == "video" else 1 for layout in params["layouts"])
+    return len(params["seeds"]) * per_seed
+
+
+def estimate_bytes(params: dict) -> int:
+    """Peak bytes of the largest Case (the memory guard's hook): the analysis chain of the largest
+    video and LLM case, plus the float32 content the video generator makes for every frame up to
+    the chunk's end (three copies: content, noise and their sum)."""
+    best = 0
+    h, d, tpf = params["heads"], params["head_dim"], params["tokens_per_frame"]
+    if "video" in params["layouts"]:
+        keys = (params["sink_frames"] + params["recent_frames"] + params["current_frames"]) * tpf
+        frames = (max(params["chunks"]) + 1) * params["current_frames"]
+        content = 3 * params["kv_heads"] * frames * tpf * d * 4
+        best = attention_chain_bytes(h, params["kv_heads"], params["current_frames"] * tpf, keys, d) + content
+    if "llm" in params["layouts"]:
+        keys = params["llm_sink"] + params["llm_middle"] + params["llm_recent"] + params["llm_current"]
+        best = max(best, attention_chain_bytes(h, params["llm_kv_heads"], params["llm_current"], keys, d))
+    return int(best)
 
 
 def cases(params: dict, ctx=None) -> Iterator[Case]:
