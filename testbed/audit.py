@@ -30,7 +30,9 @@ problem and exits 1 (exit 2 for a missing folder or bad arguments).
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
+import io
 import json
 import math
 import os
@@ -345,6 +347,7 @@ class Audit:
         if check_sources:
             self._check_sources()
         self._check_results()
+        self._check_results_csv()
 
     def _check_gates(self) -> None:
         gates = self.manifest.get("gates", {})
@@ -466,6 +469,45 @@ class Audit:
         """A progress line every 2 s at most (and at the end) while a large run is audited."""
         return Progress(total, f"audit {self.root.name}", self.progress, unit=unit, interval=2.0)
 
+    def _check_results_csv(self) -> None:
+        """results.csv must say exactly what results.json says: same rows in the same order, every
+        leaf of each row in its dotted column, nothing else (testbed/tables.py describes the format)."""
+        rows = self.results.get("rows") if isinstance(self.results, dict) else None
+        if not isinstance(rows, list):
+            return  # results.json itself already failed
+        if "results.csv" not in self.manifest.get("files", {}):
+            self.fail("results.csv", "not named in the manifest (every run writes one beside results.json)")
+            return
+        try:
+            text = _safe_relpath(self.root, "results.csv").read_bytes().decode("utf-8")
+            table = list(csv.reader(io.StringIO(text, newline="")))
+        except (AuditError, UnicodeDecodeError, csv.Error) as e:
+            self.fail("results.csv", f"cannot be read as UTF-8 CSV ({str(e)[:200]})")
+            return
+        if not table:
+            self.fail("results.csv", "empty (no header)")
+            return
+        header, body = table[0], table[1:]
+        if len(set(header)) != len(header):
+            self.fail("results.csv", "a column name repeats in the header")
+            return
+        if len(body) != len(rows):
+            self.fail("results.csv", f"{len(body)} rows, results.json has {len(rows)}")
+        for i, (cells, row) in enumerate(zip(body, rows)):
+            where = f"results.csv row {i}" + (f" ({self.row_label(dict(row, _index=i))[len('results.json '):]})"
+                                                if isinstance(row, dict) else "")
+            if len(cells) != len(header):
+                self.fail(where, f"{len(cells)} cells, the header has {len(header)} columns")
+                continue
+            leaves = _leaves(row) if isinstance(row, dict) else {}
+            for col in sorted(set(leaves) - set(header)):
+                self.fail(where, f"no column {col!r} for a field of the row in results.json")
+                break
+            for col, cell in zip(header, cells):
+                if not _cell_says(cell, leaves.get(col)):
+                    self.fail(where, f"column {col!r} says {cell[:80]!r}, results.json says {leaves.get(col)!r:.80}")
+                    break
+
     def _check_row_labels(self, row: dict) -> None:
         """The fields a row copies from its case (distribution, seed, n, layer, ...) must agree."""
         meta = self.case_record(row.get("study"), row.get("case")).get("meta")
@@ -489,6 +531,38 @@ class Audit:
                 used.add(x)
         for rel in sorted(set(self.manifest.get("arrays", {})) - used):
             self.fail(rel, "not used by any case or row of results.json (was a row deleted?)")
+
+
+def _leaves(row: dict) -> dict:
+    """Every leaf of a row under its dotted path; lists and empty objects are leaves."""
+    out, todo = {}, [("", row)]
+    while todo:
+        path, obj = todo.pop()
+        for key, value in obj.items():
+            if isinstance(value, dict) and value:
+                todo.append((f"{path}{key}.", value))
+            else:
+                out[f"{path}{key}"] = value
+    return out
+
+
+def _cell_says(cell: str, value) -> bool:
+    """Whether one CSV cell states ``value`` (None: absent or null)."""
+    if value is None:
+        return cell == ""
+    if isinstance(value, str):
+        return cell == value
+    try:
+        parsed = json.loads(cell)
+    except ValueError:
+        return False
+    if isinstance(value, bool) or isinstance(parsed, bool):
+        return parsed is value
+    if isinstance(value, (int, float)):
+        if not isinstance(parsed, (int, float)):
+            return False
+        return parsed == value or (math.isnan(value) and math.isnan(parsed))
+    return json.dumps(parsed, sort_keys=True) == json.dumps(value, sort_keys=True)
 
 
 def _check_case_arrays(case: dict, where: str) -> None:

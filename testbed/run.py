@@ -47,6 +47,7 @@ try:  # torch and the model code take a second or more to import: Ctrl-C then is
     from .progress import Progress
     from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
     from .report import build_report
+    from .tables import results_csv
     from .resources import ResourceError, check_memory
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -217,9 +218,10 @@ def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
         "excluded": excluded,
     }
     write_json(root / "results.json", {"schema_version": SCHEMA_VERSION, "cases": cases, "rows": rows})
+    (root / "results.csv").write_bytes(results_csv(rows))
     write_json(root / "timings.json", timings)
     (root / "report.md").write_text(build_report([p for _, p, _ in protocols], rows, manifest, timings), encoding="utf-8")
-    for rel in ("results.json", "timings.json", "report.md"):
+    for rel in ("results.json", "results.csv", "timings.json", "report.md"):
         files[rel] = sha256_file(root / rel)
     for e in proto_entries:
         files[e["copy"]] = e["sha256"]
