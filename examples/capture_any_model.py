@@ -8,9 +8,10 @@ the KV cache, so the last forward's queries are the current chunk), turn each re
 `Case` with a layout, save. The observer sits where the model calls SDPA (transformers'
 AttentionInterface), sees the post-RoPE Q and the cache-concatenated K/V, and leaves the model's
 output unchanged. Any model whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` works (Llama,
-Qwen, Mistral, Gemma, ...). Then run the testbed's analyses on the trace with a protocol such as::
+Qwen, Mistral, Gemma, ...). Then run the testbed's analyses on the trace with a protocol such as
+``target/my_trace.json`` (a relative trace path is relative to the protocol file's folder)::
 
-    {"name": "my_trace", "source": {"kind": "trace", "files": ["target/my_trace.safetensors"]},
+    {"name": "my_trace", "source": {"kind": "trace", "files": ["my_trace.safetensors"]},
      "analyses": {"observation": {}, "ablation": {}, "mx_paths": {}}}
 """
 

