@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .audit_checks import CHECKS
-from ._cli import entry
+from ._cli import entry as cli_entry
 from .progress import Progress, stderr_emit
 
 SCHEMA_VERSION = 1
@@ -687,7 +687,7 @@ def main(argv=None) -> int:
 
 def cli(argv=None) -> int:
     """The ``testbed-audit`` console script: :func:`main` with Ctrl-C and a closed pipe handled."""
-    return entry(main, argv)
+    return cli_entry(main, argv)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,22 @@ def finished_run(tmp_path_factory, protocol: str, folder: str) -> Path:
     out = tmp_path_factory.mktemp("runs") / folder
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(REPO / "protocols" / protocol)]) == 0
     return out
+
+
+def synthetic_run(base: Path, name: str, **source) -> Path:
+    """Run :func:`synthetic_protocol` (``source`` overrides) once into ``base / "run"``; returns the run."""
+    import json
+
+    proto = base / f"{name}.json"
+    proto.write_text(json.dumps(synthetic_protocol(name, **source)))
+    out = base / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(proto)]) == 0
+    return out
+
+
+def copy_run(run: Path, dst: Path) -> Path:
+    """A private copy of a finished run (to tamper with)."""
+    import shutil
+
+    shutil.copytree(run, dst)
+    return dst

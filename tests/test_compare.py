@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,25 +11,17 @@ import numpy as np
 import pytest
 
 from testbed.compare import TOLERANCES, main as compare_main
-from testbed.run import main as run_main
-from tests._helpers import REPO, synthetic_protocol
+from tests._helpers import REPO, copy_run, synthetic_run
 
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("cmp")
-    proto = base / "p.json"
-    proto.write_text(json.dumps(synthetic_protocol("cmp", distributions=["clean", "recent_focus"])))
-    out = base / "a"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(proto)]) == 0
-    return out
+    return synthetic_run(tmp_path_factory.mktemp("cmp"), "cmp", distributions=["clean", "recent_focus"])
 
 
 @pytest.fixture
 def copy(small_run, tmp_path) -> Path:
-    dst = tmp_path / "b"
-    shutil.copytree(small_run, dst)
-    return dst
+    return copy_run(small_run, tmp_path / "b")
 
 
 def run_compare(a, b, capsys) -> tuple[int, list[str]]:

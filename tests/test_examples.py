@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import struct
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 
 from testbed.audit import audit
-from testbed.run import main as run_main
-from tests._helpers import REPO, synthetic_protocol
+from tests._helpers import REPO, synthetic_run
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -34,10 +31,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 def test_plot_run_writes_a_valid_png_outside_the_run(tmp_path):
     pytest.importorskip("matplotlib")
-    proto = tmp_path / "p.json"
-    proto.write_text(json.dumps(synthetic_protocol("plot", distributions=["clean", "recent_focus"])))
-    run = tmp_path / "run"
-    assert run_main(["--quiet", "--out", str(run), "--protocol", str(proto)]) == 0
+    run = synthetic_run(tmp_path, "plot", distributions=["clean", "recent_focus"])
     out = tmp_path / "fig.png"
     r = subprocess.run([sys.executable, str(REPO / "examples" / "plot_run.py"), str(run), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)

@@ -7,31 +7,22 @@ import hashlib
 import io
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 
 from testbed.audit import audit
-from testbed.run import main as run_main
-from tests._helpers import synthetic_protocol
+from tests._helpers import copy_run, synthetic_run
 
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("csv")
-    proto = base / "p.json"
-    proto.write_text(json.dumps(synthetic_protocol("csvrun")))
-    out = base / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(proto)]) == 0
-    return out
+    return synthetic_run(tmp_path_factory.mktemp("csv"), "csvrun")
 
 
 @pytest.fixture
 def run(small_run, tmp_path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(small_run, dst)
-    return dst
+    return copy_run(small_run, tmp_path / "run")
 
 
 def table(run: Path) -> list[dict]:

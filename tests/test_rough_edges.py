@@ -4,37 +4,28 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from testbed.audit import audit
 from testbed.protocol import PROTOCOL_DIR, estimate_protocol, load_protocol
 from testbed.run import main as run_main
-from tests._helpers import REPO, synthetic_protocol
+from tests._helpers import REPO, copy_run, synthetic_run
 
 EXAMPLE = REPO / "examples" / "capture_any_model.py"
 
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("edges")
-    proto = base / "p.json"
-    proto.write_text(json.dumps(synthetic_protocol("edges", distributions=["clean", "early_focus"])))
-    out = base / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(proto)]) == 0
-    return out
+    return synthetic_run(tmp_path_factory.mktemp("edges"), "edges", distributions=["clean", "early_focus"])
 
 
 @pytest.fixture
 def run_copy(small_run, tmp_path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(small_run, dst)
-    return dst
+    return copy_run(small_run, tmp_path / "run")
 
 
 def _used_array(run: Path) -> str:
