@@ -44,3 +44,21 @@ def copy_run(run: Path, dst: Path) -> Path:
 
     shutil.copytree(run, dst)
     return dst
+
+
+def heavy_imports(call: str, run: Path) -> tuple[str, list[str]]:
+    """Run ``call`` (Python using ``sys.argv[1]``, the run folder, and setting ``ok``) in a fresh
+    interpreter; returns (str(ok), the modules it imported that the audit side must not: torch,
+    scipy, numba, the testbed's numerics and its run driver)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (f"import sys, json\n{call}\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'scipy', 'numba') or m.startswith(("
+            "'testbed.quant', 'testbed.attention', 'testbed.metrics', 'testbed.ablation', 'testbed.run'))]\n"
+            "print(json.dumps([str(ok), bad]))")
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    ok, bad = json.loads(out.stdout.strip().splitlines()[-1])
+    return ok, bad

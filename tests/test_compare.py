@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from testbed.compare import TOLERANCES, main as compare_main
-from tests._helpers import REPO, copy_run, synthetic_run
+from tests._helpers import REPO, copy_run, heavy_imports, synthetic_run
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +135,5 @@ def test_bad_input_exits_2(small_run, tmp_path):
 
 
 def test_compare_imports_neither_torch_nor_testbed_numerics(small_run):
-    code = ("import sys, testbed.compare as c; ok, _, _ = c.compare_runs(sys.argv[1], sys.argv[1]); "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'scipy', 'numba') or m.startswith("
-            "('testbed.quant', 'testbed.attention', 'testbed.metrics', 'testbed.ablation', 'testbed.run'))]; print(ok, bad)")
-    r = subprocess.run([sys.executable, "-c", code, str(small_run)], capture_output=True, text=True, cwd=REPO)
-    assert r.stdout.strip() == "True []", r.stdout + r.stderr
+    call = "import testbed.compare as c; ok, _, _ = c.compare_runs(sys.argv[1], sys.argv[1])"
+    assert heavy_imports(call, small_run) == ("True", [])

@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 
 from testbed.audit import audit
 from testbed.run import main as run_main
-from tests._helpers import finished_run as run_once
+from tests._helpers import finished_run as run_once, heavy_imports
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = REPO / "protocols" / "residual_window.json"
@@ -98,8 +96,4 @@ def test_existing_out_refused_and_untouched(tmp_path, capsys):
 
 
 def test_audit_imports_neither_torch_nor_testbed_numerics(finished_run):
-    code = ("import sys, testbed.audit as a; ok, f, s = a.audit(sys.argv[1]); "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('testbed.quant', 'testbed.attention', "
-            "'testbed.metrics', 'testbed.ablation'))]; print(ok, bad)")
-    out = subprocess.run([sys.executable, "-c", code, str(finished_run)], capture_output=True, text=True, cwd=REPO)
-    assert out.stdout.strip() == "True []", out.stdout + out.stderr
+    assert heavy_imports("import testbed.audit as a; ok, f, s = a.audit(sys.argv[1])", finished_run) == ("True", [])
