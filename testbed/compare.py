@@ -162,7 +162,7 @@ def _identity(row: dict) -> str:
     return json.dumps([row.get(k) for k in IDENTITY])
 
 
-def _keyed(rows: list, root: Path, out: Diffs) -> dict[str, dict]:
+def _keyed(rows: list, root: Path) -> dict[str, dict]:
     keyed: dict[str, dict] = {}
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -201,7 +201,7 @@ def _is_number(v) -> bool:
 
 
 def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs) -> int:
-    a, b = _keyed(res_a["rows"], ra, out), _keyed(res_b["rows"], rb, out)
+    a, b = _keyed(res_a["rows"], ra), _keyed(res_b["rows"], rb)
     for key in sorted(set(a) - set(b)):
         out.fail(f"results.json {_label(key)}", f"only in {ra}")
     for key in sorted(set(b) - set(a)):

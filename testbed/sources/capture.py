@@ -495,7 +495,7 @@ def stream_prefill(model, input_ids: torch.Tensor, chunk: int) -> tuple[int, tor
 PROMPT = Spec("capture prompt", "One prompt of a capture source.", {
     "id": Key(str, "name of the prompt in case ids (letters, digits, underscores; unique)"),
     "kind": Key(str, "what kind of text it is (reported with the case)"),
-    "text": Key(str, "the text; its first tokens tokens are the prefill"),
+    "text": Key(str, "the text; the prefill is its first `tokens` tokens"),
 })
 
 SPEC = Spec("source: capture", f"Attention captured from {MODEL_ID} at the SDPA boundary during a chunked prefill "
