@@ -62,3 +62,20 @@ def heavy_imports(call: str, run: Path) -> tuple[str, list[str]]:
     assert out.returncode == 0, out.stderr
     ok, bad = json.loads(out.stdout.strip().splitlines()[-1])
     return ok, bad
+
+
+def forge_results(run: Path, res: dict) -> None:
+    """What a consistent forger does to results.json: write ``res``, rewrite results.csv to say the
+    same (the audit checks one against the other) and record both new sha256 in the manifest, so
+    that only the audit's own re-derivation of the numbers can notice."""
+    import hashlib
+    import json
+
+    from testbed.tables import results_csv
+
+    (run / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (run / "results.csv").write_bytes(results_csv(res["rows"]))
+    m = json.loads((run / "manifest.json").read_text())
+    for rel in ("results.json", "results.csv"):
+        m["files"][rel] = hashlib.sha256((run / rel).read_bytes()).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
