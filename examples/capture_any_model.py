@@ -8,9 +8,10 @@ the KV cache, so the last forward's queries are the current chunk), turn each re
 `Case` with a layout, save. The observer sits where the model calls SDPA (transformers'
 AttentionInterface), sees the post-RoPE Q and the cache-concatenated K/V, and leaves the model's
 output unchanged. Any model whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` works (Llama,
-Qwen, Mistral, Gemma, ...). Then run the testbed's analyses on the trace with a protocol such as::
+Qwen, Mistral, Gemma, ...). Then run the testbed's analyses on the trace with a protocol such as
+``target/my_trace.json`` (a relative trace path is relative to the protocol file's folder)::
 
-    {"name": "my_trace", "source": {"kind": "trace", "files": ["target/my_trace.safetensors"]},
+    {"name": "my_trace", "source": {"kind": "trace", "files": ["my_trace.safetensors"]},
      "analyses": {"observation": {}, "ablation": {}, "mx_paths": {}}}
 """
 
@@ -25,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from testbed.sources.capture import Observer, case_from_record, llm_layout, load_model, stream_prefill  # noqa: E402
+from testbed.sources.capture import (INSTALL_HINT, CaptureUnavailable, Observer, case_from_record, llm_layout,  # noqa: E402
+                                     load_model, stream_prefill)
 from testbed.sources.traces import load_trace, save_trace  # noqa: E402
 
 TEXT = ("Once upon a time, in a valley between two rivers, there lived a clockmaker who built a clock that "
@@ -43,15 +45,31 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.model:
+        if not (Path(args.model) / "config.json").is_file():
+            print(f"error: --model {args.model}: not a transformers model folder (no config.json there)", file=sys.stderr)
+            return 2
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except (OSError, ValueError) as e:
+            print(f"error: --model {args.model}: cannot load ({' '.join(str(e).split())[:300]})", file=sys.stderr)
+            return 2
         name = Path(args.model).name
     else:
-        model, tokenizer, info = load_model(progress=print)
+        try:
+            model, tokenizer, info = load_model(progress=print)
+        except CaptureUnavailable as e:
+            print(f"error: {e}; install with: {INSTALL_HINT}", file=sys.stderr)
+            return 2
         name = info["model"]
+    n_layers = int(model.config.num_hidden_layers)
+    bad = [x for x in args.layers if not 0 <= x < n_layers]
+    if bad:
+        print(f"error: --layers {' '.join(map(str, bad))}: {name} has layers 0..{n_layers - 1}", file=sys.stderr)
+        return 2
     ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :args.tokens]
 
     # -- the few lines -------------------------------------------------------------------------

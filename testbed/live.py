@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
-from .schema import ProtocolError, check_object, check_value
+from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software,
                               load_model)
 
@@ -50,31 +50,44 @@ __all__ = ["validate", "plan", "run_unit", "report", "policies_of", "corpus_text
            "quanto_bytes", "REFERENCE"]
 
 REFERENCE = "dynamic_cache"
-PEER_SPEC = {"backend": ("choice", ("quanto",)), "bits": ("choice", (2, 4))}
+PEER = Spec("live peer", "A cache users know, run as one more arm: transformers' QuantizedCache.", {
+    "backend": Key(("choice", ("quanto",)), "the QuantizedCache backend (optimum-quanto)"),
+    "bits": Key(("choice", (2, 4)), "bits per element"),
+})
+CORPUS = Spec("live corpus", "The text the segments are cut from.", {
+    "builtin": Key((str, type(None)), "a built-in corpus: \"pydoc_topics\" (Python's pydoc_data.topics); null with "
+                                      "files", "pydoc_topics"),
+    "files": Key((list, type(None)), "UTF-8 text files instead (non-empty list of paths relative to the protocol "
+                                     "file); give builtin null with them", None),
+}, rules=("exactly one of builtin and files is given",))
+SPEC = Spec("live", f"Cache policies inside {MODEL_ID} (float32), judged by its teacher-forced predictions against "
+            "DynamicCache: per step log-probability, KL, top-1 agreement, stored bytes. Protocol key \"live\" of a "
+            "protocol with \"kind\": \"live\".", {
+    "model": Key(("choice", (MODEL_ID,)), "the model"),
+    "corpus": Key(dict, "the corpus", see=CORPUS),
+    "segments": Key(("range", int, 1, 4096), "disjoint segments, evenly spaced over the token stream"),
+    "prefill": Key(("range", int, 1, 8192), "prefill tokens per segment"),
+    "steps": Key(("range", int, 1, 8192), "teacher-forced decode steps per segment (each one scored)"),
+    "policies": Key(("list", ("choice", PRESETS), 1), "cache policies (presets of testbed.policies), one arm each"),
+    "batch": Key(("range", int, 1, 256), "segments decoded together", 4),
+    "mode": Key(("choice", ("chunked", "step")), "chunked: tokens between two changes of a policy's state in one "
+                                                "forward (exact); step: one token per forward", "chunked"),
+    "window": Key(("range", int, 0, 8192), "float32 recent window R of the policies (and quanto's residual length)",
+                  128),
+    "group": Key(("choice", (2, 4, 8, 16, 32, 64, 128, 256)), "quantization group size G of the policies", 32),
+    "sink": Key(("range", int, 0, 1024), "float32 sink tokens of the policies that keep a sink", 4),
+    "evict_window": Key(("range", int, 1, 8192), "newest tokens kept by the evicting policies", 256),
+    "peers": Key(("list", dict, 0), "QuantizedCache arms", [], see=PEER),
+    "peer_group": Key(("choice", (32, 64)), "quanto's q_group_size", 64),
+    "reference_chunk": Key(("range", int, 1, 8192), "tokens per forward of the reference", 256),
+    "evidence_layer": Key(("range", int, 0, 4095), "layer whose packed cache of the first batch is stored", 0),
+}, rules=("prefill + steps + 1 <= 8192 (the model's positions)", "evidence_layer is below the model's layer count",
+          "every policy can be built with window, group, sink and evict_window"))
 
 
 def validate(params, where: str) -> dict:
-    p = check_object(params, where, required={
-        "model": ("choice", (MODEL_ID,)),
-        "corpus": dict,
-        "segments": ("range", int, 1, 4096),
-        "prefill": ("range", int, 1, 8192),
-        "steps": ("range", int, 1, 8192),
-        "policies": ("list", ("choice", PRESETS), 1),
-    }, optional={
-        "batch": (("range", int, 1, 256), 4),
-        "mode": (("choice", ("chunked", "step")), "chunked"),
-        "window": (("range", int, 0, 8192), 128),
-        "group": (("choice", (2, 4, 8, 16, 32, 64, 128, 256)), 32),
-        "sink": (("range", int, 0, 1024), 4),
-        "evict_window": (("range", int, 1, 8192), 256),
-        "peers": (("list", dict, 0), []),
-        "peer_group": (("choice", (32, 64)), 64),
-        "reference_chunk": (("range", int, 1, 8192), 256),
-        "evidence_layer": (("range", int, 0, 4095), 0),
-    })
-    corpus = check_object(p["corpus"], f"{where}.corpus", required={}, optional={
-        "builtin": ((str, type(None)), "pydoc_topics"), "files": ((list, type(None)), None)})
+    p = SPEC.check(params, where)
+    corpus = CORPUS.check(p["corpus"], f"{where}.corpus")
     if corpus["files"] is not None:
         check_value(corpus["files"], ("list", str, 1), f"{where}.corpus.files")
     if corpus["builtin"] is not None:
@@ -85,7 +98,7 @@ def validate(params, where: str) -> dict:
         raise ProtocolError(f"{where}.corpus: give either builtin or files, not both")
     p["corpus"] = corpus
     for i, peer in enumerate(p["peers"]):
-        check_object(peer, f"{where}.peers[{i}]", required=PEER_SPEC)
+        PEER.check(peer, f"{where}.peers[{i}]")
     if p["prefill"] + p["steps"] + 1 > 8192:
         raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {p['prefill'] + p['steps'] + 1} exceeds the model's "
                             "8,192 positions")
@@ -325,9 +338,10 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
     return cases, units
 
 
-def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None]:
-    """One arm on one batch of segments: its rows (arrays into ``ctx.store``) and, for the
-    reference, ``(log-probabilities, argmax)`` that the batch's other arms are compared with."""
+def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None, str]:
+    """One arm on one batch of segments: its rows (arrays into ``ctx.store``), for the reference
+    ``(log-probabilities, argmax)`` that the batch's other arms are compared with, and a note for
+    the progress line."""
     p = proto["live"]
     study = ctx.study
     store = ctx.store
@@ -401,9 +415,9 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
             row["evidence"] = {"layer": evidence_layer,
                                "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
         rows.append(row)
-    ctx.progress(f"[{study}] {unit['label']}: {len(schedule) + 1} forwards, {seconds:.1f} s "
-                 f"({1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token)")
-    return rows, ((ref_logp, ref_argmax) if arm == REFERENCE else None)
+    note = (f"{len(schedule) + 1} forwards, {seconds:.1f} s, "
+            f"{1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token")
+    return rows, ((ref_logp, ref_argmax) if arm == REFERENCE else None), note
 
 
 def _dynamic_bytes(cache) -> int:

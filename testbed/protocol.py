@@ -23,7 +23,7 @@ from typing import Any
 
 from . import live
 from .analyses import ANALYSES
-from .schema import ProtocolError, check_object, check_value, key_name
+from .schema import Key, ProtocolError, Spec, check_object, check_value, key_name
 from .sources import SOURCES
 
 __all__ = ["ProtocolError", "load_protocol", "validate_protocol", "check_object", "check_value", "PROTOCOL_DIR",
@@ -32,20 +32,42 @@ __all__ = ["ProtocolError", "load_protocol", "validate_protocol", "check_object"
 PROTOCOL_DIR = Path(__file__).resolve().parent.parent / "protocols"
 
 
+TIMING = Spec("protocol timing", "Raw wall-time measurements (timings.json); never part of a result.", {
+    "repeats": Key(("range", int, 0, 100), "timed repeats per arm, arm order shuffled per repeat", 3),
+    "seed": Key(int, "seed of the shuffle", 0),
+})
+AUDIT = Spec("protocol audit", "The tolerances the audit re-derives this study's numbers with: "
+             "|reported - derived| <= atol + rtol * |derived|.", {
+    "rtol": Key(("range", float, 0.0, 1.0), "relative tolerance", 1e-6),
+    "atol": Key(("range", float, 0.0, 1.0), "absolute tolerance", 1e-9),
+})
+_COMMON = {
+    "description": Key(str, "what the study asks, for the report", ""),
+    "default": Key(bool, "run it when python -m testbed.run has no --protocol", False),
+    "timing": Key(dict, "timings", {}, see=TIMING),
+    "audit": Key(dict, "audit tolerances", {}, see=AUDIT),
+}
+NAME_RULE = "name is letters, digits and underscores (it names the study's folders)"
+ATTENTION = Spec("protocol (attention study)", "A protocol file: a JSON object. Every key is checked before "
+                 "anything runs; relative paths inside it resolve against the folder of the protocol file.", {
+    "name": Key(str, "the study's name"),
+    "source": Key(dict, "which Cases to make: an object whose \"kind\" is one of the sources below"),
+    "analyses": Key(dict, "what to measure on each Case: {analysis name: its parameters object}, at least one"),
+    "kind": Key(("choice", ("attention",)), "attention (the default) or live (see the live study)", "attention"),
+    **_COMMON,
+}, rules=(NAME_RULE,))
+LIVE = Spec("protocol (live study)", "A protocol with \"kind\": \"live\": policies inside the model.", {
+    "name": Key(str, "the study's name"),
+    "kind": Key(("choice", ("live",)), "live"),
+    "live": Key(dict, "the study", see=live.SPEC),
+    **_COMMON,
+}, rules=(NAME_RULE,))
+
+
 def validate_protocol(raw: Any, where: str = "protocol") -> dict:
     if isinstance(raw, dict) and raw.get("kind") == "live":
         return _validate_live(raw, where)
-    proto = check_object(
-        raw, where,
-        required={"name": str, "source": dict, "analyses": dict},
-        optional={
-            "kind": (("choice", ("attention",)), "attention"),
-            "description": (str, ""),
-            "default": (bool, False),
-            "timing": (dict, {}),
-            "audit": (dict, {}),
-        },
-    )
+    proto = ATTENTION.check(raw, where)
     _check_name(proto, where)
     kind = proto["source"].get("kind")
     if not isinstance(kind, str) or kind not in SOURCES:
@@ -68,29 +90,30 @@ def _check_name(proto: dict, where: str) -> None:
 
 
 def _common(proto: dict, where: str) -> dict:
-    proto["timing"] = check_object(proto["timing"], f"{where}.timing", {}, {
-        "repeats": (("range", int, 0, 100), 3), "seed": (int, 0)})
-    proto["audit"] = check_object(proto["audit"], f"{where}.audit", {}, {
-        "rtol": (("range", float, 0.0, 1.0), 1e-6), "atol": (("range", float, 0.0, 1.0), 1e-9)})
+    proto["timing"] = TIMING.check(proto["timing"], f"{where}.timing")
+    proto["audit"] = AUDIT.check(proto["audit"], f"{where}.audit")
     return proto
 
 
 def _validate_live(raw: dict, where: str) -> dict:
     """A live study (``"kind": "live"``): policies inside a model, see :mod:`testbed.live`."""
-    proto = check_object(raw, where, required={"name": str, "kind": ("choice", ("live",)), "live": dict}, optional={
-        "description": (str, ""), "default": (bool, False), "timing": (dict, {}), "audit": (dict, {})})
+    proto = LIVE.check(raw, where)
     _check_name(proto, where)
     proto["live"] = live.validate(proto["live"], f"{where}.live")
     return _common(proto, where)
 
 
-def estimate_protocol(proto: dict) -> int | None:
+def estimate_protocol(proto: dict, base: Path | None = None) -> int | None:
     """Peak bytes of a validated protocol's largest unit (a Case, or a live study's batch), or None
-    when its source has no ``estimate_bytes`` hook (see :mod:`testbed.resources`)."""
+    when its source has no ``estimate_bytes`` hook (see :mod:`testbed.resources`). ``base``: the
+    protocol file's folder, for a source that reads files named in the protocol (traces)."""
     if proto.get("kind") == "live":
         return int(live.estimate_bytes(proto["live"]))
-    hook = getattr(SOURCES.get(proto["source"]["kind"]), "estimate_bytes", None)
-    return None if hook is None else int(hook(proto["source"]))
+    kind = proto["source"]["kind"]
+    hook = getattr(SOURCES.get(kind), "estimate_bytes", None)
+    if hook is None:
+        return None
+    return int(hook(proto["source"], base) if kind == "trace" else hook(proto["source"]))
 
 
 def _strict_pairs(pairs):

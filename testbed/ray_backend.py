@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 from .context import RunContext
+from .progress import Progress
 from .evidence import ArrayStore, RecordingStore, environment, replay, sha256_bytes, source_hashes
 from .units import Unit, absorb, lists_of, pinned_torch, plan, run_unit, study_entry, study_result, unit_context
 
@@ -54,12 +56,12 @@ def _import_ray():
     return ray
 
 
-def _task(proto: dict, unit_json: str, threads, dep, fault_dir):
+def _task(proto: dict, unit_json: str, threads, dep, fault_dir, base):
     """Worker side: one unit, recorded. Returns (result JSON text, saves, files, dependency output)."""
     _maybe_fault(fault_dir, json.loads(unit_json))
     unit = Unit(**json.loads(unit_json))
     store = RecordingStore()
-    uc = unit_context(store, proto["name"], proto, unit, lambda m: None)
+    uc = unit_context(store, proto["name"], proto, unit, lambda m: None, None if base is None else Path(base))
     if dep is not None:  # the live reference: numpy arrays from its task, as torch tensors again
         import torch
 
@@ -131,7 +133,7 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
         store = ArrayStore(root)
         entry = study_entry(root, path, proto, raw)
         ctx = RunContext(store, study=proto["name"], timing_repeats=proto["timing"]["repeats"],
-                         timing_seed=proto["timing"]["seed"], progress=progress)
+                         timing_seed=proto["timing"]["seed"], progress=progress, base=Path(path).resolve().parent)
         cases, units = plan(proto, ctx, path)
         studies.append({"path": path, "proto": proto, "entry": entry, "ctx": ctx, "cases": cases, "units": units,
                         "refs": {}, "done": {}})
@@ -144,7 +146,8 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
         if u.needs is not None:
             dep = st["refs"][u.needs][3]  # the reference's output ObjectRef: Ray passes it on when ready
         opts = {k: v for k, v in u.resources.items() if k in ("num_cpus", "num_gpus")}
-        refs = remote.options(**opts).remote(st["proto"], json.dumps(u.__dict__), threads, dep, fault_dir)
+        refs = remote.options(**opts).remote(st["proto"], json.dumps(u.__dict__), threads, dep, fault_dir,
+                                             str(st["ctx"].base))
         st["refs"][u.index] = refs
         pending[refs[0]] = (si, u)
 
@@ -153,7 +156,7 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
     # its output), each group heaviest first: quanto's one token per forward does not end the run alone.
     for si, u in sorted(order, key=lambda x: (x[1].needs is not None, -x[1].weight)):
         submit(si, u)
-    t0, n_done = time.perf_counter(), 0
+    bar = Progress(total, "ray", progress, unit="unit")
     try:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -180,10 +183,7 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
             for i in {u.index, u.needs} - {None}:  # drop outputs (the reference's log-probs) nobody waits for
                 if all(v.index in st["done"] for v in st["units"] if v.needs == i):
                     st["refs"][i] = None
-            n_done += 1
-            spent = time.perf_counter() - t0
-            progress(f"[{st['proto']['name']}] {n_done}/{total} done ({u.label}); "
-                     f"{spent:.0f} s, ~{spent / n_done * (total - n_done):.0f} s left")
+            bar.step(f"{st['proto']['name']} {u.label} done")
     except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)

@@ -2,6 +2,7 @@
 
     python -m testbed.run --out target/x                      # every protocol marked default
     python -m testbed.run --out target/x --protocol protocols/residual_window.json
+    python -m testbed.run --describe [NAME]                   # every protocol key, or NAME's (docs/protocols.md)
 
 The run writes into a hidden sibling folder ``.NAME.partial-PID`` and renames it to ``--out``
 only when complete, so an interrupted run leaves nothing at ``--out``. An existing ``--out`` is
@@ -36,14 +37,22 @@ import threading
 import time
 from pathlib import Path
 
-from . import ray_backend
-from .context import RunContext
-from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_file, source_hashes, write_json
-from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
-from .report import build_report
-from .report_html import build_html
-from .resources import ResourceError, check_memory
-from .units import pinned_torch, run_serial, study_entry, study_result
+from ._cli import entry, interrupted
+
+try:  # torch and the model code take a second or more to import: Ctrl-C then is one line, not a traceback
+    from . import ray_backend
+    from .context import RunContext
+    from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_file, source_hashes, write_json
+    from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
+    from .report import build_report
+    from .report_html import build_html
+    from .resources import ResourceError, check_memory
+    from .tables import results_csv
+    from .units import pinned_torch, run_serial, study_entry, study_result
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    sys.exit(interrupted("nothing was written"))
 
 __all__ = ["main", "run_protocols", "sweep_stale_partials", "partial_dir"]
 
@@ -91,7 +100,7 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
     files, all inside ``root``."""
     entry = study_entry(root, path, proto, raw)
     ctx = RunContext(ArrayStore(root), study=proto["name"], timing_repeats=proto["timing"]["repeats"],
-                     timing_seed=proto["timing"]["seed"], progress=progress)
+                     timing_seed=proto["timing"]["seed"], progress=progress, base=Path(path).resolve().parent)
     cases, rows = run_serial(proto, ctx, path)
     return study_result(root, entry, ctx, cases, rows)
 
@@ -157,10 +166,11 @@ def _finish(root, protocols, studies, sources, memory, t_run) -> dict:
         "excluded": excluded,
     }
     write_json(root / "results.json", {"schema_version": SCHEMA_VERSION, "cases": cases, "rows": rows})
+    (root / "results.csv").write_bytes(results_csv(rows))
     write_json(root / "timings.json", timings)
     (root / "report.md").write_text(build_report([p for _, p, _ in protocols], rows, manifest, timings), encoding="utf-8")
     (root / "report.html").write_text(build_html([p for _, p, _ in protocols], rows, root), encoding="utf-8")
-    for rel in ("results.json", "timings.json", "report.md", "report.html"):
+    for rel in ("results.json", "results.csv", "timings.json", "report.md", "report.html"):
         files[rel] = sha256_file(root / rel)
     for e in proto_entries:
         files[e["copy"]] = e["sha256"]
@@ -175,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m testbed.run", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="With no --protocol, every protocols/*.json marked \"default\": true is run.")
-    ap.add_argument("--out", required=True, help="output folder; must not exist yet")
+    ap.add_argument("--out", help="output folder; must not exist yet (required unless --describe)")
     ap.add_argument("--protocol", action="append", default=[], metavar="FILE",
                     help="protocol JSON to run (repeatable); default: all default protocols")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -192,7 +202,24 @@ def _parser() -> argparse.ArgumentParser:
                          "local Ray with --jobs CPUs (default: all cores) starts and stops with the run")
     ap.add_argument("--no-memory-guard", action="store_true",
                     help="run even when the largest case's estimated memory exceeds the available memory")
+    ap.add_argument("--describe", nargs="?", const="", metavar="NAME",
+                    help="print every protocol key (type, default, allowed values, meaning) of every source, analysis "
+                         "and the live study, or of NAME only, and exit")
+    ap.add_argument("--markdown", action="store_true", help="with --describe: the whole reference as Markdown "
+                                                            "(docs/protocols.md)")
     return ap
+
+
+def _describe(args) -> int:
+    from .describe import describe, markdown
+
+    try:
+        text = markdown() if args.markdown else describe(args.describe or None)
+    except ValueError as e:  # an unknown NAME: one line that lists the valid ones
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
 
 
 def partial_dir(out: Path, pid: int | None = None) -> Path:
@@ -248,7 +275,12 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.describe is not None:
+        return _describe(args)
+    if args.out is None:
+        ap.error("the following arguments are required: --out")
     out = Path(args.out)
     if out.exists() or out.is_symlink():
         print(f"error: --out {out} already exists; refusing to touch it (choose a new folder)", file=sys.stderr)
@@ -271,7 +303,7 @@ def main(argv=None) -> int:
             raise ProtocolError("no --protocol given and no protocol in protocols/ is marked default")
         protocols = [(p, *load_protocol(p)) for p in paths]
         memory = None if args.no_memory_guard else check_memory(
-            {proto["name"]: estimate_protocol(proto) for _, proto, _ in protocols})
+            {proto["name"]: estimate_protocol(proto, p.resolve().parent) for p, proto, _ in protocols})
     except (ProtocolError, ResourceError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -324,5 +356,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli(argv=None) -> int:
+    """The ``testbed-run`` console script: :func:`main` with Ctrl-C and a closed pipe handled."""
+    return entry(main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

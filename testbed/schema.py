@@ -6,10 +6,12 @@ and study registries) and the modules it registers never import each other in a 
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
-__all__ = ["ProtocolError", "check_value", "check_object", "key_name"]
+__all__ = ["ProtocolError", "check_value", "check_object", "key_name", "Key", "Spec", "REQUIRED", "spec_type",
+           "spec_allowed"]
 
 
 class ProtocolError(ValueError):
@@ -85,3 +87,73 @@ def check_object(obj: Any, where: str, required: dict, optional: dict | None = N
     for key, (spec, default) in optional.items():
         out[key] = check_value(obj[key], spec, f"{where}.{key}") if key in obj else default
     return out
+
+
+# -- declarative specs: one table per object, used to validate it and to describe it -------------
+
+REQUIRED = object()  # the default of a key that must be given
+
+
+class Key:
+    """One key of a protocol object: its spec (as :func:`check_value` takes it), its default
+    (``REQUIRED`` for none) and what it means. ``see`` names a nested :class:`Spec` that describes
+    the object (or each object of the list) the key holds."""
+
+    __slots__ = ("spec", "default", "doc", "see")
+
+    def __init__(self, spec, doc: str, default=REQUIRED, see: "Spec | None" = None):
+        self.spec, self.default, self.doc, self.see = spec, default, doc, see
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+class Spec:
+    """The keys of one protocol object, in the order they are checked, plus the rules between
+    keys that a table cannot hold (``rules``: one sentence each; the code that enforces them sits
+    next to the spec, in the module's ``validate``)."""
+
+    def __init__(self, title: str, doc: str, keys: dict[str, Key], rules: tuple[str, ...] = ()):
+        self.title, self.doc, self.keys, self.rules = title, doc, keys, tuple(rules)
+
+    @property
+    def required(self) -> dict:
+        return {k: key.spec for k, key in self.keys.items() if key.required}
+
+    @property
+    def optional(self) -> dict:
+        # a fresh copy of each default per call: a validated protocol never shares a list with another
+        return {k: (key.spec, copy.deepcopy(key.default)) for k, key in self.keys.items() if not key.required}
+
+    def check(self, obj: Any, where: str) -> dict:
+        """Validate ``obj`` against the table (unknown and missing keys, types, ranges, choices)."""
+        return check_object(obj, where, self.required, self.optional)
+
+
+def spec_type(spec) -> str:
+    """The type of a value spec in words: ``integer``, ``list of string``, ``integer or null``."""
+    if isinstance(spec, tuple) and spec and spec[0] == "list":
+        return f"list of {spec_type(spec[1])}"
+    if isinstance(spec, tuple) and spec and spec[0] == "range":
+        return spec_type(spec[1])
+    if isinstance(spec, tuple) and spec and spec[0] == "choice":
+        kinds = sorted({spec_type(type(o)) for o in spec[1]})
+        return " or ".join(kinds)
+    if isinstance(spec, tuple):
+        return " or ".join(spec_type(t) for t in spec)
+    if spec is type(None):
+        return "null"
+    return _type_name(spec)
+
+
+def spec_allowed(spec) -> str:
+    """The values a spec allows beyond its type, in words ("" when any value of the type)."""
+    if isinstance(spec, tuple) and spec and spec[0] == "list":
+        inner = spec_allowed(spec[1])
+        return f"at least {spec[2]} item(s), none repeated" + (f"; each {inner}" if inner else "")
+    if isinstance(spec, tuple) and spec and spec[0] == "range":
+        return f"{spec[2]!r} to {spec[3]!r}"
+    if isinstance(spec, tuple) and spec and spec[0] == "choice":
+        return "one of " + ", ".join(json.dumps(o) for o in spec[1])
+    return ""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from . import live
 from .context import RunContext
 from .evidence import REPO_ROOT, sha256_bytes
+from .progress import Progress
 from .protocol import ProtocolError
 
 __all__ = ["Unit", "plan", "run_unit", "unit_context", "absorb", "run_serial", "pinned_torch", "study_entry",
@@ -110,12 +110,12 @@ def plan(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, list[U
                 for i, sub in enumerate(slices)]
 
 
-def unit_context(ctx_or_store, study: str, proto: dict, unit: Unit, progress) -> RunContext:
+def unit_context(ctx_or_store, study: str, proto: dict, unit: Unit, progress, base=None) -> RunContext:
     """A fresh context for one unit: its own timings, gates, exclusions and files; timing order
     shuffled by a generator seeded from the protocol's timing seed and the unit's index, so it
     does not depend on which units ran before it in the same process."""
     c = RunContext(ctx_or_store, study=study, timing_repeats=proto["timing"]["repeats"],
-                   timing_seed=proto["timing"]["seed"], progress=progress)
+                   timing_seed=proto["timing"]["seed"], progress=progress, base=base)
     c.rng = random.Random(f"{proto['timing']['seed']}:{unit.index}")
     return c
 
@@ -124,10 +124,10 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
     """Run one unit into ``ctx``; returns ``{"cases", "rows", "out"}`` (``out``: what a dependent
     unit needs, the live reference's log-probabilities; None otherwise)."""
     if unit.kind == "live":
-        rows, out = live.run_unit(proto, unit.spec, ctx, dep)
-        return {"cases": {}, "rows": rows, "out": out}
+        rows, out, note = live.run_unit(proto, unit.spec, ctx, dep)
+        return {"cases": {}, "rows": rows, "out": out, "note": f"{live._arms(proto['live'])[unit.spec['arm']][0]} "
+                                                               f"(batch {unit.spec['batch'] + 1}): {note}"}
     cases, rows = {}, []
-    t0 = time.perf_counter()
     source = _source(proto)
     it = iter(source.cases(unit.spec["source"], ctx))
     i = 0
@@ -147,8 +147,8 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
         cases[case.id] = _save_case(case, ctx)
         for name, params in proto["analyses"].items():
             rows.extend(_analysis(name).evaluate(case, params, ctx))
-        ctx.progress(f"[{ctx.study}] {unit.label} {case.id}: {len(rows)} rows ({time.perf_counter() - t0:.1f} s)")
-    return {"cases": cases, "rows": rows, "out": None}
+    note = f"{', '.join(cases) if len(cases) <= 2 else f'{len(cases)} cases'}, {len(rows)} rows"
+    return {"cases": cases, "rows": rows, "out": None, "note": note}
 
 
 def _save_case(case, ctx: RunContext) -> dict:
@@ -215,9 +215,12 @@ def run_serial(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, 
     """Every unit of the study, one after the other, in this process."""
     cases, units = plan(proto, ctx, protocol_path)
     rows, outs = [], {}
+    word = "batch x arm" if units and units[0].kind == "live" else (units[0].label.split()[0] if units else "unit")
+    bar = Progress(len(units), ctx.study, ctx.progress, unit=word)
     for u in units:
-        uc = unit_context(ctx.store, ctx.study, proto, u, ctx.progress)
+        uc = unit_context(ctx.store, ctx.study, proto, u, ctx.progress, ctx.base)
         result = run_unit(proto, u, uc, outs.get(u.needs))
+        bar.step(result["note"])
         absorb(ctx, proto, result, lists_of(uc), cases, rows)
         if result["out"] is not None:
             outs[u.index] = result["out"]

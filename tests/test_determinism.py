@@ -114,5 +114,5 @@ def test_consistent_refabrication_passes_audit_but_not_a_rerun(two_runs, tmp_pat
     reliability("determinism", "re-fabricated run compared with a re-run (audit --same-as)",
                 "FAIL naming the replaced arrays", diff[0] if diff else "no difference")
     assert ok, failures[:3]
-    assert diff and all("-s19-n128/" in line or line.startswith("FAIL: results.json") for line in diff)
+    assert diff and all("-s19-n128/" in line or line.startswith(("FAIL: results.json", "FAIL: results.csv")) for line in diff)
     assert any("/k.npy" in line for line in diff)

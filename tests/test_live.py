@@ -23,6 +23,7 @@ from testbed.policies import preset
 from testbed.run import main as run_main
 from testbed.sources import capture
 from tests._helpers import forge_report_html
+from tests._helpers import forge_results
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -172,8 +173,7 @@ def _rows(run: Path) -> dict:
 
 
 def _write_rows(run: Path, res: dict) -> None:
-    (run / "results.json").write_text(json.dumps(res, indent=1))
-    _rehash(run, "results.json")
+    forge_results(run, res)
 
 
 def _row(res, arm, case="seg000"):

@@ -119,7 +119,7 @@ def test_a_task_that_always_fails_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TESTBED_RAY_FAULT_DIR", str(tmp_path))
     assert _run(tmp_path / "ray", [proto], "--backend", "ray", "--jobs", "2") == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: doomed unit 1/2 failed after 2 retries") and "nothing was written" in err[-1]
+    assert err[-1].startswith("error: doomed case 1/2 failed after 2 retries") and "nothing was written" in err[-1]
     assert not (tmp_path / "ray").exists() and not list(tmp_path.glob(".ray.partial-*"))
 
 
@@ -149,7 +149,7 @@ def test_ctrl_c_cancels_the_tasks_and_writes_nothing(tmp_path):
     deadline = time.monotonic() + 120
     for line in proc.stderr:  # wait until tasks are finishing: Ray is up and the run is under way
         lines.append(line)
-        if " done (" in line or time.monotonic() > deadline:
+        if line.startswith("[ray] unit ") or time.monotonic() > deadline:
             break
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)

@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 
 from testbed.audit import audit
 from testbed.run import main as run_main
-from tests._helpers import finished_run as run_once
+from tests._helpers import finished_run as run_once, forge_results, heavy_imports
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = REPO / "protocols" / "residual_window.json"
@@ -66,18 +64,13 @@ def test_audit_fails_on_one_flipped_bit(finished_run, tmp_path):
 
 
 def test_audit_recomputes_numbers_even_when_hashes_are_forged(finished_run, tmp_path):
-    import hashlib
-
     copy = tmp_path / "copy"
     shutil.copytree(finished_run, copy)
     res = json.loads((copy / "results.json").read_text())
     res["rows"][3]["rel_l2"] *= 0.5
-    (copy / "results.json").write_text(json.dumps(res))
-    man = json.loads((copy / "manifest.json").read_text())
-    man["files"]["results.json"] = hashlib.sha256((copy / "results.json").read_bytes()).hexdigest()
-    (copy / "manifest.json").write_text(json.dumps(man))
+    forge_results(copy, res)
     ok, failures, _ = audit(copy)
-    assert not ok and any("row 3" in f and "rel_l2" in f for f in failures)
+    assert not ok and any(f.startswith("FAIL: results.json row 3 ") and "rel_l2" in f for f in failures)
 
 
 def test_payload_bytes_rederived_from_arrays(finished_run):
@@ -98,8 +91,4 @@ def test_existing_out_refused_and_untouched(tmp_path, capsys):
 
 
 def test_audit_imports_neither_torch_nor_testbed_numerics(finished_run):
-    code = ("import sys, testbed.audit as a; ok, f, s = a.audit(sys.argv[1]); "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('testbed.quant', 'testbed.attention', "
-            "'testbed.metrics', 'testbed.ablation'))]; print(ok, bad)")
-    out = subprocess.run([sys.executable, "-c", code, str(finished_run)], capture_output=True, text=True, cwd=REPO)
-    assert out.stdout.strip() == "True []", out.stdout + out.stderr
+    assert heavy_imports("import testbed.audit as a; ok, f, s = a.audit(sys.argv[1])", finished_run) == ("True", [])

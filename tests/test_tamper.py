@@ -32,6 +32,7 @@ import testbed.audit as audit_mod
 from testbed.audit import audit
 from testbed.run import main as run_main
 from tests._helpers import forge_report_html
+from tests._helpers import forge_results
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,9 +131,10 @@ def results(run_dir: Path) -> dict:
 
 
 def write_results(run_dir: Path, res: dict, forge: bool) -> None:
-    (run_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    if forge:
-        rehash(run_dir, "results.json")
+    if forge:  # results.csv rewritten to agree, both hashes recorded
+        forge_results(run_dir, res)
+    else:
+        (run_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
 
 
 def row_index(res: dict, case: str = CASE, arm: str = "R=16") -> int:
@@ -197,13 +199,13 @@ def role(rel: str) -> str:
 
 @contextlib.contextmanager
 def restored(run_dir: Path, rel: str):
-    """Tamper with ``rel`` (and the manifest) inside the block; both are put back afterwards."""
-    data, man = (run_dir / rel).read_bytes(), (run_dir / "manifest.json").read_bytes()
+    """Tamper with ``rel`` (and the manifest, and results.csv) inside the block; all are put back afterwards."""
+    keep = {p: (run_dir / p).read_bytes() for p in dict.fromkeys((rel, "manifest.json", "results.csv"))}
     try:
         yield run_dir / rel
     finally:
-        (run_dir / rel).write_bytes(data)
-        (run_dir / "manifest.json").write_bytes(man)
+        for p, data in keep.items():
+            (run_dir / p).write_bytes(data)
 
 
 def test_naive_bit_flip_in_every_array_of_a_case(run, reliability):

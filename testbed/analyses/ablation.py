@@ -26,10 +26,10 @@ from tabulate import tabulate
 from ..ablation import ABLATION_NAMES, DEFAULT_MAX_SCORES, ablate_case, control_block, make_ablation
 from ..context import case_fields
 from ..metrics import history_span, paired_wilcoxon
-from ..schema import ProtocolError, check_object
+from ..schema import Key, ProtocolError, Spec
 from ..quant import ResidualWindow, from_config
 
-__all__ = ["validate", "evaluate", "report", "build_arms", "REGION_FIELDS"]
+__all__ = ["validate", "evaluate", "report", "build_arms", "REGION_FIELDS", "SPEC", "ARM"]
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
 DEFAULT_ARMS = [
@@ -47,9 +47,19 @@ def _check_ablation_name(name, where):
     return name
 
 
+ARM = Spec("ablation K/V arm", "One way the cache is stored: float32, or its history quantized.", {
+    "name": Key(str, "arm name (float32 is the unquantized arm, required in every list)"),
+    "key": Key(dict, "quantizer config of K, e.g. {\"kind\": \"int_grouped\", \"bits\": 4, \"group_size\": 32, "
+                     "\"axis\": \"channel\"} or {\"kind\": \"mx\", \"element\": \"e4m3\", \"block_size\": 32, "
+                     "\"rotation\": null, \"seed\": 0}; none for float32", None),
+    "value": Key(dict, "quantizer config of V (as key)", None),
+    "window": Key((int, str), "recent tokens kept float32: a count >= 0, or \"recent\" (the recent region's size)", 0),
+}, rules=("the float32 arm takes no quantizers; every other arm needs key and value, each a valid quantizer "
+          "config",))
+
+
 def _check_arm(arm, where):
-    a = check_object(arm, where, required={"name": str}, optional={
-        "key": (dict, None), "value": (dict, None), "window": ((int, str), 0)})
+    a = ARM.check(arm, where)
     if a["name"] == "float32":
         if a["key"] is not None or a["value"] is not None:
             raise ProtocolError(f"{where}: the float32 arm takes no quantizers")
@@ -69,13 +79,19 @@ def _check_arm(arm, where):
     return a
 
 
+SPEC = Spec("analysis: ablation", "Causal ablation of the cache (drop the sink, recent window, middle, history; "
+            "same-size seeded controls) on float32 and on quantized K/V, each a masked renormalized softmax.", {
+    "ablations": Key(("list", str, 1), "ablations to run: none, drop_<region>, control_<region>, drop_history, "
+                                       "keep_current_only", list(ABLATION_NAMES)),
+    "control_seed": Key(int, "seed that places the same-size control blocks", 0),
+    "kv_arms": Key(("list", dict, 1), "how the cache is stored", DEFAULT_ARMS, see=ARM),
+    "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile (memory bound)", DEFAULT_MAX_SCORES),
+}, rules=("\"none\" is in ablations, and no ablation is listed twice",
+          "kv_arms has the float32 arm and distinct names"))
+
+
 def validate(params, where):
-    p = check_object(params, where, required={}, optional={
-        "ablations": (("list", str, 1), list(ABLATION_NAMES)),
-        "control_seed": (int, 0),
-        "kv_arms": (("list", dict, 1), DEFAULT_ARMS),
-        "max_scores": (("range", int, 1, 1 << 30), DEFAULT_MAX_SCORES),
-    })
+    p = SPEC.check(params, where)
     p["ablations"] = [_check_ablation_name(n, f"{where}.ablations[{i}]") for i, n in enumerate(p["ablations"])]
     if "none" not in p["ablations"]:
         raise ProtocolError(f"{where}.ablations: \"none\" is required (each arm's baseline; its rows name the arm's arrays)")

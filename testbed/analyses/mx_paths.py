@@ -32,10 +32,10 @@ from tabulate import tabulate
 from ..attention import expand_kv, probabilities
 from ..context import case_fields
 from ..metrics import numerical_zero_rate, rel_l2, total_variation
-from ..schema import ProtocolError, check_object
+from ..schema import Key, ProtocolError, Spec
 from ..quant.mx import ELEMENTS, MX
 
-__all__ = ["validate", "evaluate", "report", "ROTATION_NAMES"]
+__all__ = ["validate", "evaluate", "report", "ROTATION_NAMES", "SPEC"]
 
 ROTATION_NAMES = ("none", "signed_hadamard")
 TV_HIGH = 0.05
@@ -46,14 +46,18 @@ SEED_STUDY = {"qk_tv_median": 0.0152, "qk_argmax": 0.9433, "p_tv_median": 0.0106
               "p_zero_mean": 0.0245, "p_row_sum_median": 0.999392, "p_rows_with_zero": 0.3663}
 
 
+SPEC = Spec("analysis: mx_paths", "MX quantization on the Q/K path (with and without a signed Hadamard rotation) "
+            "and on the probability path, against the float64 reference: TV, argmax agreement, zeros, row sums.", {
+    "element": Key(("choice", tuple(ELEMENTS)), "MX element format", "e4m3"),
+    "block_size": Key(("choice", (2, 4, 8, 16, 32, 64, 128)), "elements per shared E8M0 scale", 32),
+    "rotations": Key(("list", ("choice", ROTATION_NAMES), 1), "Q/K path variants", list(ROTATION_NAMES)),
+    "rotation_seed": Key(("range", int, 0, 2**31 - 1), "seed of the rotation's random signs", 0),
+    "p_path": Key(bool, "also quantize the probabilities (the P path)", True),
+})
+
+
 def validate(params, where):
-    p = check_object(params, where, required={}, optional={
-        "element": (("choice", tuple(ELEMENTS)), "e4m3"),
-        "block_size": (("choice", (2, 4, 8, 16, 32, 64, 128)), 32),
-        "rotations": (("list", ("choice", ROTATION_NAMES), 1), list(ROTATION_NAMES)),
-        "rotation_seed": (("range", int, 0, 2**31 - 1), 0),
-        "p_path": (bool, True),
-    })
+    p = SPEC.check(params, where)
     if len(set(p["rotations"])) != len(p["rotations"]):
         raise ProtocolError(f"{where}.rotations: {p['rotations']!r} names a rotation twice")
     return p

@@ -25,9 +25,9 @@ from tabulate import tabulate
 
 from ..context import case_fields
 from ..metrics import TOP_PERCENTS, history_span, observe, summary
-from ..schema import check_object
+from ..schema import Key, Spec
 
-__all__ = ["validate", "evaluate", "report", "ROW_FIELDS", "REGIONS"]
+__all__ = ["SPEC", "validate", "evaluate", "report", "ROW_FIELDS", "REGIONS"]
 
 REGIONS = ("sink", "middle", "recent", "current", "history")
 HEATMAP_INLINE_MAX = 1024  # query blocks x key blocks inlined in the case row (6 x 16 in the study)
@@ -35,13 +35,19 @@ ROW_FIELDS = ("visible_keys", "support", "top1", "top5", "top10", "zero_rate", "
               "recent_mass", "current_mass", "history_mass")
 
 
+SPEC = Spec("analysis: observation", "Attention topology of each Case on the float64 reference: effective support, "
+            "top-k mass, strict zeros, region mass, temporal heatmap, block predictability.", {
+    "block_tokens": Key(("range", int, 1, 1 << 20), "tokens per block (and per frame when the Case has no "
+                                                    "tokens_per_frame)", 16),
+    "coverage": Key(("range", float, 0.01, 1.0), "mass the top key blocks must reach (block predictability)", 0.9),
+    "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile of the tiled pass (memory bound)", 1 << 21),
+    "store_rows_max": Key(("range", int, 0, 1 << 24), "store per-row metrics when the Case has at most this many "
+                                                      "query-head rows", 65536),
+})
+
+
 def validate(params, where):
-    return check_object(params, where, required={}, optional={
-        "block_tokens": (("range", int, 1, 1 << 20), 16),
-        "coverage": (("range", float, 0.01, 1.0), 0.9),
-        "max_scores": (("range", int, 1, 1 << 30), 1 << 21),
-        "store_rows_max": (("range", int, 0, 1 << 24), 65536),
-    })
+    return SPEC.check(params, where)
 
 
 def _median(x: torch.Tensor) -> float:

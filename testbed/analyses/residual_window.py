@@ -17,23 +17,28 @@ from tabulate import tabulate
 from ..attention import attention_case, probabilities
 from ..context import case_fields
 from ..metrics import cosine, max_abs, rel_l2
-from ..schema import check_object
+from ..schema import Key, Spec
 from ..quant import IntGrouped, ResidualWindow
 
-__all__ = ["validate", "evaluate", "report", "arms"]
+__all__ = ["validate", "evaluate", "report", "arms", "SPEC"]
+
+
+SPEC = Spec("analysis: residual_window", "Is the most recent window worth float32? K per channel / V per token "
+            "grouped integer quantization with a float32 window of the last R tokens, against the float64 "
+            "reference attention.", {
+    "bits": Key(("choice", (2, 4, 8)), "bits per quantized K/V element"),
+    "group_size": Key(("choice", (2, 4, 8, 16, 32, 64, 128, 256)), "elements sharing one scale and zero point"),
+    "residuals": Key(("list", ("range", int, 0, 1 << 20), 1), "float32 window sizes R to try (one arm each)"),
+    "early_window": Key(("range", int, 0, 1 << 20), "an arm that keeps the first this many tokens float32 instead "
+                                                    "(0: no such arm)", 16),
+    "float32_arm": Key(bool, "also run the unquantized float32 arm", True),
+    "recent_mass_window": Key(("range", int, 1, 1 << 20), "tokens counted as recent for the reference-mass column",
+                              16),
+})
 
 
 def validate(params, where):
-    p = check_object(params, where, required={
-        "bits": ("choice", (2, 4, 8)),
-        "group_size": ("choice", (2, 4, 8, 16, 32, 64, 128, 256)),
-        "residuals": ("list", ("range", int, 0, 1 << 20), 1),
-    }, optional={
-        "early_window": (("range", int, 0, 1 << 20), 16),
-        "float32_arm": (bool, True),
-        "recent_mass_window": (("range", int, 1, 1 << 20), 16),
-    })
-    return p
+    return SPEC.check(params, where)
 
 
 def arms(params) -> list[tuple[str, ResidualWindow | None]]:

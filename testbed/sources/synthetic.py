@@ -24,9 +24,9 @@ import torch
 
 from ..case import Case, Region
 from ..resources import synthetic_estimate_bytes as estimate_bytes  # noqa: F401 (the source's memory hook)
-from ..schema import check_object
+from ..schema import Key, Spec
 
-__all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases"]
+__all__ = ["DISTRIBUTIONS", "base_arrays", "make_case", "validate", "cases", "SPEC"]
 
 DISTRIBUTIONS = ("clean", "early_focus", "recent_focus")
 
@@ -69,20 +69,26 @@ def make_case(distribution: str, seed: int, n: int, head_dim: int = 32, queries:
     )
 
 
+SPEC = Spec("source: synthetic", "Seeded standard-normal Q, K, V with controlled focus (testbed/sources/synthetic.py); "
+            "one Case per seed x length x distribution, decode-style queries that see the whole cache.", {
+    "kind": Key(("choice", ("synthetic",)), "the source kind"),
+    "seeds": Key(("list", ("range", int, 0, (1 << 31) - 1), 1), "generator seeds (one base array per seed and length)"),
+    "lengths": Key(("list", ("range", int, 2, 1 << 20), 1), "cache lengths N (keys per Case)"),
+    "distributions": Key(("list", ("choice", DISTRIBUTIONS), 1),
+                         "clean: the base array; early_focus / recent_focus: the first / last focus_tokens keys "
+                         "gain focus_logit in every query's scaled logit"),
+    "head_dim": Key(("range", int, 1, 4096), "head dimension D", 32),
+    "queries": Key(("range", int, 1, 1 << 16), "queries per head (all at position N - 1)", 8),
+    "heads": Key(("range", int, 1, 256), "query heads H", 1),
+    "kv_heads": Key(("range", int, 1, 256), "KV heads H_kv (consecutive query heads share one)", 1),
+    "focus_tokens": Key(("range", int, 1, 1 << 16), "size of the focused span, and of the sink and recent regions "
+                                                    "of the layout", 16),
+    "focus_logit": Key(("range", float, 0.0, 100.0), "logit added to the focused keys", 4.0),
+}, rules=("2 * focus_tokens <= every length (checked when the Case is built)",))
+
+
 def validate(params: dict, where: str) -> dict:
-    return check_object(params, where, required={
-        "kind": ("choice", ("synthetic",)),
-        "seeds": ("list", ("range", int, 0, (1 << 31) - 1), 1),
-        "lengths": ("list", ("range", int, 2, 1 << 20), 1),
-        "distributions": ("list", ("choice", DISTRIBUTIONS), 1),
-    }, optional={
-        "head_dim": (("range", int, 1, 4096), 32),
-        "queries": (("range", int, 1, 1 << 16), 8),
-        "heads": (("range", int, 1, 256), 1),
-        "kv_heads": (("range", int, 1, 256), 1),
-        "focus_tokens": (("range", int, 1, 1 << 16), 16),
-        "focus_logit": (("range", float, 0.0, 100.0), 4.0),
-    })
+    return SPEC.check(params, where)
 
 
 UNIT = "case"  # what one unit of this source is, in progress lines

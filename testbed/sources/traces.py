@@ -40,10 +40,10 @@ import torch
 from ..evidence import sha256_file
 from ..case import Case, Region
 from ..resources import attention_chain_bytes
-from ..schema import ProtocolError, check_object
+from ..schema import Key, ProtocolError, Spec
 
 __all__ = ["TraceError", "METADATA_KEY", "VERSION", "save_trace", "load_trace", "iter_trace", "validate", "cases",
-           "estimate_bytes"]
+           "estimate_bytes", "SPEC"]
 
 METADATA_KEY = "testbed.trace"
 VERSION = 1
@@ -81,11 +81,25 @@ def save_trace(path: str | Path, cases: Iterable[Case]) -> Path:
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata={METADATA_KEY: header})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates it 0600; a trace is data to share, like any file
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _umask() -> int:
+    """The process umask (read from /proc where it can be, so it is never changed, even briefly)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fail(path: Path, msg: str) -> TraceError:
@@ -210,28 +224,33 @@ def load_trace(path: str | Path) -> list[Case]:
 
 
 
-def _resolve(p: str) -> Path:
-    from ..evidence import REPO_ROOT
-
+def _resolve(p: str, base: Path | None) -> Path:
+    """A trace path as the protocol wrote it, resolved against the protocol file's folder ``base``
+    (the current folder when there is no protocol file)."""
     path = Path(p).expanduser()
-    return path if path.is_absolute() else REPO_ROOT / path
+    return path if path.is_absolute() or base is None else Path(base) / path
+
+
+SPEC = Spec("source: trace", "Cases from trace files (safetensors, module docstring of testbed/sources/traces.py), "
+            "e.g. written by examples/capture_any_model.py on another machine.", {
+    "kind": Key(("choice", ("trace",)), "the source kind"),
+    "files": Key(("list", str, 1), "trace files; a relative path is relative to the folder of the protocol file "
+                                   "(not the current folder), ~ is expanded"),
+    "records": Key(("list", str, 1), "record ids to keep (each must exist); omitted: every record", None),
+}, rules=("no file path is empty",))
 
 
 def validate(params: dict, where: str) -> dict:
-    p = check_object(params, where, required={
-        "kind": ("choice", ("trace",)),
-        "files": ("list", str, 1),
-    }, optional={
-        "records": (("list", str, 1), None),
-    })
+    p = SPEC.check(params, where)
     for i, f in enumerate(p["files"]):
         if not f:
             raise ProtocolError(f"{where}.files[{i}]: empty path")
     return p
 
 
-def estimate_bytes(params: dict) -> int:
-    """Peak bytes of the largest record, from the safetensors headers alone (nothing is loaded).
+def estimate_bytes(params: dict, base: Path | None = None) -> int:
+    """Peak bytes of the largest record, from the safetensors headers alone (nothing is loaded);
+    ``base``: the protocol file's folder.
 
     A file that cannot be read counts 0 here; loading it then fails with its own clear error."""
     from safetensors import safe_open
@@ -239,7 +258,7 @@ def estimate_bytes(params: dict) -> int:
     best = 0
     for f in params["files"]:
         try:
-            with safe_open(str(_resolve(f)), framework="pt") as fh:
+            with safe_open(str(_resolve(f, base)), framework="pt") as fh:
                 shapes = {key: fh.get_slice(key).get_shape() for key in fh.keys()}
         except Exception:  # noqa: BLE001 - reported properly by load_trace
             continue
@@ -252,11 +271,13 @@ def estimate_bytes(params: dict) -> int:
 
 
 def cases(params: dict, ctx=None) -> Iterator[Case]:
-    """Cases from trace files; each case's meta gains ``trace_file`` and ``trace_sha256``."""
+    """Cases from trace files (relative paths against ``ctx.base``, the protocol file's folder); each
+    case's meta gains ``trace_file`` and ``trace_sha256``."""
     wanted = None if params.get("records") is None else set(params["records"])
     seen, listing = set(), []
+    base = getattr(ctx, "base", None)
     for f in params["files"]:
-        path = _resolve(f)
+        path = _resolve(f, base)
         digest = sha256_file(path) if path.is_file() else None
         entry = {"file": f, "sha256": digest, "records": []}
         listing.append(entry)

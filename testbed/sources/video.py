@@ -34,9 +34,10 @@ from typing import Iterator
 import torch
 
 from ..case import Case, Region
-from ..schema import ProtocolError, check_object
+from ..resources import attention_chain_bytes
+from ..schema import Key, ProtocolError, Spec
 
-__all__ = ["LAYOUTS", "make_video_case", "make_llm_case", "validate", "cases"]
+__all__ = ["LAYOUTS", "make_video_case", "make_llm_case", "validate", "cases", "estimate_bytes", "SPEC"]
 
 LAYOUTS = ("video", "llm")
 DEFAULT_CONCENTRATIONS = [16.0, 6.0, 3.0, 0.5]
@@ -134,33 +135,41 @@ def make_llm_case(seed: int, *, sink: int = 4, middle: int = 28, recent: int = 1
     )
 
 
+SPEC = Spec("source: synthetic_video", "Synthetic chunked attention with a structured cache (testbed/sources/video.py)"
+            ": a current chunk of queries attends to sink, recent and current frames (video) or to "
+            "sink | middle | recent | current tokens (llm).", {
+    "kind": Key(("choice", ("synthetic_video",)), "the source kind"),
+    "seeds": Key(("list", ("range", int, 0, 1 << 31), 1), "generator seeds"),
+    "layouts": Key(("list", ("choice", LAYOUTS), 1), "video: frames, bidirectional chunk; llm: tokens, causal chunk"),
+    "chunks": Key(("list", ("range", int, 1, 1 << 12), 1), "video: which chunk of the video is current", [3]),
+    "tokens_per_frame": Key(("range", int, 1, 4096), "video: tokens per frame", 4),
+    "sink_frames": Key(("range", int, 1, 256), "video: frames at the start kept as the sink", 4),
+    "recent_frames": Key(("range", int, 1, 256), "video: frames just before the chunk", 6),
+    "current_frames": Key(("range", int, 1, 256), "video: frames of the current chunk (the queries)", 6),
+    "llm_sink": Key(("range", int, 1, 1 << 16), "llm: sink tokens", 4),
+    "llm_middle": Key(("range", int, 1, 1 << 20), "llm: middle tokens", 28),
+    "llm_recent": Key(("range", int, 1, 1 << 16), "llm: recent tokens", 16),
+    "llm_current": Key(("range", int, 1, 1 << 16), "llm: current tokens (the causal queries)", 32),
+    "heads": Key(("range", int, 1, 256), "query heads H", 4),
+    "kv_heads": Key(("range", int, 1, 256), "video: KV heads", 4),
+    "llm_kv_heads": Key(("range", int, 1, 256), "llm: KV heads", 2),
+    "head_dim": Key(("range", int, 2, 4096), "head dimension D (channel 0 carries the sink bonus)", 32),
+    "concentrations": Key(("list", ("range", float, 0.0, 1000.0), 1),
+                          "per-head concentration kappa (cycled over heads): large is sharp, small near uniform",
+                          list(DEFAULT_CONCENTRATIONS)),
+    "rho": Key(("range", float, 0.0, 1.0), "video: AR(1) correlation of content between frames", 0.8),
+    "llm_rho": Key(("range", float, 0.0, 1.0), "llm: AR(1) correlation between tokens", 0.95),
+    "noise": Key(("range", float, 0.0, 100.0), "per-token content noise", 0.5),
+    "query_noise": Key(("range", float, 0.0, 100.0), "noise added to each query's content", 0.3),
+    "sink_logit": Key(("range", float, 0.0, 100.0), "video: content-free logit bonus of the sink keys", 1.0),
+    "llm_sink_logit": Key(("range", float, 0.0, 100.0), "llm: logit bonus of the sink tokens", 3.0),
+}, rules=("heads is a multiple of kv_heads and of llm_kv_heads",
+          "video: chunk * current_frames - recent_frames >= sink_frames for every chunk (recent frames do not "
+          "overlap the sink)"))
+
+
 def validate(params: dict, where: str) -> dict:
-    p = check_object(params, where, required={
-        "kind": ("choice", ("synthetic_video",)),
-        "seeds": ("list", ("range", int, 0, 1 << 31), 1),
-        "layouts": ("list", ("choice", LAYOUTS), 1),
-    }, optional={
-        "chunks": (("list", ("range", int, 1, 1 << 12), 1), [3]),
-        "tokens_per_frame": (("range", int, 1, 4096), 4),
-        "sink_frames": (("range", int, 1, 256), 4),
-        "recent_frames": (("range", int, 1, 256), 6),
-        "current_frames": (("range", int, 1, 256), 6),
-        "llm_sink": (("range", int, 1, 1 << 16), 4),
-        "llm_middle": (("range", int, 1, 1 << 20), 28),
-        "llm_recent": (("range", int, 1, 1 << 16), 16),
-        "llm_current": (("range", int, 1, 1 << 16), 32),
-        "heads": (("range", int, 1, 256), 4),
-        "kv_heads": (("range", int, 1, 256), 4),
-        "llm_kv_heads": (("range", int, 1, 256), 2),
-        "head_dim": (("range", int, 2, 4096), 32),
-        "concentrations": (("list", ("range", float, 0.0, 1000.0), 1), list(DEFAULT_CONCENTRATIONS)),
-        "rho": (("range", float, 0.0, 1.0), 0.8),
-        "llm_rho": (("range", float, 0.0, 1.0), 0.95),
-        "noise": (("range", float, 0.0, 100.0), 0.5),
-        "query_noise": (("range", float, 0.0, 100.0), 0.3),
-        "sink_logit": (("range", float, 0.0, 100.0), 1.0),
-        "llm_sink_logit": (("range", float, 0.0, 100.0), 3.0),
-    })
+    p = SPEC.check(params, where)
     for key in ("kv_heads", "llm_kv_heads"):
         if p["heads"] % p[key]:
             raise ProtocolError(f"{where}.{key}: {p['heads']} heads are not a multiple of {p[key]}")
@@ -183,6 +192,23 @@ def units(params: dict) -> list[dict]:
                 out.append({**params, "seeds": [seed], "layouts": [layout],
                             "chunks": [chunk] if chunk is not None else params["chunks"]})
     return out
+
+
+def estimate_bytes(params: dict) -> int:
+    """Peak bytes of the largest Case (the memory guard's hook): the analysis chain of the largest
+    video and LLM case, plus the float32 content the video generator makes for every frame up to
+    the chunk's end (three copies: content, noise and their sum)."""
+    best = 0
+    h, d, tpf = params["heads"], params["head_dim"], params["tokens_per_frame"]
+    if "video" in params["layouts"]:
+        keys = (params["sink_frames"] + params["recent_frames"] + params["current_frames"]) * tpf
+        frames = (max(params["chunks"]) + 1) * params["current_frames"]
+        content = 3 * params["kv_heads"] * frames * tpf * d * 4
+        best = attention_chain_bytes(h, params["kv_heads"], params["current_frames"] * tpf, keys, d) + content
+    if "llm" in params["layouts"]:
+        keys = params["llm_sink"] + params["llm_middle"] + params["llm_recent"] + params["llm_current"]
+        best = max(best, attention_chain_bytes(h, params["llm_kv_heads"], params["llm_current"], keys, d))
+    return int(best)
 
 
 def cases(params: dict, ctx=None) -> Iterator[Case]:

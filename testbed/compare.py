@@ -1,0 +1,322 @@
+"""Compare two run folders numerically: ``python -m testbed.compare A B``.
+
+Imports only the standard library and numpy (like the audit, whose strict readers it uses: no
+pickle, nothing outside the two folders, no symlinks). It answers "did B reproduce A?" where a
+byte-for-byte check (``audit --same-as``) is too strict: the same protocol run on another CPU
+(AVX2 against AVX-512 float kernels, another thread count) gives the same results to within a
+few float32 ulps, not the same bytes. docs/compare.md says what may differ and by how much.
+
+- arrays: the same set of paths in both manifests; for each pair of equal dtype and shape, the
+  max absolute and max relative difference (float arrays) or the count of differing elements
+  (integer and boolean arrays: quantization codes, argmax, token ids);
+- results.json rows, matched by their identity fields (study, analysis, case, arm, ... not by
+  position); every number of a row (nested fields and lists included) compared, the max abs and
+  rel difference kept per field; strings, booleans and nulls must be equal;
+- the frozen protocol copies must be identical (a comparison of two different protocols means
+  nothing). timings.json, report.md, results.csv (a view of results.json) and the studies' own
+  manifests (they record the machine) are not compared.
+
+Prints the ten largest differences and ``PASS`` or one ``FAIL: ...`` line per problem; exit 0
+on PASS, 1 on FAIL, 2 on bad input (not a run folder, unreadable manifest or results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ._cli import entry
+from .audit import AuditError, _load_npy, _safe_relpath, load_json
+
+__all__ = ["TOLERANCES", "IDENTITY", "compare_runs", "main"]
+
+# Cross-machine tolerances (docs/compare.md). A float passes when |a - b| <= atol + rtol * |b|.
+TOLERANCES = {
+    # float32 kernels of another instruction set sum in another order: a few ulps per operation,
+    # grown through softmax, quantizer scales and (live study) 30 transformer layers
+    "float": {"rtol": 1e-4, "atol": 1e-6},
+    # quantization codes and argmax flip only where a value sits on a rounding boundary or a tie
+    "integer_array_fraction": 1e-3,
+    # integers in results.json are counts, sizes and byte totals: shapes decide them, not floats
+    "integer_number": 0,
+}
+# Arrays that no float kernel touches: they must be identical on any machine.
+EXACT_ARRAYS = ("token_ids", "query_positions", "header")
+# The fields that say which row a result is (together they are unique within a run).
+IDENTITY = ("study", "analysis", "case", "arm", "scheme", "rotation", "path", "ablation", "scope", "layer", "head",
+            "kv_head")
+NOT_COMPARED = ("timings.json", "report.md", "results.csv", "results.json")
+TOP = 10
+
+
+class BadInput(Exception):
+    """Not a run folder that can be compared (exit 2)."""
+
+
+class Diffs:
+    """Worst difference per compared item, and the FAIL lines."""
+
+    def __init__(self):
+        self.failures: list[str] = []
+        self.worst: dict[str, dict] = {}  # what -> {abs, rel, ratio, limit}
+        self.numbers = 0
+        self.exact = 0
+
+    def fail(self, what: str, reason: str) -> None:
+        self.failures.append(f"FAIL: {what}: {reason}")
+
+    def floats(self, what: str, a: np.ndarray, b: np.ndarray) -> None:
+        """Element-wise float comparison of a (from A) against b (from B, the reference)."""
+        tol = TOLERANCES["float"]
+        a = np.asarray(a, dtype=np.float64)
+        b = np.asarray(b, dtype=np.float64)
+        self.numbers += a.size
+        nan_a, nan_b = np.isnan(a), np.isnan(b)
+        if np.any(nan_a != nan_b):
+            self.fail(what, f"NaN at {int(np.sum(nan_a != nan_b))} position(s) in one run only")
+            return
+        ok = ~nan_a
+        same_inf = np.isinf(a) & (a == b)
+        ok &= ~same_inf
+        if np.any(np.isinf(a[ok]) | np.isinf(b[ok])):
+            self.fail(what, "an infinity in one run only")
+            return
+        d = np.abs(a[ok] - b[ok])
+        if d.size == 0 or not np.any(d):
+            self.exact += 1
+            return
+        ref = np.abs(b[ok])
+        limit = tol["atol"] + tol["rtol"] * ref
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(ref > 0, d / ref, np.inf)
+        i = int(np.argmax(d / limit))
+        entry = {"abs": float(d.max()), "rel": float(rel.max()), "ratio": float(d[i] / limit[i]),
+                 "limit": f"atol {tol['atol']:g} + rtol {tol['rtol']:g}"}
+        self._keep(what, entry)
+        if entry["ratio"] > 1:
+            self.fail(what, f"differs by {d[i]:.3g} (rel {rel[i]:.3g}) at element {i}: {a[ok][i]!r} against "
+                            f"{b[ok][i]!r}, over the tolerance {entry['limit']}")
+
+    def integers(self, what: str, a: np.ndarray, b: np.ndarray, exact: bool) -> None:
+        self.numbers += a.size
+        n = int(np.count_nonzero(a != b))
+        if not n:
+            self.exact += 1
+            return
+        allowed = 0 if exact else int(TOLERANCES["integer_array_fraction"] * a.size)
+        self._keep(what, {"abs": float(n), "rel": n / a.size, "ratio": n / allowed if allowed else math.inf,
+                          "limit": "identical" if exact else f"<= {allowed} elements"})
+        if n > allowed:
+            self.fail(what, f"{n} of {a.size} elements differ (allowed {allowed})")
+
+    def _keep(self, what: str, entry: dict) -> None:
+        old = self.worst.get(what)
+        if old is None or entry["ratio"] > old["ratio"]:
+            self.worst[what] = entry
+
+
+def _run(root: Path) -> tuple[dict, dict]:
+    if not root.is_dir():
+        raise BadInput(f"{root} is not a folder")
+    try:
+        manifest = load_json(_safe_relpath(root, "manifest.json"))
+        results = load_json(_safe_relpath(root, "results.json"))
+    except AuditError as e:
+        raise BadInput(f"{root}: not a run folder ({e})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("arrays"), dict) \
+            or not isinstance(manifest.get("files"), dict):
+        raise BadInput(f"{root}/manifest.json: arrays and files must be objects")
+    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+        raise BadInput(f"{root}/results.json: rows must be a list")
+    return manifest, results
+
+
+def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs) -> int:
+    a_set, b_set = set(ma["arrays"]), set(mb["arrays"])
+    for rel in sorted(a_set - b_set):
+        out.fail(rel, f"array only in {ra}")
+    for rel in sorted(b_set - a_set):
+        out.fail(rel, f"array only in {rb}")
+    for rel in sorted(a_set & b_set):
+        try:
+            x = _load_npy(_safe_relpath(ra, rel), rel, ma["arrays"][rel])
+            y = _load_npy(_safe_relpath(rb, rel), rel, mb["arrays"][rel])
+        except AuditError as e:
+            out.fail(rel, f"cannot be read ({e}); audit both runs")
+            continue
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out.fail(rel, f"{x.dtype.str} {list(x.shape)} in {ra}, {y.dtype.str} {list(y.shape)} in {rb}")
+        elif x.dtype.kind == "f":
+            out.floats(rel, x, y)
+        else:
+            out.integers(rel, x, y, exact=any(word in rel.rsplit("/", 1)[-1] for word in EXACT_ARRAYS))
+    return len(a_set & b_set)
+
+
+def _identity(row: dict) -> str:
+    return json.dumps([row.get(k) for k in IDENTITY])
+
+
+def _keyed(rows: list, root: Path) -> dict[str, dict]:
+    keyed: dict[str, dict] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise BadInput(f"{root}/results.json: row {i} is not an object")
+        key, n = _identity(row), 1
+        while key in keyed:  # repeated identities are matched in order
+            n += 1
+            key = f"{_identity(row)}#{n}"
+        keyed[key] = row
+    return keyed
+
+
+def _label(key: str) -> str:
+    ident, _, n = key.partition("#")
+    bits = [f"{k}={v}" for k, v in zip(IDENTITY, json.loads(ident)) if v is not None]
+    return "row " + " ".join(bits) + (f" (#{n})" if n else "")
+
+
+def _leaves(value, path: str = ""):
+    """(dotted path, leaf) pairs; list items are leaves of the path with ``[]`` appended when they
+    are numbers (compared as one array), else of ``path[i]``."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list) and value and all(_is_number(v) for v in value):
+        yield f"{path}[]", value
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs) -> int:
+    a, b = _keyed(res_a["rows"], ra), _keyed(res_b["rows"], rb)
+    for key in sorted(set(a) - set(b)):
+        out.fail(f"results.json {_label(key)}", f"only in {ra}")
+    for key in sorted(set(b) - set(a)):
+        out.fail(f"results.json {_label(key)}", f"only in {rb}")
+    per_field: dict[str, list] = {}
+    for key in sorted(set(a) & set(b)):
+        la, lb = dict(_leaves(a[key])), dict(_leaves(b[key]))
+        where = f"results.json {_label(key)}"
+        for field in sorted(set(la) | set(lb)):
+            x, y = la.get(field), lb.get(field)
+            if field not in la or field not in lb:
+                out.fail(where, f"field {field} only in {ra if field in la else rb}")
+            elif isinstance(x, list) or isinstance(y, list):
+                if not (isinstance(x, list) and isinstance(y, list) and len(x) == len(y)):
+                    out.fail(where, f"{field}: {len(x) if isinstance(x, list) else x!r} items against "
+                                    f"{len(y) if isinstance(y, list) else y!r}")
+                elif all(isinstance(v, int) for v in x + y):
+                    _exact_ints(out, where, field, x, y)
+                else:
+                    per_field.setdefault(field, []).append((where, x, y))
+            elif _is_number(x) and _is_number(y):
+                if isinstance(x, int) and isinstance(y, int):
+                    _exact_ints(out, where, field, [x], [y])
+                else:
+                    per_field.setdefault(field, []).append((where, [x], [y]))
+            elif x != y or type(x) is not type(y):
+                out.fail(where, f"{field}: {x!r} against {y!r}")
+    for field, items in per_field.items():
+        # one entry per field (the worst row), so the table shows fields, not rows
+        sub = Diffs()
+        worst = None
+        for where, x, y in items:
+            before = len(sub.failures)
+            sub.floats(f"{where} {field}", np.array(x, dtype=np.float64), np.array(y, dtype=np.float64))
+            if len(sub.failures) > before:
+                out.failures.extend(sub.failures[before:])
+            e = sub.worst.get(f"{where} {field}")
+            if e is not None and (worst is None or e["ratio"] > worst[1]["ratio"]):
+                worst = (where, e)
+        out.numbers += sub.numbers
+        if worst is not None:
+            out.worst[f"results.json {field} (worst: {worst[0][len('results.json '):]})"] = worst[1]
+    return len(set(a) & set(b))
+
+
+def _exact_ints(out: Diffs, where: str, field: str, x: list, y: list) -> None:
+    out.numbers += len(x)
+    if x != y:
+        out.fail(where, f"{field}: {x if len(x) > 1 else x[0]!r} against {y if len(y) > 1 else y[0]!r} "
+                        "(integers must be equal)")
+
+
+def _compare_protocols(ma: dict, mb: dict, out: Diffs) -> None:
+    pa = {e.get("name"): e.get("sha256") for e in ma.get("protocols", []) if isinstance(e, dict)}
+    pb = {e.get("name"): e.get("sha256") for e in mb.get("protocols", []) if isinstance(e, dict)}
+    for name in sorted(set(pa) | set(pb)):
+        if pa.get(name) != pb.get(name):
+            out.fail(f"protocol {name}", "the frozen protocol copies differ (or one run lacks it)")
+
+
+def compare_runs(a: str | Path, b: str | Path) -> tuple[bool, list[str], str]:
+    """Compare run ``a`` with run ``b`` (the reference); returns (passed, lines to print, summary).
+    Raises BadInput for folders that are not runs."""
+    ra, rb = Path(a), Path(b)
+    (ma, res_a), (mb, res_b) = _run(ra), _run(rb)
+    out = Diffs()
+    _compare_protocols(ma, mb, out)
+    n_arrays = _compare_arrays(ra, rb, ma, mb, out)
+    n_rows = _compare_rows(ra, rb, res_a, res_b, out)
+    lines = _table(out)
+    summary = (f"{n_arrays} arrays and {n_rows} rows in both runs, {out.numbers} numbers compared "
+               f"({len(out.worst)} items differ at all; float tolerance atol {TOLERANCES['float']['atol']:g} + "
+               f"rtol {TOLERANCES['float']['rtol']:g}, integer arrays <= {TOLERANCES['integer_array_fraction']:g} "
+               "of elements)")
+    return not out.failures, lines + out.failures, summary
+
+
+def _table(out: Diffs) -> list[str]:
+    if not out.worst:
+        return ["no differences: every compared array and number is identical"]
+    top = sorted(out.worst.items(), key=lambda kv: -kv[1]["ratio"])[:TOP]
+    width = min(90, max(len(w) for w, _ in top))
+    lines = [f"largest differences ({len(out.worst)} items differ; ratio = difference / tolerance):",
+             f"  {'what':<{width}}  {'max abs':>10}  {'max rel':>10}  {'ratio':>8}  tolerance"]
+    for what, e in top:
+        name = what if len(what) <= width else what[:width - 3] + "..."
+        lines.append(f"  {name:<{width}}  {e['abs']:>10.3g}  {e['rel']:>10.3g}  {e['ratio']:>8.3g}  {e['limit']}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.compare", description=__doc__.split("\n\n")[0],
+                                 epilog="Tolerances and what may differ across machines: docs/compare.md.")
+    ap.add_argument("a", metavar="A", help="a run folder")
+    ap.add_argument("b", metavar="B", help="the run folder to compare it with (the reference)")
+    args = ap.parse_args(argv)
+    try:
+        ok, lines, summary = compare_runs(args.a, args.b)
+    except BadInput as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
+    if ok:
+        print(f"PASS: {summary}")
+        return 0
+    print(f"{sum(1 for x in lines if x.startswith('FAIL: '))} problem(s): {args.a} does not match {args.b} "
+          "within the cross-machine tolerances")
+    return 1
+
+
+def cli(argv=None) -> int:
+    """The ``testbed-compare`` console script."""
+    return entry(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
