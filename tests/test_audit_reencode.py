@@ -159,9 +159,9 @@ def _line(failures, name, where=None):
 # -- the forgeries -------------------------------------------------------------------------------
 
 def _better_int4(x: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """K [H, T, D] per channel in groups of g tokens (T a multiple of g here not required: the last
-    group padded with its edge token), with each group's range shrunk by the factor in 0.80..1.00
-    that minimizes its squared error: (codes, scale16, zero16, error of this, error of min-max)."""
+    """K [H, T, D] per channel in groups of g tokens (a partial last group padded with its edge token),
+    each group's range shrunk by the factor in 0.80..1.00 that minimizes its squared error over its
+    real tokens: (codes, scale16, zero16, error of this encoding, error of min-max)."""
     h, t, d = x.shape
     pad = (-t) % g
     xp = np.concatenate([x, np.repeat(x[:, -1:], pad, axis=1)], axis=1) if pad else x
