@@ -258,13 +258,13 @@ def test_quantizers_follow_kivi_axes():
 def test_reference_quantizer_agrees_with_the_audit_encoder():
     """The audit's numpy integer encoder and testbed.quant store the same bytes (both directions of the
     live evidence check)."""
-    from testbed.audit_checks.live_quality import encode_int
+    from testbed.audit_checks.common import encode_int_grouped
 
     k, _ = _kv(64, batch=1)
     for bits, axis, g in ((4, "channel", 32), (2, "channel", 16), (2, "token", 32), (8, "token", 32)):
         q = IntGrouped(bits, g, axis)
         p = q.quantize(k[0])
-        want = encode_int(k[0].numpy(), bits, g, axis)
+        want = encode_int_grouped(k[0].numpy(), q.config())
         for name in ("codes", "scale", "zero"):
             assert p.arrays[name].tobytes() == want[name].tobytes(), (bits, axis, name)
 

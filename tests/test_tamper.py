@@ -609,16 +609,16 @@ def test_forged_lowest_bit_in_every_float_array(run, reliability):
     assert seen >= 4
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: padding codes are stored and counted but never decoded")
-def test_gap_forged_flip_in_padding_codes(run, reliability):
+def test_forged_flip_in_padding_codes(run, reliability):
+    """Padding codes are never decoded (no number moves), but the audit re-encodes the span, its
+    padding included, and compares every stored byte (formerly a known gap)."""
     rel = f"{A}/R=16.key.codes.npy"  # 112 quantized tokens padded to 128: the last 16 rows are padding
     data = bytearray((run / rel).read_bytes())
     data[-1] ^= 0x01
     (run / rel).write_bytes(bytes(data))
     rehash(run, rel)
-    reliability("gap", "a padding code of R=16/key.codes.npy flipped, sha256 updated",
-                "not caught: padding codes (tokens 112..127 of a 112-token span padded to 128) are never decoded")
-    assert not check(run)[0]
+    assert_fails(reliability, "tamper: consistent forger", "a padding code of R=16/key.codes.npy flipped, sha256 updated",
+                 run, ["key.codes: stored payload differs from the audit's re-encoding"], "FAIL naming key.codes")
 
 
 # -- consistent forger: protocol copies, sources, manifest fields --------------------------------

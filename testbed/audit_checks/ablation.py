@@ -1,5 +1,5 @@
-"""Audit of ablation rows: rebuild each ablation from the layout, decode the quantized cache, and
-recompute the masked renormalized softmax directly (key by key, one head at a time) in float64.
+"""Audit of ablation rows: rebuild each ablation from the layout, re-encode the quantized arm's
+history from the case's K/V and require its stored payload byte for byte, decode it, and recompute the masked renormalized softmax directly (key by key, one head at a time) in float64.
 
 Independent of ``testbed.ablation``: the dropped spans are derived here from the layout and the
 ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
@@ -12,7 +12,8 @@ import random
 
 import numpy as np
 
-from .common import decode_residual_window
+from .common import decode_residual_window, encode_residual_window
+from .residual_window import check_reencoded
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
 
@@ -104,6 +105,9 @@ def _kv(row, ctx, case):
             raise ValueError(f"expected one 'none' row of arm {row['arm']} naming the packed arrays, found {len(owners)}")
         owner = owners[0]
     arrays = {name: ctx.load(path) for name, path in owner["arrays"]["packed"].items()}
+    if owner is row:  # the payload is the 'none' row's: re-encoded once, from the case's history
+        check_reencoded(row, ctx, arrays, encode_residual_window(k[:, :stop], v[:, :stop], row["quant"]),
+                        f"the case's K/V history [0, {stop})")
     ctx.equal(row, "payload_bytes", row["payload_bytes"], int(sum(a.nbytes for a in arrays.values())))
     ctx.equal(row, "baseline_bytes", row["baseline_bytes"], 2 * k.shape[0] * stop * k.shape[2] * 4)
 

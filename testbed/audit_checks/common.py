@@ -24,8 +24,10 @@ TOLERANCES = {
     "coverage": {"rtol": 0.0, "atol": 1e-9},
 }
 
-__all__ = ["TOLERANCES", "unpack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention", "rel_l2", "cosine",
-           "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw", "decode_mx"]
+__all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention",
+           "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
+           "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
+           "payload_differences"]
 
 
 def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
@@ -42,6 +44,77 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     if out.shape[-1] < n:
         raise ValueError(f"packed codes hold {out.shape[-1]} codes per row, need {n}")
     return out[..., :n]
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`unpack_bits`: codes (each < 2**bits) along the last axis -> uint8 bytes,
+    code ``j`` of a byte in bits ``[bits*j, bits*(j+1))``, the last byte filled with zero codes."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    if bits == 8:
+        return np.ascontiguousarray(codes)
+    per = 8 // bits
+    pad = (-codes.shape[-1]) % per
+    if pad:
+        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], pad), np.uint8)], axis=-1)
+    c = codes.reshape(*codes.shape[:-1], -1, per)
+    out = c[..., 0].copy()
+    for j in range(1, per):
+        out |= c[..., j] << np.uint8(bits * j)
+    return out
+
+
+def _pad_edge(x: np.ndarray, axis: int, multiple: int) -> np.ndarray:
+    """``x`` padded along ``axis`` to a multiple of ``multiple`` by repeating its last element."""
+    pad = (-x.shape[axis]) % multiple
+    if not pad:
+        return x
+    edge = np.take(x, [x.shape[axis] - 1], axis=axis)
+    return np.concatenate([x, np.repeat(edge, pad, axis=axis)], axis=axis)
+
+
+def encode_int_grouped(x: np.ndarray, cfg: dict) -> dict:
+    """The audit's own asymmetric min-max grouped integer encoder: float32 ``x [..., N, D]`` ->
+    ``{"codes", "scale", "zero", "header"}`` as the run must have stored them.
+
+    K (``axis = "channel"``): groups of G consecutive tokens per feature, the token axis padded to
+    whole groups by repeating the last token; V (``"token"``): groups of G consecutive features per
+    token, the feature axis padded by repeating the last feature. Per group, in float32: ``scale =
+    (max - min) / (2**bits - 1)`` and ``zero = min`` (``+ 0.0``: a zero is stored as +0), each rounded
+    to float16 (IEEE nearest-even); ``code = rint((x - zero16) / scale16)`` (ties to even) clamped
+    to ``[0, 2**bits - 1]``, 0 for a group of zero range. Codes are packed along the last axis."""
+    bits, g, axis = cfg["bits"], cfg["group_size"], cfg["axis"]
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise ValueError(f"the integer encoder's input must be float32, got {x.dtype}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("the integer encoder's input holds a non-finite value")
+    qmax = np.float32((1 << bits) - 1)
+    *lead, n, d = x.shape
+    if axis == "channel":
+        xp = _pad_edge(x, -2, g)
+        grouped = xp.reshape(*lead, xp.shape[-2] // g, g, d)
+        red = -2
+    elif axis == "token":
+        xp = _pad_edge(x, -1, g)
+        grouped = xp.reshape(*lead, n, xp.shape[-1] // g, g)
+        red = -1
+    else:
+        raise ValueError(f"unknown axis {axis!r}")
+    mn = grouped.min(axis=red)
+    mx = grouped.max(axis=red)
+    with np.errstate(over="ignore"):
+        scale16 = ((mx - mn) / qmax + np.float32(0.0)).astype(np.float16)
+        zero16 = (mn + np.float32(0.0)).astype(np.float16)
+    if np.any(np.isinf(scale16)) or np.any(np.isinf(zero16)):
+        raise ValueError("a group's range or minimum exceeds float16")
+    s = np.expand_dims(scale16.astype(np.float32), red)
+    z = np.expand_dims(zero16.astype(np.float32), red)
+    live = s > 0
+    codes = np.where(live, np.rint((grouped - z) / np.where(live, s, np.float32(1.0))), np.float32(0.0))
+    codes = np.clip(codes, 0, qmax).astype(np.uint8)
+    codes = codes.reshape(*lead, -1, d) if axis == "channel" else codes.reshape(*lead, n, -1)
+    return {"codes": pack_bits(codes, bits), "scale": scale16, "zero": zero16,
+            "header": np.array([n, d], dtype=np.int64)}
 
 
 def decode_int_grouped(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
@@ -136,6 +209,37 @@ def decode_mx_raw(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
     return vals.reshape(*lead, n, d_pad)[..., :d]
 
 
+def encode_mx(x: np.ndarray, element: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``x [..., L]`` -> (element codes uint8 ``[..., L_pad]``, E8M0 codes ``[..., L_pad / block]``)."""
+    bits, table = MX_ELEMENTS[element]
+    half = 1 << (bits - 1)
+    grid = table[:half]
+    finite = np.isfinite(grid)
+    grid = grid[finite]                                      # positive codes 0.. in increasing value
+    if not np.all(np.diff(grid) > 0):
+        raise ValueError(f"{element}: positive codes are not increasing in value")
+    vmax = grid[-1]
+    emax = int(np.floor(np.log2(vmax)))
+    x = np.asarray(x, dtype=np.float32)
+    pad = (-x.shape[-1]) % block
+    xp = np.concatenate([x, np.zeros((*x.shape[:-1], pad), np.float32)], axis=-1) if pad else x
+    blocks = xp.astype(np.float64).reshape(*xp.shape[:-1], -1, block)
+    amax = np.abs(blocks).max(axis=-1)
+    _, e = np.frexp(amax)
+    scale = np.clip(e.astype(np.int64) - 1 - emax, -127, 127) + 127
+    scale = np.where(amax == 0, 0, scale).astype(np.uint8)
+    y = np.ldexp(blocks, (127 - scale.astype(np.int64))[..., None])
+    a = np.minimum(np.abs(y), vmax)
+    hi = np.clip(np.searchsorted(grid, a, side="left"), 0, len(grid) - 1)
+    lo = np.clip(hi - 1, 0, None)
+    d_lo = a - grid[lo]
+    d_hi = grid[hi] - a
+    pick = np.where(d_hi < d_lo, hi, lo)
+    pick = np.where((d_hi == d_lo) & (hi % 2 == 0), hi, pick)
+    codes = pick.astype(np.uint8) | (np.signbit(y).astype(np.uint8) << np.uint8(bits - 1))
+    return codes.reshape(xp.shape), scale
+
+
 def decode_mx(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
     if cfg.get("rotation"):
         raise ValueError("a rotated MX payload needs its rotation signs to be decoded (see audit_checks/mx_paths.py)")
@@ -150,6 +254,72 @@ def decode_tensor(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
     if kind not in DECODERS:
         raise ValueError(f"no audit decoder for quantizer kind {kind!r}")
     return DECODERS[kind](arrays, cfg, shape)
+
+
+def encode_tensor(x: np.ndarray, cfg: dict) -> dict:
+    """The stored arrays (header included) of one quantizer's payload of ``x``, by the audit's encoders."""
+    kind = cfg.get("kind")
+    if kind == "int_grouped":
+        return encode_int_grouped(x, cfg)
+    if kind == "mx":
+        if cfg.get("rotation"):
+            raise ValueError("a rotated MX payload needs its rotation signs to be encoded (see audit_checks/mx_paths.py)")
+        bits, _ = MX_ELEMENTS[cfg["element"]]
+        codes, scales = encode_mx(x, cfg["element"], cfg["block_size"])
+        return {"codes": pack_bits(codes, bits), "scales": scales,
+                "header": np.array(x.shape[-2:], dtype=np.int64)}
+    raise ValueError(f"no audit encoder for quantizer kind {kind!r}")
+
+
+def encode_residual_window(k: np.ndarray, v: np.ndarray, cfg: dict) -> dict:
+    """Every array of a residual-window payload of float32 ``k``, ``v [..., N, D]``, by the audit:
+    tokens ``[0, S)`` stored as ``sink.k/v`` and ``[max(S, N - R), N)`` as ``recent.k/v`` (float32,
+    exactly the inputs), the span between encoded by the key and value quantizers (``key.*``,
+    ``value.*``, their own headers dropped), and one (N, D) header."""
+    *_, n, d = k.shape
+    start = min(cfg["sink"], n)
+    stop = max(start, n - cfg["recent"])
+    out = {}
+    if start > 0:
+        out["sink.k"], out["sink.v"] = k[..., :start, :], v[..., :start, :]
+    if stop > start:
+        for label, x in (("key", k), ("value", v)):
+            enc = encode_tensor(np.ascontiguousarray(x[..., start:stop, :]), cfg[label])
+            out.update({f"{label}.{a}": arr for a, arr in enc.items() if a != "header"})
+    if stop < n:
+        out["recent.k"], out["recent.v"] = k[..., stop:, :], v[..., stop:, :]
+    out["header"] = np.array([n, d], dtype=np.int64)
+    return out
+
+
+def _as_bits(a: np.ndarray) -> np.ndarray:
+    """The array's elements as unsigned integers of its item size (compares float bit patterns)."""
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
+
+
+def payload_differences(stored: dict, want: dict, what: str = "the input") -> list[str]:
+    """One line per array where the stored payload and the audit's re-encoding differ: a missing or
+    extra array, another dtype or shape, or the first element (C order) whose bytes differ."""
+    lines = []
+    for name in want:
+        if name not in stored:
+            lines.append(f"{name}: missing from the stored payload (the audit's re-encoding of {what} has it)")
+            continue
+        got, exp = np.asarray(stored[name]), np.asarray(want[name])
+        if got.dtype != exp.dtype or got.shape != exp.shape:
+            lines.append(f"{name}: stored payload is {got.dtype} {list(got.shape)}, the audit's re-encoding of "
+                         f"{what} is {exp.dtype} {list(exp.shape)}")
+            continue
+        diff = np.flatnonzero(_as_bits(got).ravel() != _as_bits(exp).ravel())
+        if diff.size:
+            idx = [int(i) for i in np.unravel_index(diff[0], got.shape)]
+            lines.append(f"{name}: stored payload differs from the audit's re-encoding of {what} at element "
+                         f"{int(diff[0])} {idx} ({diff.size} of {got.size} elements differ)")
+    for name in stored:
+        if name not in want:
+            lines.append(f"{name}: stored payload array that the audit's re-encoding of {what} does not produce")
+    return lines
 
 
 def decode_residual_window(arrays: dict, cfg: dict, shape: tuple) -> tuple[np.ndarray, np.ndarray]:

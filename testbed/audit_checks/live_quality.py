@@ -14,8 +14,8 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
 - nll, perplexity, mean KL, top-1 agreement (against the reference row's argmax of the same
   segment), bytes per token, context, forwards, scored tokens;
 - for the one evidence layer of the first segment: the packed middle re-encoded from the recorded
-  float32 K/V with its own integer and MX encoders, byte for byte, and the float32 sink and window
-  equal to the inputs; for an evicting policy, that it kept exactly the first S and newest W;
+  float32 K/V with the audit's integer and MX encoders (``common.encode_tensor``), byte for byte,
+  the float32 sink and window equal to the inputs, and no other stored array; for an evicting policy, that it kept exactly the first S and newest W;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -30,8 +30,7 @@ import math
 
 import numpy as np
 
-from .common import TOLERANCES
-from .mx_paths import encode_mx
+from .common import TOLERANCES, encode_tensor, payload_differences
 
 __all__ = ["check", "MODELS", "POLICY_TABLE"]
 
@@ -142,43 +141,13 @@ def _live_params(ctx, study) -> dict:
     return proto["live"]
 
 
-def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
-    per = 8 // bits
-    pad = (-codes.shape[-1]) % per
-    if pad:
-        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], pad), np.uint8)], axis=-1)
-    c = codes.reshape(*codes.shape[:-1], -1, per).astype(np.uint8)
-    out = c[..., 0].copy()
-    for j in range(1, per):
-        out |= (c[..., j] << np.uint8(bits * j)).astype(np.uint8)
-    return out
-
-
-def encode_int(x: np.ndarray, bits: int, group: int, axis: str) -> dict:
-    """Asymmetric min-max grouped integers (float16 scale and zero), as the run must have stored them."""
-    x = np.asarray(x, dtype=np.float32)
-    qmax = np.float32((1 << bits) - 1)
-    *lead, n, d = x.shape
-    if axis == "channel":
-        if n % group:
-            raise ValueError(f"{n} tokens are not whole groups of {group}")
-        g = x.reshape(*lead, n // group, group, d)
-        red = -2
-    else:
-        pad = (-d) % group
-        xp = np.concatenate([x, np.repeat(x[..., -1:], pad, axis=-1)], axis=-1) if pad else x
-        g = xp.reshape(*lead, n, -1, group)
-        red = -1
-    mn, mx = g.min(axis=red), g.max(axis=red)
-    scale16 = ((mx - mn) / qmax + np.float32(0.0)).astype(np.float16)
-    zero16 = (mn + np.float32(0.0)).astype(np.float16)
-    s = np.expand_dims(scale16.astype(np.float32), red)
-    z = np.expand_dims(zero16.astype(np.float32), red)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        c = np.where(s > 0, np.round((g - z) / np.where(s > 0, s, np.float32(1))), 0)
-    c = np.clip(c, 0, qmax).astype(np.uint8)
-    c = c.reshape(*lead, n, d) if axis == "channel" else c.reshape(*lead, n, -1)
-    return {"codes": _pack_bits(c, bits), "scale": scale16, "zero": zero16}
+def _middle_config(pol: dict, name: str) -> dict:
+    """The quantizer config of the packed middle of K (``name = "k"``) or V, from the audit's policy table."""
+    if pol["middle"] in ("mxfp8", "mxfp4"):
+        return {"kind": "mx", "element": "e4m3" if pol["middle"] == "mxfp8" else "e2m1", "block_size": 32, "rotation": None}
+    axis = pol["key_axis"] if name == "k" else "token"
+    return {"kind": "int_grouped", "bits": int(pol["middle"][3:]), "axis": axis,
+            "group_size": pol["group"] if axis == "channel" else pol["feature_group"]}
 
 
 def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
@@ -204,31 +173,19 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         total = sum(int(v.nbytes) for k, v in a.items() if not k.startswith("input."))
         ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
         return
-    for name in ("k", "v"):
+    want = {}
+    for name, label in (("k", "key"), ("v", "value")):
         x = a[f"input.{name}"]
         if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
             raise ValueError(f"input.{name} is {x.dtype} {list(x.shape)}, expected float32 [H, {n}, D]")
-        for label, want in (("sink", x[:, :s]), ("float", x[:, s + p:])):
-            got = a[f"{label}.{name}"]
-            ctx.numbers += 1
-            if got.shape != want.shape or got.tobytes() != want.tobytes():
-                ctx.fail(row, f"{label}.{name}: the stored float32 tokens are not the inputs [{label}] bit for bit")
-        span = x[:, s:s + p]
-        if pol["middle"] in ("mxfp8", "mxfp4"):
-            codes, scales = encode_mx(span, "e4m3" if pol["middle"] == "mxfp8" else "e2m1", 32)
-            want = {"codes": codes if pol["middle"] == "mxfp8" else _pack_bits(codes, 4), "scales": scales}
-        else:
-            bits = int(pol["middle"][3:])
-            axis = pol["key_axis"] if name == "k" else "token"
-            grp = pol["group"] if axis == "channel" else pol["feature_group"]
-            want = encode_int(span, bits, grp, axis)
-        label = "key" if name == "k" else "value"
-        for arr, w in want.items():
-            got = a.get(f"{label}.{arr}")
-            ctx.numbers += 1
-            if got is None or got.dtype != w.dtype or got.shape != w.shape or got.tobytes() != w.tobytes():
-                ctx.fail(row, f"{label}.{arr}: stored bytes differ from the audit's re-encoding of the recorded "
-                              f"float32 {name.upper()} tokens [{s}, {s + p})")
+        want[f"sink.{name}"], want[f"float.{name}"] = x[:, :s], x[:, s + p:]
+        if p:
+            want.update({f"{label}.{arr}": w for arr, w in encode_tensor(x[:, s:s + p], _middle_config(pol, name)).items()
+                         if arr != "header"})
+    stored = {k: v for k, v in a.items() if not k.startswith("input.")}
+    ctx.numbers += len(want)
+    for line in payload_differences(stored, want, f"the recorded float32 inputs (packed tokens [{s}, {s + p}))"):
+        ctx.fail(row, line)
     total = sum(int(v.nbytes) for k, v in a.items() if not k.startswith("input."))
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
 

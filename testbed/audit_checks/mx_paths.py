@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import MX_ELEMENTS, decode_mx_raw, expand_heads, rel_l2, softmax_attention, unpack_bits
+from .common import MX_ELEMENTS, decode_mx_raw, encode_mx, expand_heads, rel_l2, softmax_attention, unpack_bits
 
 TV_HIGH = 0.05
 ROTATION_BLOCK_MAX = 128
@@ -48,37 +48,6 @@ def rotation_matrix(signs: np.ndarray) -> np.ndarray:
     for i in range(0, d, n):
         r[i:i + n, i:i + n] = h
     return signs.astype(np.float64)[:, None] * r
-
-
-def encode_mx(x: np.ndarray, element: str, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 ``x [..., L]`` -> (element codes uint8 ``[..., L_pad]``, E8M0 codes ``[..., L_pad / block]``)."""
-    bits, table = MX_ELEMENTS[element]
-    half = 1 << (bits - 1)
-    grid = table[:half]
-    finite = np.isfinite(grid)
-    grid = grid[finite]                                      # positive codes 0.. in increasing value
-    if not np.all(np.diff(grid) > 0):
-        raise ValueError(f"{element}: positive codes are not increasing in value")
-    vmax = grid[-1]
-    emax = int(np.floor(np.log2(vmax)))
-    x = np.asarray(x, dtype=np.float32)
-    pad = (-x.shape[-1]) % block
-    xp = np.concatenate([x, np.zeros((*x.shape[:-1], pad), np.float32)], axis=-1) if pad else x
-    blocks = xp.astype(np.float64).reshape(*xp.shape[:-1], -1, block)
-    amax = np.abs(blocks).max(axis=-1)
-    _, e = np.frexp(amax)
-    scale = np.clip(e.astype(np.int64) - 1 - emax, -127, 127) + 127
-    scale = np.where(amax == 0, 0, scale).astype(np.uint8)
-    y = np.ldexp(blocks, (127 - scale.astype(np.int64))[..., None])
-    a = np.minimum(np.abs(y), vmax)
-    hi = np.clip(np.searchsorted(grid, a, side="left"), 0, len(grid) - 1)
-    lo = np.clip(hi - 1, 0, None)
-    d_lo = a - grid[lo]
-    d_hi = grid[hi] - a
-    pick = np.where(d_hi < d_lo, hi, lo)
-    pick = np.where((d_hi == d_lo) & (hi % 2 == 0), hi, pick)
-    codes = pick.astype(np.uint8) | (np.signbit(y).astype(np.uint8) << np.uint8(bits - 1))
-    return codes.reshape(xp.shape), scale
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray) -> tuple:

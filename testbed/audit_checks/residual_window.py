@@ -1,10 +1,12 @@
-"""Audit of residual-window rows: decode the stored payload, recompute attention and every number."""
+"""Audit of residual-window rows: re-encode the case's K/V and require the stored payload byte for
+byte (codes, float16 scales and zero-points, the float32 sink and recent windows, the header),
+then decode the stored payload, recompute attention and every number."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .common import cosine, decode_residual_window, max_abs, rel_l2, softmax_attention
+from .common import cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences, rel_l2, softmax_attention
 
 
 def check(row: dict, ctx) -> None:
@@ -29,6 +31,7 @@ def check(row: dict, ctx) -> None:
     else:
         cfg = row["quant"]
         arrays = {name: ctx.load(path) for name, path in row["arrays"]["packed"].items()}
+        check_reencoded(row, ctx, arrays, encode_residual_window(k, v, cfg), "the case's K/V")
         k_hat, v_hat = decode_residual_window(arrays, cfg, k.shape)
         _, out = softmax_attention(q, k_hat, v_hat, case["query_positions"], case["causal"])
         ctx.equal(row, "payload_bytes", row["payload_bytes"], int(sum(a.nbytes for a in arrays.values())))
@@ -48,6 +51,13 @@ def check(row: dict, ctx) -> None:
     focus = case["meta"].get("focus_span")
     if focus:
         ctx.close(row, "focus_mass", row["focus_mass"], float(probs[..., focus[0]:focus[1]].sum(-1).mean()))
+
+
+def check_reencoded(row: dict, ctx, stored: dict, want: dict, what: str) -> None:
+    """Every stored payload array equals the audit's re-encoding of the input, byte for byte."""
+    ctx.numbers += len(want)
+    for line in payload_differences(stored, want, what):
+        ctx.fail(row, line)
 
 
 def _check_labels(row: dict, ctx, n: int) -> None:
