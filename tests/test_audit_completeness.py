@@ -66,8 +66,9 @@ def load(run_dir: Path, rel: str) -> dict:
     return json.loads((run_dir / rel).read_text())
 
 
-def forge(run_dir: Path, res: dict, drop_arrays=()) -> None:
-    """Write results.json, delete ``drop_arrays`` from the run and the manifest, re-hash, redraw."""
+def forge(run_dir: Path, res: dict, drop_arrays=(), redraw: bool = True) -> None:
+    """Write results.json, delete ``drop_arrays`` from the run and the manifest, re-hash, redraw
+    report.html (unless ``redraw`` is False: its builder needs well-formed rows)."""
     (run_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     m = load(run_dir, "manifest.json")
     for rel in drop_arrays:
@@ -75,7 +76,8 @@ def forge(run_dir: Path, res: dict, drop_arrays=()) -> None:
         del m["arrays"][rel]
     m["files"]["results.json"] = hashlib.sha256((run_dir / "results.json").read_bytes()).hexdigest()
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
-    forge_report_html(run_dir)
+    if redraw:
+        forge_report_html(run_dir)
 
 
 def array_paths(obj) -> set[str]:
@@ -256,6 +258,22 @@ def test_forged_exclusion(run):
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
     assert failures(run) == ["FAIL: manifest.json excluded[0]: 'residual_window/clean-s7-n128' (stage 'tokenize': "
                              "'too short') is not an exclusion the protocols allow"]
+
+
+def test_malformed_labels_are_fail_lines_not_a_crash(run):
+    """A row's case and an exclusion's id of the wrong JSON type (an object, a list) give FAIL lines."""
+    res = load(run, "results.json")
+    i = find(res, study="ablation", case="llm-s1", arm="int4", ablation="drop_sink")
+    res["rows"][i]["case"] = {"not": "a string"}
+    forge(run, res, redraw=False)
+    m = load(run, "manifest.json")
+    m["excluded"] = [{"id": ["cap", "x"], "stage": "tokenize", "error": "?"}]
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+    fails = failures(run)
+    assert fails and all(f.startswith("FAIL: ") and "\n" not in f for f in fails)
+    assert not any("could not complete" in f or "cannot expand" in f for f in fails)
+    assert "FAIL: results.json ablation/llm-s1 ablation arm=int4 ablation=drop_sink: missing: the protocol produces this row" in fails
+    assert any(f.startswith("FAIL: manifest.json excluded[0]: ['cap', 'x']") for f in fails)
 
 
 # -- capture: prompts, layers and recorded chunks; short prompts excluded -------------------------

@@ -128,7 +128,7 @@ def _attention_shapes(heads, kv_heads, tq, keys, d) -> dict:
 def _exclusions(ctx) -> dict:
     """id -> exclusion entry of the manifest (a malformed list is reported once, by check_run)."""
     ex = ctx.manifest.get("excluded", [])
-    return {e.get("id"): e for e in ex if isinstance(e, dict)} if isinstance(ex, list) else {}
+    return {e["id"]: e for e in ex if isinstance(e, dict) and isinstance(e.get("id"), str)} if isinstance(ex, list) else {}
 
 
 def _capture_cases(ctx, study: str, p: dict, accepted: set) -> dict:
@@ -330,8 +330,8 @@ def check_run(ctx) -> None:
     accepted: set = set()
     rows_by_study: dict = {}
     for i, row in enumerate(results["rows"]):
-        if isinstance(row, dict):
-            rows_by_study.setdefault(row.get("study"), []).append(dict(row, _index=i))
+        if isinstance(row, dict) and isinstance(row.get("study"), str):
+            rows_by_study.setdefault(row["study"], []).append(dict(row, _index=i))
     for study, proto in sorted(ctx.protocol_copies.items()):
         try:
             if proto.get("kind") == "live":
@@ -342,7 +342,7 @@ def check_run(ctx) -> None:
             ctx.fail(f"results.json {study}", f"cannot expand the protocol's cases and rows "
                                               f"({type(e).__name__}: {str(e)[:200]})")
     for i, e in enumerate(excluded):
-        if e.get("id") not in accepted:
+        if not isinstance(e.get("id"), str) or e["id"] not in accepted:
             ctx.fail(f"manifest.json excluded[{i}]", f"{e.get('id')!r} (stage {e.get('stage')!r}: {e.get('error')!r}) "
                                                      "is not an exclusion the protocols allow")
 
@@ -383,10 +383,10 @@ def _check_study(ctx, study: str, proto: dict, rows: list, accepted: set) -> Non
     seen: dict = {}
     for row in rows:
         analysis = row.get("analysis")
-        if analysis not in analyses:
+        if not isinstance(analysis, str) or analysis not in analyses:
             ctx.fail(row, f"analysis {analysis!r} is not one of the protocol's {sorted(analyses)}")
             continue
-        key = (row.get("case"), analysis, tuple(_hashable(row.get(f)) for f in IDENTITY.get(analysis, ())))
+        key = (_hashable(row.get("case")), analysis, tuple(_hashable(row.get(f)) for f in IDENTITY.get(analysis, ())))
         seen.setdefault(key, []).append(row)
     for key in sorted(set(want_rows) - set(seen), key=repr):
         cid, analysis, ident = key
