@@ -345,3 +345,30 @@ def test_capture_prompt_excluded_with_a_forged_reason(capture_run, tmp_path):
     assert "FAIL: manifest.json excluded[1]: 'cap/again' (stage 'tokenize': 'prompt has 80 tokens, the protocol needs 64') " \
            "is not an exclusion the protocols allow" in fails
     assert "FAIL: results.json cases.cap.again-L00-c01: missing: the protocol produces this case (and it is not excluded)" in fails
+
+
+def test_capture_whose_model_did_not_load(tmp_path, monkeypatch):
+    """Without the weights the capture study is excluded as a whole (one entry naming STUDY/MODEL):
+    the audit accepts it with no cases; the same run with the exclusion removed misses every case."""
+    from testbed.protocol import PROTOCOL_DIR, load_protocol
+    from testbed.run import run_protocols
+    from testbed.sources import capture
+
+    monkeypatch.setattr(capture, "locate_gguf", lambda: None)
+    monkeypatch.setattr(capture, "_LOADED", {})
+    path = PROTOCOL_DIR / "smollm2.json"
+    proto, raw = load_protocol(path)
+    out = tmp_path / "run"
+    out.mkdir()
+    manifest = run_protocols(out, [(path, proto, raw)], progress=lambda m: None)
+    assert [e["id"] for e in manifest["excluded"]] == [f"smollm2/{capture.MODEL_ID}"]
+    assert failures(out) == []
+    m = load(out, "manifest.json")
+    m["excluded"] = []
+    (out / "manifest.json").write_text(json.dumps(m, indent=1))
+    fails = failures(out)
+    src = proto["source"]
+    want = len(src["prompts"]) * len(src["layers"]) * len(src["record_chunks"])
+    assert len(fails) == want and all(f.startswith("FAIL: results.json cases.smollm2.") and
+                                      f.endswith(": missing: the protocol produces this case (and it is not excluded)")
+                                      for f in fails)
