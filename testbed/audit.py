@@ -15,7 +15,9 @@ metrics. It checks, in order:
    tolerances (``|a - b| <= atol + rtol * |b|``, integers exactly; the table is
    ``audit_checks.common.TOLERANCES``, a protocol may tighten it, never loosen it); the labels a row copies from its case agree
    with the case; no row is an exact duplicate; every stored array is used by a case or a row
-   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails);
+   (so deleting a row, even with its hash re-computed, leaves its arrays orphaned and fails); the
+   cases, rows, row parameters and exclusions are exactly those the frozen protocols produce
+   (``audit_checks/completeness.py``, see docs/audit.md);
 7. ``report.html``: no outside reference or executable script, one intact inline PNG per figure,
    and every figure's embedded data recomputed from the rows (``audit_checks/report_html.py``).
 

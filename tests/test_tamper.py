@@ -757,9 +757,17 @@ MANIFEST_GAPS = {
     "created_utc": "2020-01-01T00:00:00Z",
     "wall_seconds": 0.001,
     "environment.cpu": "Some Other CPU",
-    "excluded": [{"id": "x", "stage": "capture", "error": "made up"}],
     "memory_guard": None,
 }
+
+
+def test_made_up_exclusion(run, reliability):
+    """An exclusion is checked against the protocols (a synthetic study excludes nothing)."""
+    m = manifest(run)
+    m["excluded"] = [{"id": "x", "stage": "capture", "error": "made up"}]
+    write_manifest(run, m)
+    assert_fails(reliability, "tamper: manifest", "manifest excluded: a made-up exclusion added", run,
+                 ["manifest.json excluded[0]: 'x'"], "FAIL naming the exclusion the protocols do not allow")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: descriptive manifest fields are not re-derivable")
@@ -791,8 +799,9 @@ def test_gap_timings_and_report_with_hash(run, rel, reliability):
     assert not check(run)[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: a row removed together with its own arrays is a smaller, consistent run")
-def test_gap_row_removed_with_its_arrays(run, reliability):
+def test_row_removed_with_its_arrays(run, reliability):
+    """Formerly a known gap (a smaller, consistent run): the completeness check expands the rows the
+    protocol produces and names the missing one."""
     res = results(run)
     i = row_index(res)
     row = res["rows"].pop(i)
@@ -804,6 +813,7 @@ def test_gap_row_removed_with_its_arrays(run, reliability):
     write_manifest(run, m)
     write_results(run, res, forge=True)
     forge_report_html(run)
-    reliability("gap", "a row deleted with its arrays and their manifest entries (report.html redrawn)",
-                "not caught (a consistent subset)")
-    assert not check(run)[0]
+    assert_fails(reliability, "tamper: consistent forger",
+                 "a row deleted with its arrays and their manifest entries (report.html redrawn)", run,
+                 [f"residual_window/{CASE} residual_window arm=R=16: missing: the protocol produces this row"],
+                 "FAIL naming the missing row")
