@@ -1,4 +1,4 @@
-"""Plot one figure from a run folder's results.csv (needs matplotlib; the testbed itself does not).
+"""Plot one figure from a run folder's results.csv with matplotlib (installed with testbed: it draws report.html).
 
     python examples/plot_run.py target/first --out rw.png            # residual window: error vs R
     python examples/plot_run.py evidence --analysis live_quality --x arm --y perplexity --by study --out ppl.png

@@ -458,6 +458,9 @@ class Audit:
                 self.fail(f"results.json row {i}", "not an object")
                 continue
             row = dict(row, _index=i)
+            if not all(isinstance(row.get(k), str) for k in ("study", "analysis")):
+                self.fail(f"results.json row {i}", "study and analysis must be strings")
+                continue
             if row.get("study") not in self.tolerances:
                 self.fail(row, "no frozen protocol copy for this row's study in the manifest")
                 continue

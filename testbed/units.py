@@ -140,8 +140,9 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
         except (ValueError, TypeError, OverflowError, RuntimeError, IndexError) as e:
             # Values that pass the schema but cannot make a Case (a seed beyond the generator's
             # 64 bits, focus_tokens longer than half a length): a ProtocolError naming the case.
-            raise ProtocolError(f"protocol {proto['name']}: source {proto['source']['kind']!r} cannot build case {i} "
-                                f"of {unit.label} from source parameters: {type(e).__name__}: {e}") from e
+            what = unit.label if unit.label.startswith("case ") else f"case {i} of {unit.label}"
+            raise ProtocolError(f"protocol {proto['name']}: source {proto['source']['kind']!r} cannot build {what} "
+                                f"from source parameters: {type(e).__name__}: {e}") from e
         if case.id in cases:
             raise ProtocolError(f"{ctx.study}: two cases are named {case.id!r}")
         cases[case.id] = _save_case(case, ctx)

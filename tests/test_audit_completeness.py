@@ -21,6 +21,7 @@ import pytest
 from testbed.audit import audit
 from testbed.audit_checks.common import softmax_attention
 from testbed.run import main as run_main
+from testbed.tables import results_csv
 from tests._helpers import REPO, forge_report_html
 
 SMALL = {
@@ -67,14 +68,17 @@ def load(run_dir: Path, rel: str) -> dict:
 
 
 def forge(run_dir: Path, res: dict, drop_arrays=(), redraw: bool = True) -> None:
-    """Write results.json, delete ``drop_arrays`` from the run and the manifest, re-hash, redraw
-    report.html (unless ``redraw`` is False: its builder needs well-formed rows)."""
+    """Write results.json and results.csv to agree, delete ``drop_arrays`` from the run and the
+    manifest, re-hash, redraw report.html (unless ``redraw`` is False: its builder needs
+    well-formed rows)."""
     (run_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (run_dir / "results.csv").write_bytes(results_csv(res["rows"]))
     m = load(run_dir, "manifest.json")
     for rel in drop_arrays:
         (run_dir / rel).unlink()
         del m["arrays"][rel]
-    m["files"]["results.json"] = hashlib.sha256((run_dir / "results.json").read_bytes()).hexdigest()
+    for rel in ("results.json", "results.csv"):
+        m["files"][rel] = hashlib.sha256((run_dir / rel).read_bytes()).hexdigest()
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
     if redraw:
         forge_report_html(run_dir)
@@ -372,3 +376,13 @@ def test_capture_whose_model_did_not_load(tmp_path, monkeypatch):
     assert len(fails) == want and all(f.startswith("FAIL: results.json cases.smollm2.") and
                                       f.endswith(": missing: the protocol produces this case (and it is not excluded)")
                                       for f in fails)
+
+
+@pytest.mark.parametrize("field", ["study", "analysis"])
+def test_a_row_label_of_the_wrong_type_is_a_fail_line(run, field):
+    res = load(run, "results.json")
+    res["rows"][0][field] = ["not", "a", "string"]
+    forge(run, res, redraw=False)
+    fails = failures(run)
+    assert "FAIL: results.json row 0: study and analysis must be strings" in fails
+    assert not any("could not complete" in f for f in fails)

@@ -40,13 +40,3 @@ def test_plot_run_writes_a_valid_png_outside_the_run(tmp_path):
     width, height = png_size(out.read_bytes())
     assert width > 100 and height > 100
     assert audit(run, check_sources=False)[0]  # nothing was added to the run folder
-
-
-def test_the_package_does_not_need_matplotlib():
-    import re
-    import tomllib
-
-    for path in (REPO / "testbed").rglob("*.py"):
-        assert not re.search(r"^\s*(import|from)\s+matplotlib", path.read_text(), re.M), path
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert not any("matplotlib" in d for d in project["dependencies"])

@@ -130,7 +130,7 @@ def test_a_protocol_error_inside_a_task_is_one_line_and_exit_2(tmp_path, capsys)
     serial_err = capsys.readouterr().err.strip().splitlines()[-1]
     assert _run(tmp_path / "ray", [proto], "--backend", "ray") == 2
     ray_err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "cannot build case 1 of unit 1/2" in serial_err and ray_err == serial_err
+    assert "cannot build case 1/2 from source parameters" in serial_err and ray_err == serial_err
     assert not (tmp_path / "ray").exists()
 
 
