@@ -318,8 +318,8 @@ def test_capture_untouched_passes_with_its_short_prompt_excluded(capture_run, tm
     assert failures(capture_run) == []
 
 
-@pytest.mark.capture
-def test_capture_prompt_deleted_while_not_excluded(capture_run, tmp_path):
+def _without_prompt_again(capture_run: Path, tmp_path: Path) -> Path:
+    """A copy of the capture run with prompt "again"'s cases, rows and arrays deleted, consistently."""
     run = tmp_path / "run"
     shutil.copytree(capture_run, run)
     res = load(run, "results.json")
@@ -327,6 +327,12 @@ def test_capture_prompt_deleted_while_not_excluded(capture_run, tmp_path):
         del res["cases"]["cap"][c]
     res["rows"] = [r for r in res["rows"] if r.get("prompt") != "again"]
     forge(run, res, unused_arrays(res, run))
+    return run
+
+
+@pytest.mark.capture
+def test_capture_prompt_deleted_while_not_excluded(capture_run, tmp_path):
+    run = _without_prompt_again(capture_run, tmp_path)
     assert sorted(failures(run)) == [
         f"FAIL: results.json cases.cap.again-{c}: missing: the protocol produces this case (and it is not excluded)"
         for c in ("L00-c01", "L29-c01")]
@@ -335,13 +341,7 @@ def test_capture_prompt_deleted_while_not_excluded(capture_run, tmp_path):
 @pytest.mark.capture
 def test_capture_prompt_excluded_with_a_forged_reason(capture_run, tmp_path):
     """The prompt deleted and excluded, but with a reason that is not 'too short for the protocol'."""
-    run = tmp_path / "run"
-    shutil.copytree(capture_run, run)
-    res = load(run, "results.json")
-    for c in [c for c in res["cases"]["cap"] if c.startswith("again-")]:
-        del res["cases"]["cap"][c]
-    res["rows"] = [r for r in res["rows"] if r.get("prompt") != "again"]
-    forge(run, res, unused_arrays(res, run))
+    run = _without_prompt_again(capture_run, tmp_path)
     m = load(run, "manifest.json")
     m["excluded"].append({"id": "cap/again", "stage": "tokenize", "error": "prompt has 80 tokens, the protocol needs 64"})
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
