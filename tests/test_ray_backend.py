@@ -16,7 +16,7 @@ import pytest
 
 from testbed.run import main as run_main
 
-from ._helpers import synthetic_protocol
+from ._helpers import default_sigint, synthetic_protocol
 
 pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install -e '.[ray]'")
 
@@ -144,7 +144,7 @@ def test_ctrl_c_cancels_the_tasks_and_writes_nothing(tmp_path):
     out = tmp_path / "ray"
     proc = subprocess.Popen([sys.executable, "-m", "testbed.run", "--out", str(out), "--protocol", str(proto),
                              "--backend", "ray", "--jobs", "2"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)
     lines = []
     deadline = time.monotonic() + 120
     for line in proc.stderr:  # wait until tasks are finishing: Ray is up and the run is under way

@@ -81,6 +81,7 @@ def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(tmp_path):
     """SIGINT delivered exactly while ``python -m testbed.run`` imports torch (an import hook sends it)."""
     code = (
         "import importlib.abc, os, runpy, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # even under a parent that ignores SIGINT\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "class Hook(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"

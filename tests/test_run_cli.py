@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import default_sigint
+
 from testbed.audit import audit
 from testbed.run import main as run_main, partial_dir, sweep_stale_partials
 from tests._helpers import synthetic_protocol as synthetic
@@ -44,7 +46,8 @@ class Run:
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.run", *args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=default_sigint)
         self.lines: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
