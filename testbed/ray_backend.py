@@ -119,6 +119,20 @@ def run_studies(root, protocols, threads, progress, *, address: str | None = Non
             ray.shutdown()
 
 
+def _get(ray, refs, where: str):
+    """``ray.get`` with a task's failure as the error a serial run gives (the unit's own exception,
+    the same on every retry) or a one-line `BackendError` (a worker or node lost beyond RETRIES)."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise BackendError(f"{where}: {_first_line(e)}") from None
+    except ray.exceptions.RayError as e:
+        raise BackendError(f"{where} failed after {RETRIES} retries: {type(e).__name__}: {_first_line(e)}") from None
+
+
 def _first_line(e) -> str:
     lines = [x for x in str(e).splitlines() if x.strip()]
     return lines[-1].strip() if lines else type(e).__name__
@@ -157,21 +171,21 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
     for si, u in sorted(order, key=lambda x: (x[1].needs is not None, -x[1].weight)):
         submit(si, u)
     bar = Progress(total, "ray", progress, unit="unit")
+    # A failing unit does not end the run at once: every unit before it in the serial order is awaited
+    # first, and the earliest failure is the one raised, so the error is the serial run's whichever
+    # task failed first.
+    failed = None  # ((study index, unit index), exception)
     try:
-        while pending:
+        while pending and not (failed and not any((si, u.index) < failed[0] for si, u in pending.values())):
             ready, _ = ray.wait(list(pending), num_returns=1)
             si, u = pending.pop(ready[0])
             st = studies[si]
             try:
-                text, saves, files = ray.get(st["refs"][u.index][:3])
-            except ray.exceptions.RayTaskError as e:  # the unit's own error: the same on every retry
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, Exception):
-                    raise cause from None
-                raise BackendError(f"{st['proto']['name']} {u.label}: {_first_line(e)}") from None
-            except ray.exceptions.RayError as e:  # a worker or node lost more often than RETRIES
-                raise BackendError(f"{st['proto']['name']} {u.label} failed after {RETRIES} retries: "
-                                   f"{type(e).__name__}: {_first_line(e)}") from None
+                text, saves, files = _get(ray, st["refs"][u.index][:3], f"{st['proto']['name']} {u.label}")
+            except Exception as e:  # noqa: BLE001 - kept until the earlier units are known
+                if failed is None or (si, u.index) < failed[0]:
+                    failed = ((si, u.index), e)
+                continue
             got = json.loads(text)
             if got["sources"] != driver_sources:
                 raise BackendError(f"{st['proto']['name']} {u.label}: the worker ({got['node']}) imported other "
@@ -184,6 +198,8 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
                 if all(v.index in st["done"] for v in st["units"] if v.needs == i):
                     st["refs"][i] = None
             bar.step(f"{st['proto']['name']} {u.label} done")
+        if failed is not None:
+            raise failed[1]
     except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)
