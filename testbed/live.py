@@ -415,7 +415,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
             row["evidence"] = {"layer": evidence_layer,
                                "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
         rows.append(row)
-    note = (f"{len(schedule) + 1} forwards, {seconds:.1f} s, "
+    note = (f"{arm} (batch {bi + 1}): {len(schedule) + 1} forwards, {seconds:.1f} s, "
             f"{1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token")
     return rows, ((ref_logp, ref_argmax) if arm == REFERENCE else None), note
 

@@ -25,26 +25,30 @@ import os
 import time
 from pathlib import Path
 
-from .context import RunContext
 from .progress import Progress
 from .evidence import ArrayStore, RecordingStore, environment, replay, sha256_bytes, source_hashes
-from .units import Unit, absorb, lists_of, pinned_torch, plan, run_unit, study_entry, study_result, unit_context
+from .units import (Unit, absorb, dependents, lists_of, pinned_torch, plan, run_unit, study_context, study_entry,
+                    study_result, unit_context)
 
 __all__ = ["run_studies", "BackendError", "RETRIES", "INSTALL_HINT"]
 
 RETRIES = 2
 INSTALL_HINT = "pip install -e '.[ray]' (Ray 2.x) on the driver and on every node of the cluster"
-_SOURCES_DIGEST = []
+_IDENTITY = []  # this process's (testbed sources digest, torch CPU capability, CPU name), computed once
 
 
 class BackendError(RuntimeError):
     """The backend could not finish the run (Ray missing, a task failed beyond its retries)."""
 
 
-def _sources_digest() -> str:
-    if not _SOURCES_DIGEST:
-        _SOURCES_DIGEST.append(sha256_bytes(json.dumps(source_hashes(), sort_keys=True).encode()))
-    return _SOURCES_DIGEST[0]
+def _identity() -> dict:
+    """What a task reports of its process: the hash of the testbed sources it imported, its torch
+    CPU capability and CPU (once per process: neither changes while it lives)."""
+    if not _IDENTITY:
+        env = environment()
+        _IDENTITY.append({"sources": sha256_bytes(json.dumps(source_hashes(), sort_keys=True).encode()),
+                          "cpu_capability": env["torch_cpu_capability"], "node": env["cpu"]})
+    return _IDENTITY[0]
 
 
 def _import_ray():
@@ -58,8 +62,8 @@ def _import_ray():
 
 def _task(proto: dict, unit_json: str, threads, dep, fault_dir, base):
     """Worker side: one unit, recorded. Returns (result JSON text, saves, files, dependency output)."""
-    _maybe_fault(fault_dir, json.loads(unit_json))
     unit = Unit(**json.loads(unit_json))
+    _maybe_fault(fault_dir, unit.index)
     store = RecordingStore()
     uc = unit_context(store, proto["name"], proto, unit, lambda m: None, None if base is None else Path(base))
     if dep is not None:  # the live reference: numpy arrays from its task, as torch tensors again
@@ -73,21 +77,19 @@ def _task(proto: dict, unit_json: str, threads, dep, fault_dir, base):
         out = tuple(x.numpy() for x in out)
     lists = lists_of(uc)
     files = lists.pop("extra_files")
-    env = environment()
-    text = json.dumps({"result": result, "lists": lists, "sources": _sources_digest(),
-                       "cpu_capability": env["torch_cpu_capability"], "node": env["cpu"]}, allow_nan=True)
+    text = json.dumps({"result": result, "lists": lists, **_identity()}, allow_nan=True)
     return text, store.saves, files, out
 
 
-def _maybe_fault(fault_dir, unit: dict) -> None:
+def _maybe_fault(fault_dir, index: int) -> None:
     """Fault injection for the tests: with TESTBED_RAY_FAULT=INDEX set in the worker's environment,
     the first attempt at unit INDEX (per ``fault_dir`` marker) kills its worker process; with
     TESTBED_RAY_FAULT=INDEX:always, every attempt does."""
     spec = os.environ.get("TESTBED_RAY_FAULT")
     if not spec or fault_dir is None:
         return
-    index, _, how = spec.partition(":")
-    if int(index) != unit["index"]:
+    target, _, how = spec.partition(":")
+    if int(target) != index:
         return
     marker = os.path.join(fault_dir, f"fault-{index}")
     if how == "always" or not os.path.exists(marker):
@@ -140,17 +142,14 @@ def _first_line(e) -> str:
 
 def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
     remote = ray.remote(max_retries=RETRIES, retry_exceptions=False, num_returns=4)(_task)
-    driver_sources = _sources_digest()
-    driver_cpu = environment()["torch_cpu_capability"]
+    driver_sources, driver_cpu = _identity()["sources"], _identity()["cpu_capability"]
     studies = []
     for path, proto, raw in protocols:  # plan on the driver (cheap: the live study tokenizes its corpus)
-        store = ArrayStore(root)
         entry = study_entry(root, path, proto, raw)
-        ctx = RunContext(store, study=proto["name"], timing_repeats=proto["timing"]["repeats"],
-                         timing_seed=proto["timing"]["seed"], progress=progress, base=Path(path).resolve().parent)
+        ctx = study_context(ArrayStore(root), proto, path, progress)
         cases, units = plan(proto, ctx, path)
-        studies.append({"path": path, "proto": proto, "entry": entry, "ctx": ctx, "cases": cases, "units": units,
-                        "refs": {}, "done": {}})
+        studies.append({"proto": proto, "entry": entry, "ctx": ctx, "cases": cases, "units": units,
+                        "users": dependents(units), "refs": {}, "done": {}})
     pending = {}  # ObjectRef of the result text -> (study index, unit)
     total = sum(len(s["units"]) for s in studies)
 
@@ -195,7 +194,7 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
                          "float results may differ in their last bits from a serial run here")
             st["done"][u.index] = (got, saves, files)
             for i in {u.index, u.needs} - {None}:  # drop outputs (the reference's log-probs) nobody waits for
-                if all(v.index in st["done"] for v in st["units"] if v.needs == i):
+                if all(j in st["done"] for j in st["users"].get(i, ())):
                     st["refs"][i] = None
             bar.step(f"{st['proto']['name']} {u.label} done")
         if failed is not None:
@@ -216,7 +215,6 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
         for u in st["units"]:  # the serial order, whatever order they finished in
             got, saves, files = st["done"][u.index]
             moved = replay(ctx.store, saves)
-            absorb(ctx, st["proto"], got["result"] | {"out": None}, got["lists"] | {"extra_files": files},
-                   cases, rows, moved)
+            absorb(ctx, st["proto"], got["result"], got["lists"] | {"extra_files": files}, cases, rows, moved)
         results.append(study_result(root, st["entry"], ctx, cases, rows))
     return results

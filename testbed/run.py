@@ -41,14 +41,13 @@ from ._cli import entry, interrupted
 
 try:  # torch and the model code take a second or more to import: Ctrl-C then is one line, not a traceback
     from . import ray_backend
-    from .context import RunContext
     from .evidence import ArrayStore, SCHEMA_VERSION, environment, sha256_file, source_hashes, write_json
     from .protocol import ProtocolError, default_protocols, estimate_protocol, load_protocol
     from .report import build_report
     from .report_html import build_html
     from .resources import ResourceError, check_memory
     from .tables import results_csv
-    from .units import pinned_torch, run_serial, study_entry, study_result
+    from .units import pinned_torch, run_serial, study_context, study_entry, study_result
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -99,8 +98,7 @@ def _run_study(root: Path, path, proto: dict, raw: bytes, progress) -> dict:
     """One protocol (a cell), its units one after the other: cases, rows, timings, gates and extra
     files, all inside ``root``."""
     entry = study_entry(root, path, proto, raw)
-    ctx = RunContext(ArrayStore(root), study=proto["name"], timing_repeats=proto["timing"]["repeats"],
-                     timing_seed=proto["timing"]["seed"], progress=progress, base=Path(path).resolve().parent)
+    ctx = study_context(ArrayStore(root), proto, path, progress)
     cases, rows = run_serial(proto, ctx, path)
     return study_result(root, entry, ctx, cases, rows)
 

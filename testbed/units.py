@@ -23,8 +23,8 @@ from .evidence import REPO_ROOT, sha256_bytes
 from .progress import Progress
 from .protocol import ProtocolError
 
-__all__ = ["Unit", "plan", "run_unit", "unit_context", "absorb", "run_serial", "pinned_torch", "study_entry",
-           "study_result"]
+__all__ = ["Unit", "plan", "unit_word", "dependents", "run_unit", "unit_context", "absorb", "run_serial",
+           "pinned_torch", "study_entry", "study_result", "study_context"]
 
 
 @contextlib.contextmanager
@@ -63,6 +63,13 @@ def study_result(root: Path, entry: dict, ctx: RunContext, cases: dict, rows: li
     return {"entry": entry, "cases": cases, "rows": rows, "timings": ctx.timings,
             "gates": {f"{ctx.study}.{k}": v for k, v in ctx.gates.items()}, "excluded": ctx.excluded,
             "files": files, "arrays": ctx.store.entries}
+
+
+def study_context(store, proto: dict, protocol_path, progress) -> RunContext:
+    """The context of one study on the driver (relative paths in the protocol resolve against its folder)."""
+    return RunContext(store, study=proto["name"], timing_repeats=proto["timing"]["repeats"],
+                      timing_seed=proto["timing"]["seed"], progress=progress,
+                      base=Path(protocol_path).resolve().parent)
 
 
 def _display_path(path) -> str:
@@ -105,9 +112,23 @@ def plan(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, list[U
         return cases, [Unit(i, u["label"], "live", u, u["needs"], cpu, u["forwards"]) for i, u in enumerate(specs)]
     source = _source(proto)
     slices = source.units(proto["source"]) if hasattr(source, "units") else [proto["source"]]
-    word = getattr(source, "UNIT", "unit")
+    word = unit_word(proto)
     return {}, [Unit(i, f"{word} {i + 1}/{len(slices)}", "cases", {"source": sub}, None, cpu)
                 for i, sub in enumerate(slices)]
+
+
+def unit_word(proto: dict) -> str:
+    """What one unit of this study is, for progress lines: a case, a capture prompt, a live batch x arm."""
+    return "batch x arm" if proto.get("kind") == "live" else getattr(_source(proto), "UNIT", "unit")
+
+
+def dependents(units: list[Unit]) -> dict[int, list[int]]:
+    """{unit index: the indices of the units that take its output} (only units something needs)."""
+    out: dict[int, list[int]] = {}
+    for u in units:
+        if u.needs is not None:
+            out.setdefault(u.needs, []).append(u.index)
+    return out
 
 
 def unit_context(ctx_or_store, study: str, proto: dict, unit: Unit, progress, base=None) -> RunContext:
@@ -125,8 +146,7 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
     unit needs, the live reference's log-probabilities; None otherwise)."""
     if unit.kind == "live":
         rows, out, note = live.run_unit(proto, unit.spec, ctx, dep)
-        return {"cases": {}, "rows": rows, "out": out, "note": f"{live._arms(proto['live'])[unit.spec['arm']][0]} "
-                                                               f"(batch {unit.spec['batch'] + 1}): {note}"}
+        return {"cases": {}, "rows": rows, "out": out, "note": note}
     cases, rows = {}, []
     source = _source(proto)
     it = iter(source.cases(unit.spec["source"], ctx))
@@ -216,15 +236,15 @@ def run_serial(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, 
     """Every unit of the study, one after the other, in this process."""
     cases, units = plan(proto, ctx, protocol_path)
     rows, outs = [], {}
-    word = "batch x arm" if units and units[0].kind == "live" else (units[0].label.split()[0] if units else "unit")
-    bar = Progress(len(units), ctx.study, ctx.progress, unit=word)
+    last_use = {i: max(users) for i, users in dependents(units).items()}
+    bar = Progress(len(units), ctx.study, ctx.progress, unit=unit_word(proto))
     for u in units:
         uc = unit_context(ctx.store, ctx.study, proto, u, ctx.progress, ctx.base)
         result = run_unit(proto, u, uc, outs.get(u.needs))
         bar.step(result["note"])
         absorb(ctx, proto, result, lists_of(uc), cases, rows)
-        if result["out"] is not None:
+        if u.index in last_use:
             outs[u.index] = result["out"]
-        for done in [i for i in outs if all(v.needs != i for v in units[u.index + 1:])]:
-            del outs[done]  # no later unit needs it: free the reference's log-probabilities
+        if last_use.get(u.needs) == u.index:
+            del outs[u.needs]  # no later unit needs it: free the reference's log-probabilities
     return cases, rows

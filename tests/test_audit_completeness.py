@@ -10,7 +10,6 @@ is redrawn from the forged rows with the run's own builder (its audit recomputes
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -21,8 +20,7 @@ import pytest
 from testbed.audit import audit
 from testbed.audit_checks.common import softmax_attention
 from testbed.run import main as run_main
-from testbed.tables import results_csv
-from tests._helpers import REPO, forge_report_html
+from tests._helpers import REPO, forge_results
 
 SMALL = {
     "residual_window": {"seeds": [7, 19], "lengths": [128]},
@@ -68,20 +66,14 @@ def load(run_dir: Path, rel: str) -> dict:
 
 
 def forge(run_dir: Path, res: dict, drop_arrays=(), redraw: bool = True) -> None:
-    """Write results.json and results.csv to agree, delete ``drop_arrays`` from the run and the
-    manifest, re-hash, redraw report.html (unless ``redraw`` is False: its builder needs
-    well-formed rows)."""
-    (run_dir / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    (run_dir / "results.csv").write_bytes(results_csv(res["rows"]))
+    """Delete ``drop_arrays`` from the run and the manifest, then forge results.json, results.csv and
+    report.html consistently (`forge_results`)."""
     m = load(run_dir, "manifest.json")
     for rel in drop_arrays:
         (run_dir / rel).unlink()
         del m["arrays"][rel]
-    for rel in ("results.json", "results.csv"):
-        m["files"][rel] = hashlib.sha256((run_dir / rel).read_bytes()).hexdigest()
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
-    if redraw:
-        forge_report_html(run_dir)
+    forge_results(run_dir, res, redraw)
 
 
 def array_paths(obj) -> set[str]:
