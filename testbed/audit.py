@@ -724,6 +724,9 @@ def main(argv=None) -> int:
     for line in failures:
         print(line)
     print(f"{len(failures)} problem(s) found in {root}")
+    if args.same_as is not None and diff:
+        print(f"(--same-as asks for identical bytes; how far apart the numbers are, within the cross-machine "
+              f"tolerances or not: python -m testbed.compare {root} {args.same_as})")
     return 1
 
 

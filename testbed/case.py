@@ -76,6 +76,8 @@ class Case:
 
     ``query_positions[i]`` is the key-axis index of query ``i``; with ``causal=True`` query ``i``
     sees keys ``0 .. query_positions[i]``. ``layout`` covers ``[0, Tk)`` with contiguous regions.
+    ``token_ids`` (optional, 1-D integer) are the input tokens a model read to produce the case
+    (a capture); they are stored with the case so the audit can check them against their hash.
     """
 
     id: str
@@ -87,6 +89,7 @@ class Case:
     layout: tuple[Region, ...]
     tokens_per_frame: int | None = None
     meta: dict = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or "/" in self.id or ".." in self.id or not self.id.isprintable():
@@ -113,6 +116,10 @@ class Case:
             raise ValueError(f"{self.id}: query_positions must be an integer tensor of shape [{tq}]")
         if int(qp.min()) < 0 or int(qp.max()) >= tk:
             raise ValueError(f"{self.id}: query_positions must lie in [0, {tk})")
+        ids = self.token_ids
+        if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point()
+                                or ids.dtype == torch.bool or ids.numel() == 0):
+            raise ValueError(f"{self.id}: token_ids must be a non-empty 1-D integer tensor or None")
         self.layout = tuple(self.layout)
         pos = 0
         names = set()

@@ -2,13 +2,16 @@
 
 Imports only the standard library and numpy (like the audit, whose strict readers it uses: no
 pickle, nothing outside the two folders, no symlinks). It answers "did B reproduce A?" where a
-byte-for-byte check (``audit --same-as``) is too strict: the same protocol run on another CPU
-(AVX2 against AVX-512 float kernels, another thread count) gives the same results to within a
-few float32 ulps, not the same bytes. docs/compare.md says what may differ and by how much.
+byte-for-byte check (``audit --same-as``) is too strict: the same protocol run with another
+instruction set's kernels gives the same results to within a few float32 ulps — and, where one
+of those ulps moves an input across a rounding boundary, a flipped code — not the same bytes.
+Floats are compared normwise (per array, and per field of an analysis across its rows), with a
+looser tolerance for the analyses where one flipped code moves a number by a quantization step.
+docs/compare.md says what may differ and by how much, as measured between AVX2 and SSE4.2 kernels.
 
 - arrays: the same set of paths in both manifests; for each pair of equal dtype and shape, the
-  max absolute and max relative difference (float arrays) or the count of differing elements
-  (integer and boolean arrays: quantization codes, argmax, token ids);
+  max absolute difference against the array's largest value (float arrays) or the count of
+  differing elements (integer and boolean arrays: quantization codes, argmax, token ids);
 - results.json rows, matched by their identity fields (study, analysis, case, arm, ... not by
   position); every number of a row (nested fields and lists included) compared, the max abs and
   rel difference kept per field; strings, booleans and nulls must be equal;
@@ -35,16 +38,28 @@ from .audit import AuditError, _load_npy, _safe_relpath, load_json
 
 __all__ = ["TOLERANCES", "IDENTITY", "compare_runs", "main"]
 
-# Cross-machine tolerances (docs/compare.md). A float passes when |a - b| <= atol + rtol * |b|.
+# Cross-machine tolerances (docs/compare.md). Floats are compared normwise: a group of numbers (one
+# array; one field of one analysis across all its rows) passes when max |a - b| <= rtol * max |b|
+# (+ ATOL_FLOOR for an all-zero group), so a value near zero is judged on its group's scale, not on
+# its own (a float32 arm's rel_l2 of 3e-7 is rounding noise whatever its relative change).
 TOLERANCES = {
-    # float32 kernels of another instruction set sum in another order: a few ulps per operation,
-    # grown through softmax, quantizer scales and (live study) 30 transformer layers
-    "float": {"rtol": 1e-4, "atol": 1e-6},
+    # float kernels of another instruction set sum in another order: measured between AVX2 and
+    # SSE4.2-level kernels on one CPU (docs/compare.md), at most 1.2e-4 on row numbers and 7.8e-4 on
+    # float16 payload scales (one float16 ulp where an input moved across a rounding boundary)
+    "float": {"rtol": 1e-3},
+    # where one flipped code moves a number by a whole quantization step: the MX Q/K path on sharp
+    # rows (per-row TV up to 3.0e-2 normwise) and the live study, 30 layers deep with flushes
+    # re-quantizing the window (per-token KL up to 2.6e-2 normwise)
+    "flip_sensitive": {"rtol": 5e-2},
     # quantization codes and argmax flip only where a value sits on a rounding boundary or a tie
+    # (measured at most 3.3e-4 of an array's elements)
     "integer_array_fraction": 1e-3,
     # integers in results.json are counts, sizes and byte totals: shapes decide them, not floats
     "integer_number": 0,
 }
+ATOL_FLOOR = 1e-12
+# analyses whose numbers (and, for the live study, arrays) are flip-sensitive
+FLIP_SENSITIVE = ("mx_paths", "live_quality")
 # Arrays that no float kernel touches: they must be identical on any machine.
 EXACT_ARRAYS = ("token_ids", "query_positions", "header")
 # The fields that say which row a result is (together they are unique within a run).
@@ -70,37 +85,42 @@ class Diffs:
     def fail(self, what: str, reason: str) -> None:
         self.failures.append(f"FAIL: {what}: {reason}")
 
-    def floats(self, what: str, a: np.ndarray, b: np.ndarray) -> None:
-        """Element-wise float comparison of a (from A) against b (from B, the reference)."""
-        tol = TOLERANCES["float"]
-        a = np.asarray(a, dtype=np.float64)
-        b = np.asarray(b, dtype=np.float64)
+    def floats(self, what: str, a: np.ndarray, b: np.ndarray, kind: str = "float", labels=None) -> None:
+        """Normwise float comparison of a (from A) against b (from B, the reference): passes when
+        max |a - b| <= rtol * max |b| (+ ATOL_FLOOR). ``labels[i]`` names where element i comes from
+        (the row of a field), for the FAIL line."""
+        rtol = TOLERANCES[kind]["rtol"]
+        a = np.asarray(a, dtype=np.float64).ravel()
+        b = np.asarray(b, dtype=np.float64).ravel()
         self.numbers += a.size
         nan_a, nan_b = np.isnan(a), np.isnan(b)
         if np.any(nan_a != nan_b):
-            self.fail(what, f"NaN at {int(np.sum(nan_a != nan_b))} position(s) in one run only")
+            i = int(np.argmax(nan_a != nan_b))
+            self.fail(labels[i] if labels else what, f"NaN at {int(np.sum(nan_a != nan_b))} position(s) in one run only")
             return
         ok = ~nan_a
-        same_inf = np.isinf(a) & (a == b)
-        ok &= ~same_inf
+        ok &= ~(np.isinf(a) & (a == b))
         if np.any(np.isinf(a[ok]) | np.isinf(b[ok])):
             self.fail(what, "an infinity in one run only")
             return
-        d = np.abs(a[ok] - b[ok])
+        idx = np.flatnonzero(ok)
+        d = np.abs(a[idx] - b[idx])
         if d.size == 0 or not np.any(d):
             self.exact += 1
             return
-        ref = np.abs(b[ok])
-        limit = tol["atol"] + tol["rtol"] * ref
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(ref > 0, d / ref, np.inf)
-        i = int(np.argmax(d / limit))
-        entry = {"abs": float(d.max()), "rel": float(rel.max()), "ratio": float(d[i] / limit[i]),
-                 "limit": f"atol {tol['atol']:g} + rtol {tol['rtol']:g}"}
+        scale = float(np.abs(b[idx]).max())
+        limit = rtol * scale + ATOL_FLOOR
+        j = int(np.argmax(d))
+        i = int(idx[j])
+        entry = {"abs": float(d[j]), "rel": float(d[j]) / scale if scale else math.inf, "ratio": float(d[j]) / limit,
+                 "limit": f"{kind}: rtol {rtol:g} x max|b| {scale:.3g}",
+                 "beyond_1e-4": int(np.count_nonzero(d > 1e-4 * scale)), "n": int(d.size)}
         self._keep(what, entry)
         if entry["ratio"] > 1:
-            self.fail(what, f"differs by {d[i]:.3g} (rel {rel[i]:.3g}) at element {i}: {a[ok][i]!r} against "
-                            f"{b[ok][i]!r}, over the tolerance {entry['limit']}")
+            at = labels[i] if labels else what
+            elem = "" if labels else f" at element {i}"
+            self.fail(at, f"differs by {d[j]:.3g}{elem}: {a[i]!r} against {b[i]!r}, {entry['rel']:.3g} of the "
+                          f"{'field' if labels else 'array'}'s scale {scale:.3g} (tolerance {kind} rtol {rtol:g})")
 
     def integers(self, what: str, a: np.ndarray, b: np.ndarray, exact: bool) -> None:
         self.numbers += a.size
@@ -136,7 +156,7 @@ def _run(root: Path) -> tuple[dict, dict]:
     return manifest, results
 
 
-def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs) -> int:
+def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs, flip_studies: set) -> int:
     a_set, b_set = set(ma["arrays"]), set(mb["arrays"])
     for rel in sorted(a_set - b_set):
         out.fail(rel, f"array only in {ra}")
@@ -152,7 +172,7 @@ def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs) -> int:
         if x.dtype != y.dtype or x.shape != y.shape:
             out.fail(rel, f"{x.dtype.str} {list(x.shape)} in {ra}, {y.dtype.str} {list(y.shape)} in {rb}")
         elif x.dtype.kind == "f":
-            out.floats(rel, x, y)
+            out.floats(rel, x, y, "flip_sensitive" if rel.split("/")[1:2] and rel.split("/")[1] in flip_studies else "float")
         else:
             out.integers(rel, x, y, exact=any(word in rel.rsplit("/", 1)[-1] for word in EXACT_ARRAYS))
     return len(a_set & b_set)
@@ -221,30 +241,26 @@ def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs) -> i
                 elif all(isinstance(v, int) for v in x + y):
                     _exact_ints(out, where, field, x, y)
                 else:
-                    per_field.setdefault(field, []).append((where, x, y))
+                    per_field.setdefault(_group(a[key], field), []).append((where, x, y))
             elif _is_number(x) and _is_number(y):
                 if isinstance(x, int) and isinstance(y, int):
                     _exact_ints(out, where, field, [x], [y])
                 else:
-                    per_field.setdefault(field, []).append((where, [x], [y]))
+                    per_field.setdefault(_group(a[key], field), []).append((where, [x], [y]))
             elif x != y or type(x) is not type(y):
                 out.fail(where, f"{field}: {x!r} against {y!r}")
-    for field, items in per_field.items():
-        # one entry per field (the worst row), so the table shows fields, not rows
-        sub = Diffs()
-        worst = None
-        for where, x, y in items:
-            before = len(sub.failures)
-            sub.floats(f"{where} {field}", np.array(x, dtype=np.float64), np.array(y, dtype=np.float64))
-            if len(sub.failures) > before:
-                out.failures.extend(sub.failures[before:])
-            e = sub.worst.get(f"{where} {field}")
-            if e is not None and (worst is None or e["ratio"] > worst[1]["ratio"]):
-                worst = (where, e)
-        out.numbers += sub.numbers
-        if worst is not None:
-            out.worst[f"results.json {field} (worst: {worst[0][len('results.json '):]})"] = worst[1]
+    for (study, analysis, field), items in sorted(per_field.items()):
+        # one group per field of an analysis, across all its rows: the table shows fields, not rows
+        xs = np.concatenate([np.asarray(x, dtype=np.float64) for _, x, _ in items])
+        ys = np.concatenate([np.asarray(y, dtype=np.float64) for _, _, y in items])
+        labels = [f"{where} {field}" for where, x, _ in items for _ in x]
+        out.floats(f"results.json {study} {analysis} {field}", xs, ys,
+                   "flip_sensitive" if analysis in FLIP_SENSITIVE else "float", labels)
     return len(set(a) & set(b))
+
+
+def _group(row: dict, field: str) -> tuple:
+    return (str(row.get("study")), str(row.get("analysis")), field)
 
 
 def _exact_ints(out: Diffs, where: str, field: str, x: list, y: list) -> None:
@@ -269,13 +285,15 @@ def compare_runs(a: str | Path, b: str | Path) -> tuple[bool, list[str], str]:
     (ma, res_a), (mb, res_b) = _run(ra), _run(rb)
     out = Diffs()
     _compare_protocols(ma, mb, out)
-    n_arrays = _compare_arrays(ra, rb, ma, mb, out)
+    flip_studies = {r.get("study") for r in res_b["rows"] if isinstance(r, dict) and r.get("analysis") == "live_quality"}
+    n_arrays = _compare_arrays(ra, rb, ma, mb, out, flip_studies)
     n_rows = _compare_rows(ra, rb, res_a, res_b, out)
     lines = _table(out)
     summary = (f"{n_arrays} arrays and {n_rows} rows in both runs, {out.numbers} numbers compared "
-               f"({len(out.worst)} items differ at all; float tolerance atol {TOLERANCES['float']['atol']:g} + "
-               f"rtol {TOLERANCES['float']['rtol']:g}, integer arrays <= {TOLERANCES['integer_array_fraction']:g} "
-               "of elements)")
+               f"({len(out.worst)} items differ at all; floats normwise within rtol {TOLERANCES['float']['rtol']:g} "
+               f"of their array's or field's largest value, {TOLERANCES['flip_sensitive']['rtol']:g} where a flipped "
+               f"code moves them ({', '.join(FLIP_SENSITIVE)}), integer arrays <= "
+               f"{TOLERANCES['integer_array_fraction']:g} of elements)")
     return not out.failures, lines + out.failures, summary
 
 
@@ -283,12 +301,24 @@ def _table(out: Diffs) -> list[str]:
     if not out.worst:
         return ["no differences: every compared array and number is identical"]
     top = sorted(out.worst.items(), key=lambda kv: -kv[1]["ratio"])[:TOP]
-    width = min(90, max(len(w) for w, _ in top))
-    lines = [f"largest differences ({len(out.worst)} items differ; ratio = difference / tolerance):",
-             f"  {'what':<{width}}  {'max abs':>10}  {'max rel':>10}  {'ratio':>8}  tolerance"]
+    width = min(80, max(len(w) for w, _ in top))
+    lines = [f"largest differences ({len(out.worst)} items differ; 'of scale' = max |a - b| / max |b| of the "
+             "array or field (integer arrays: share of elements); 'moved' = elements beyond 1e-4 of the scale; "
+             "ratio = difference / tolerance):",
+             f"  {'what':<{width}}  {'max abs':>9}  {'of scale':>9}  {'moved':>11}  {'ratio':>7}  tolerance"]
     for what, e in top:
         name = what if len(what) <= width else what[:width - 3] + "..."
-        lines.append(f"  {name:<{width}}  {e['abs']:>10.3g}  {e['rel']:>10.3g}  {e['ratio']:>8.3g}  {e['limit']}")
+        moved = f"{e['beyond_1e-4']}/{e['n']}" if "n" in e else "-"
+        lines.append(f"  {name:<{width}}  {e['abs']:>9.3g}  {e['rel']:>9.3g}  {moved:>11}  {e['ratio']:>7.3g}  {e['limit']}")
+    # the largest difference of each kind, against its tolerance
+    kinds: dict[str, tuple] = {}
+    for what, e in out.worst.items():
+        kind = e["limit"].split(":")[0] if ":" in e["limit"] else "integer arrays"
+        kind = ("rows " if what.startswith("results.json") else "arrays ") + kind
+        if kind not in kinds or e["rel"] > kinds[kind][0]:
+            kinds[kind] = (e["rel"], what)
+    lines.append("largest difference of each kind: " + "; ".join(
+        f"{k} {v[0]:.2g}" for k, v in sorted(kinds.items())))
     return lines
 
 

@@ -175,6 +175,8 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
 def _save_case(case, ctx: RunContext) -> dict:
     prefix = f"{ctx.study}/{case.id}"
     arrays = {name: ctx.store.save(f"{prefix}/{name}", getattr(case, name)) for name in ("q", "k", "v", "query_positions")}
+    if case.token_ids is not None:  # one file per prompt: the store is content-addressed within a study
+        arrays["token_ids"] = ctx.store.save(f"{prefix}/token_ids", case.token_ids.to(torch.int32))
     return {
         "id": case.id,
         "causal": case.causal,

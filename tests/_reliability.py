@@ -53,3 +53,29 @@ def reliability(request):
     rec = Recorder(request.node.nodeid)
     yield rec
     rec.flush()
+
+
+def record_audit_verdicts(reliability, request, monkeypatch, category: str):
+    """For a suite that calls ``audit`` itself (imported into its module): record each test's last
+    audit verdict — a control that PASSED under category ``tamper``, a forgery under ``category``
+    with its first FAIL line — as a generator fixture body (``yield from`` it). Whether the test
+    passed comes from pytest, as for every record."""
+    mod = request.module
+    seen = []
+    real = mod.audit
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(mod, "audit", wrapped)
+    yield
+    if not seen:
+        return
+    ok, fails, summary = seen[-1]
+    case = request.node.name.removeprefix("test_").replace("_", " ")
+    if ok:
+        reliability("tamper", f"{case} (control)", "audit PASS", summary)
+    else:
+        reliability(category, case, "audit FAIL naming what is wrong", fails[0])

@@ -30,6 +30,7 @@ from testbed.quant import IntGrouped, kernels
 from testbed.run import main as run_main
 from tests._helpers import REPO
 from tests.test_tamper import rehash, results, small_protocol, write_results
+from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
 
 CASE = "clean-s7-n128"
 PAYLOAD_LINE = "stored payload differs from the audit's re-encoding of"
@@ -46,6 +47,12 @@ def rw_finished(tmp_path_factory) -> Path:
     out = base / "run"
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(proto)]) == 0
     return out
+
+
+@pytest.fixture(autouse=True)
+def _recorded(reliability, request, monkeypatch):
+    """Each test's audit verdict goes to the generated reliability table (docs/reliability.md)."""
+    yield from record_audit_verdicts(reliability, request, monkeypatch, "tamper: re-encode")
 
 
 @pytest.fixture(scope="module")

@@ -137,3 +137,46 @@ def test_bad_input_exits_2(small_run, tmp_path):
 def test_compare_imports_neither_torch_nor_testbed_numerics(small_run):
     call = "import testbed.compare as c; ok, _, _ = c.compare_runs(sys.argv[1], sys.argv[1])"
     assert heavy_imports(call, small_run) == ("True", [])
+
+
+def test_floats_are_judged_on_their_fields_scale_not_their_own(small_run, copy, capsys):
+    """A float32 arm's rel_l2 (rounding noise, ~1e-7) doubled is far below the scale of the field
+    (the quantized arms' rel_l2, ~1e-1): normwise it passes; the same absolute change on the row
+    that sets the scale is a relative 2e-6 there too. A change of 1 % of the field's scale fails
+    wherever it lands."""
+    rows = json.loads((copy / "results.json").read_text())["rows"]
+    scale = max(abs(r["rel_l2"]) for r in rows if isinstance(r.get("rel_l2"), float))
+    tiny = min((r for r in rows if isinstance(r.get("rel_l2"), float) and r["rel_l2"] > 0), key=lambda r: r["rel_l2"])
+    assert tiny["rel_l2"] < 1e-4 * scale  # the premise: a near-zero value in a field of large ones
+
+    def double_the_tiny(rs):
+        r = next(x for x in rs if x.get("case") == tiny["case"] and x.get("arm") == tiny["arm"])
+        r["rel_l2"] *= 2
+
+    edit_rows(copy, double_the_tiny)
+    code, out = run_compare(small_run, copy, capsys)
+    assert code == 0, out
+
+    def one_percent(rs):
+        r = next(x for x in rs if x.get("case") == tiny["case"] and x.get("arm") == tiny["arm"])
+        r["rel_l2"] += 0.01 * scale
+
+    edit_rows(copy, one_percent)
+    code, out = run_compare(small_run, copy, capsys)
+    fails = [line for line in out if line.startswith("FAIL: ")]
+    assert code == 1 and len(fails) == 1 and f"arm={tiny['arm']}" in fails[0] and "rel_l2" in fails[0], out
+
+
+def test_flip_sensitive_analyses_get_their_own_tolerance():
+    """The same 2 % move of a field's largest value passes for an MX-path field (where one flipped
+    E4M3 code moves a row's TV by that much) and fails for an ablation field."""
+    from testbed.compare import Diffs
+
+    ref = np.array([0.10, 0.02, 0.05])
+    moved = ref.copy()
+    moved[1] += 0.02 * ref.max()
+    flip, plain = Diffs(), Diffs()
+    flip.floats("mx", moved, ref, "flip_sensitive", ["r0", "r1", "r2"])
+    plain.floats("ablation", moved, ref, "float", ["r0", "r1", "r2"])
+    assert flip.failures == []
+    assert len(plain.failures) == 1 and plain.failures[0].startswith("FAIL: r1: differs by 0.002")

@@ -36,13 +36,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SUITES = ["tests/test_tamper.py", "tests/test_run_cli.py", "tests/test_determinism.py", "tests/test_fuzz_inputs.py",
-          "tests/test_resource_guard.py", "tests/test_report_html.py"]
+          "tests/test_resource_guard.py", "tests/test_report_html.py", "tests/test_audit_completeness.py",
+          "tests/test_audit_reencode.py", "tests/test_capture_provenance.py"]
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"
 
 # (summary line, categories) in table order
 GROUPS = [
     ("Tampering, naive: a file changed, the manifest left alone", ["tamper: naive", "tamper: files"]),
     ("Tampering, consistent forger: a file changed and its sha256 re-computed", ["tamper: consistent forger"]),
+    ("Completeness, consistent forger: cases or rows removed, added or relabelled, a row parameter changed",
+     ["tamper: completeness"]),
+    ("Payloads re-encoded: integer codes, scales, zero-points or float32 windows replaced, re-hashed",
+     ["tamper: re-encode"]),
+    ("Capture provenance: model identity, gates, token ids, case metadata forged, re-hashed", ["tamper: capture"]),
     ("Manifest unreadable, of another schema, or with malformed entries", ["tamper: manifest"]),
     ("Manifest paths leaving the run (../, absolute, symlinks, NUL, ...)", ["tamper: paths"]),
     ("Arrays that would need pickle (object dtype, raw pickle, lying header)", ["tamper: unsafe arrays"]),
@@ -57,6 +63,7 @@ GROUPS = [
     ("One-ulp flips, sha256 re-computed (below the tolerance by design: recorded, not required)", ["ulp"]),
 ]
 OK_WORD = {"tamper: naive": "caught", "tamper: files": "caught", "tamper: consistent forger": "caught",
+           "tamper: completeness": "caught", "tamper: re-encode": "caught", "tamper: capture": "caught",
            "tamper: manifest": "caught", "tamper: paths": "refused, nothing outside opened",
            "tamper: unsafe arrays": "refused unread", "tamper: fuzz": "held", "tamper": "passed", "kill": "held",
            "bad input: CLI": "refused", "bad input: protocol": "held", "bad input: tensors": "held",
@@ -170,8 +177,7 @@ def render(recs: list[dict], status: dict[str, str]) -> tuple[str, bool]:
 
     body = ["# Reliability", "",
             "What the reliability suites try against testbed, and what happened, generated from one pytest run "
-            "(tests/test_tamper.py, test_run_cli.py, test_determinism.py, test_fuzz_inputs.py, "
-            "test_resource_guard.py). Do not edit by hand: run `.venv/bin/python tools/reliability_table.py`.", "",
+            f"({', '.join(SUITES)}). Do not edit by hand: run `.venv/bin/python tools/reliability_table.py`.", "",
             summary, ""]
     for title, cats in GROUPS + [("Known gaps", ["gap"]), ("Known bugs", ["bug"])]:
         rs = [r for c in cats for r in by_cat.get(c, [])]

@@ -330,13 +330,14 @@ def llm_layout(keys: int, current: int, recent: int, sink: int) -> tuple[Region,
     return (Region("sink", 0, a), Region("middle", a, b), Region("recent", b, c), Region("current", c, keys))
 
 
-def case_from_record(rec: Record, case_id: str, layout, meta: dict | None = None, tokens_per_frame: int | None = None) -> Case:
+def case_from_record(rec: Record, case_id: str, layout, meta: dict | None = None, tokens_per_frame: int | None = None,
+                     token_ids: torch.Tensor | None = None) -> Case:
     """A `Case` from one record; ``meta`` is merged over the record's own facts."""
     info = {"layer": rec.layer, "forward": rec.forward, "q_heads": list(rec.q_heads), "kv_heads": list(rec.kv_heads),
             "query_index": rec.query_index.tolist(), "scaling": rec.scaling, "q_prescale": rec.q_prescale, **rec.extra}
     info.update(meta or {})
     return Case(id=case_id, q=rec.q, k=rec.k, v=rec.v, query_positions=rec.query_positions, causal=rec.causal,
-                layout=tuple(layout), tokens_per_frame=tokens_per_frame, meta=info)
+                layout=tuple(layout), tokens_per_frame=tokens_per_frame, meta=info, token_ids=token_ids)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -715,11 +716,14 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         if ctx is not None:
             for name, (exp, act) in gates.items():
                 ctx.gates[f"{pid}.{name}"] = {"expected": exp, "actual": act}
-        token_ids = ids[0].tolist()
-        sink_text = [tokenizer.decode([t]) for t in token_ids[:params["sink_tokens"]]]
+        token_ids = ids[0].to(torch.int32)
+        sink_text = [tokenizer.decode([t]) for t in token_ids[:params["sink_tokens"]].tolist()]
+        # The ids are stored with each of the prompt's cases (one file: the store is
+        # content-addressed); the hash is of their int32 little-endian bytes, as the audit reads them.
+        ids_sha = hashlib.sha256(token_ids.numpy().astype("<i4").tobytes()).hexdigest()
         manifest["runs"].append({
             "id": pid, "kind": prompt["kind"], "text": prompt["text"], "prompt_tokens": params["tokens"],
-            "token_ids_sha256": hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(),
+            "token_ids_sha256": ids_sha,
             "sink_token_text": sink_text, "records": len(obs.records),
             "expected_top_level_forwards": n_chunks, "actual_top_level_forwards": counts["forwards"],
             "expected_observer_calls": n_chunks * n_layers, "actual_observer_calls": counts["calls"],
@@ -735,8 +739,8 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             # the prompts are the independent units inside each group.
             meta = {"source": "capture", "distribution": f"L{rec.layer:02d}", "model": params["model"], "prompt": pid,
                     "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0, "layout_kind": "llm_stream",
-                    "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size}
-            yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta)
+                    "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size, "token_ids_sha256": ids_sha}
+            yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta, token_ids=token_ids)
     # The total also holds the analyses that ran on each case between yields.
     _timing(ctx, study, "capture_total", time.perf_counter() - t_total)
     _write_manifest(ctx, manifest)
