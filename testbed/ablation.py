@@ -15,9 +15,12 @@ applicable rather than run on something else):
 - ``drop_sink``, ``drop_recent`` (any ``drop_<region>``): the named region;
 - ``drop_history``: every key before the ``current`` region (the whole cache);
 - ``keep_current_only``: every key outside the ``current`` region;
-- ``control_sink``, ``control_recent`` (any ``control_<region>``): a seeded contiguous block of the
-  same size as the region, taken from the middle of the history (see `control_block`), so that
-  "the sink matters" can be told apart from "any that many keys matter".
+- ``control_sink``, ``control_recent`` (any ``control_<region>``): as many keys as the region
+  holds, drawn (seeded) from the history outside it — a block of the middle region where one
+  fits, else a block elsewhere beside the target, else scattered keys (see `control_block`) —
+  so that "the sink matters" can be told apart from "any that many keys matter". Where the
+  history outside the region is smaller than the region, there is no valid control and it is
+  not applicable.
 
 With dropped mass ``tau = sum_{j dropped} P_j`` the ablated row is ``P' = P / (1 - tau)`` on the
 kept keys, so ``TV(P, P') = tau`` and ``O' - O = tau (mu_kept - mu_dropped)`` where ``mu`` are the
@@ -92,39 +95,54 @@ class KeepCurrentOnly:
         return spans or None
 
 
-def control_block(case, target: str, seed: int) -> tuple[int, int, int] | None:
-    """``(start, stop, overlap)`` of the same-size control block for region ``target``.
+def control_block(case, target: str, seed: int) -> tuple[list[tuple[int, int]], str] | None:
+    """``(spans, kind)`` of the same-size control for region ``target``, or None.
 
-    The block has the region's size and lies in the history (keys before ``current``, or all
-    keys without a current region), aligned to whole frames when the Case has frames and the
-    size is a whole number of frames. Candidates: every placement inside the ``middle`` region
-    when it exists and is large enough; otherwise every placement in the history with the least
-    overlap with the target (a video cache ``sink | recent | current`` has no middle, and a
-    recent-sized block cannot always avoid the recent window: the overlap is then reported).
-    One candidate is drawn with ``random.Random(f"control:{seed}:{case.id}:{target}")``
-    (stdlib, so the audit can redraw it). None when the region is missing or larger than the history.
+    The control drops as many keys as the region holds, from the history (keys before
+    ``current``, or all keys without a current region) and never from the region itself:
+
+    - ``middle``: a contiguous block inside the ``middle`` region, when the layout has one that
+      is large enough (the history proper, away from the sink and the recent window);
+    - ``contiguous``: else a contiguous block anywhere in the history outside the target;
+    - ``scattered``: else (no block fits beside the target) that many single keys drawn from the
+      history outside the target.
+
+    Blocks are aligned to whole frames when the Case has frames and the size is a whole number of
+    frames. One draw with ``random.Random(f"control:{seed}:{case.id}:{target}")`` (stdlib, so
+    the audit can redraw it). None when the region is missing or empty, or when the history
+    outside it holds fewer keys than the region: no valid control exists, and the ablation's
+    comparison is reported as not applicable rather than made against an overlapping one.
     """
     r = case.region(target)
     if r is None or r.size == 0:
         return None
     size = r.size
-    hist = history_span(case.layout) or (0, case.keys)
+    h0, h1 = history_span(case.layout) or (0, case.keys)
     tpf = case.tokens_per_frame
     step = tpf if tpf and size % tpf == 0 else 1
-    middle = case.region("middle")
-    cands: list[tuple[int, int]] = []
-    if middle is not None and middle.size >= size and target != "middle":
-        cands = [(a, 0) for a in range(middle.start, middle.stop - size + 1) if a % step == 0]
-    if not cands:
-        allc = [(a, max(0, min(a + size, r.stop) - max(a, r.start)))
-                for a in range(hist[0], hist[1] - size + 1) if a % step == 0]
-        if not allc:
-            return None
-        least = min(o for _, o in allc)
-        cands = [(a, o) for a, o in allc if o == least]
     rng = random.Random(f"control:{seed}:{case.id}:{target}")
-    a, overlap = cands[rng.randrange(len(cands))]
-    return a, a + size, overlap
+    middle = case.region("middle")
+    if middle is not None and middle.size >= size and target != "middle":
+        cands = [a for a in range(middle.start, middle.stop - size + 1) if a % step == 0]
+        if cands:
+            a = cands[rng.randrange(len(cands))]
+            return [(a, a + size)], "middle"
+    pieces = [(h0, min(r.start, h1)), (max(r.stop, h0), h1)]
+    cands = [a for lo, hi in pieces for a in range(lo, hi - size + 1) if a % step == 0]
+    if cands:
+        a = cands[rng.randrange(len(cands))]
+        return [(a, a + size)], "contiguous"
+    free = [t for lo, hi in pieces for t in range(lo, hi)]
+    if len(free) < size:
+        return None
+    picked = sorted(rng.sample(free, size))
+    spans: list[tuple[int, int]] = []
+    for t in picked:
+        if spans and spans[-1][1] == t:
+            spans[-1] = (spans[-1][0], t + 1)
+        else:
+            spans.append((t, t + 1))
+    return spans, "scattered"
 
 
 @dataclass(frozen=True)
@@ -138,7 +156,7 @@ class Control:
 
     def dropped(self, case):
         blk = control_block(case, self.target, self.seed)
-        return None if blk is None else [(blk[0], blk[1])]
+        return None if blk is None else blk[0]
 
 
 def make_ablation(name: str, seed: int = 0):
@@ -174,7 +192,10 @@ class ArmResult:
     ``||O' - O_ref||^2``, ``ref2`` = ``||O_ref||^2``, ``dot`` = ``<O', O_ref>``, ``out2`` = ``||O'||^2``,
     ``own_err2`` / ``own_ref2`` against this arm's own full output. ``region_mass``: ``{name: [H, Tq]}``
     of the full P (``history`` included when there is a current region). ``output``: the full
-    output ``[H, Tq, D]`` float64.
+    output ``[H, Tq, D]`` float64. ``mean_shift [A, H, Tq]``: ``||mu_kept - mu_dropped|| / ||O||``
+    per row, the P-weighted value means of the kept and the dropped keys of the arm's own
+    attention; since ``O' - O = tau (mu_kept - mu_dropped)`` it is what the ablation changes per
+    unit of dropped mass. NaN where no visible key is dropped or the row is undefined.
     """
 
     names: list[str]
@@ -189,6 +210,7 @@ class ArmResult:
     own_ref2: torch.Tensor
     region_mass: dict
     output: torch.Tensor
+    mean_shift: torch.Tensor | None = None
 
     def index(self, name: str) -> int:
         return self.names.index(name)
@@ -262,6 +284,7 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     f64 = torch.float64
     dropped_mass = torch.full((na, h, tq), float("nan"), dtype=f64)
     tv = torch.full((na, h, tq), float("nan"), dtype=f64)
+    mean_shift = torch.full((na, h, tq), float("nan"), dtype=f64)
     undefined = torch.zeros(na, h, dtype=torch.int64)
     sums = {key: torch.zeros(na, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2")}
     rmass = {name: torch.empty(h, tq, dtype=f64) for name in region_atoms}
@@ -312,9 +335,16 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
             sums["dot"][i, heads] += (o * r).sum(dim=(-1, -2))
             sums["out2"][i, heads] += (o ** 2).sum(dim=(-1, -2))
             sums["own_err2"][i, heads] += ((o - f) ** 2).sum(dim=(-1, -2))
+            # mu_dropped from the dropped atoms merged on their own (stable however small tau is)
+            _, zd, nd = _merge(m, z, n, drop_atoms[i])
+            fn_row = full.norm(dim=-1)
+            shift_ok = ok & (zd > 0) & (fn_row > 0)
+            mu_d = nd / torch.where(zd > 0, zd, torch.ones_like(zd)).unsqueeze(-1)
+            ms = (o - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
+            mean_shift[i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, float("nan")))
             sums["own_ref2"][i, heads] += (f ** 2).sum(dim=(-1, -2))
     return ArmResult(names, dropped_mass, tv, undefined, sums["err2"], sums["ref2"], sums["dot"], sums["out2"],
-                     sums["own_err2"], sums["own_ref2"], rmass, output)
+                     sums["own_err2"], sums["own_ref2"], rmass, output, mean_shift)
 
 
 def ablate_case(case, spans: dict[str, list[tuple[int, int]]], k=None, v=None, *, ref=None,

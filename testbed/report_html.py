@@ -44,8 +44,10 @@ _CAPTIONS = {
                     "What it does not show: per-head differences, or whether the mass matters for the output (see the "
                     "ablation figure)."),
     "mx_paths": ("MXFP8 (E4M3, blocks of 32) against the float64 reference: ECDF of the total-variation distance per "
-                 "softmax row on the Q/K path without and with the signed Hadamard rotation, and on the P path; "
-                 "the P path's strict-zero rate per case and its row sums (ECDF over rows, 1 = a proper distribution). "
+                 "softmax row on the Q/K path without and with the signed Hadamard rotation, and on the P path, for "
+                 "each block-scale rule of the protocol (FLOOR, the OCP rule; RCEIL, the smallest scale that needs no "
+                 "clamping); the P path's strict-zero rate per case and its row sums (ECDF over rows, 1 = a proper "
+                 "distribution), FLOOR scales. "
                  "What it does not show: independent samples (rows within a case are not independent), other element "
                  "formats or block sizes, or the effect on model quality."),
     "ablation_pairs": ("Each ablation against its same-size seeded control on the float32 cache: attention-output "
@@ -137,11 +139,12 @@ def _regions(study, rows, load):
 
 def _mx(study, rows, load):
     series = []
-    for path, rotation in dict.fromkeys((r["path"], r["rotation"]) for r in rows):
-        sel = [r for r in rows if r["path"] == path and r["rotation"] == rotation]
+    for path, rotation, rule in dict.fromkeys((r["path"], r["rotation"], r["scale_rule"]) for r in rows):
+        sel = [r for r in rows if (r["path"], r["rotation"], r["scale_rule"]) == (path, rotation, rule)]
         tv = np.concatenate([np.asarray(r["per_row"]["tv"], np.float64) for r in sel])
-        series.append({"path": path, "rotation": rotation, "cases": [r["case"] for r in sel], "tv_sorted": np.sort(tv).tolist()})
-    p = [r for r in rows if r["path"] == "p"]
+        series.append({"path": path, "rotation": rotation, "scale_rule": rule, "cases": [r["case"] for r in sel],
+                       "tv_sorted": np.sort(tv).tolist()})
+    p = [r for r in rows if r["path"] == "p" and r["scale_rule"] == "floor"]
     p_data = None
     if p:
         sums = np.concatenate([np.asarray(r["per_row"]["row_sum"], np.float64) for r in p])
@@ -299,7 +302,7 @@ def _draw_mx(plt, d):
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
     for s in d["series"]:
         x = np.asarray(s["tv_sorted"])
-        axes[0].step(x, np.arange(1, x.size + 1) / x.size, where="post", label=f"{s['path']} path, rotation {s['rotation']}")
+        axes[0].step(x, np.arange(1, x.size + 1) / x.size, where="post", label=f"{s['path']} path, rotation {s['rotation']}, {s['scale_rule']}")
     _log(axes[0], "x")
     axes[0].set_xlabel("TV distance per row")
     axes[0].set_ylabel("share of rows <= x")

@@ -87,6 +87,11 @@ def test_closed_forms_tv_equals_tau_and_output_shift(seed, causal, scale, kv):
                               torch.zeros_like(mu_kept))
         shift = tau.unsqueeze(-1) * (mu_kept - mu_drop)
         torch.testing.assert_close(o2 - o, shift, rtol=1e-7, atol=1e-9)
+        # the harness's mean shift is ||mu_kept - mu_dropped|| / ||O|| per row (NaN where tau is 0)
+        rel_shift = torch.linalg.vector_norm(mu_kept - mu_drop, dim=-1) / torch.linalg.vector_norm(o, dim=-1)
+        has = tau > 0
+        assert torch.equal(torch.isfinite(res.mean_shift[i]), has)
+        torch.testing.assert_close(res.mean_shift[i][has], rel_shift[has], rtol=1e-9, atol=1e-12)
         # the harness's ablated output matches the direct one: rel-L2 against the full output
         expect = float(torch.linalg.vector_norm(o2 - o) / torch.linalg.vector_norm(o))
         assert res.rel_l2(name) == pytest.approx(expect, rel=1e-9, abs=1e-12)
@@ -133,12 +138,12 @@ def test_empty_kept_set_is_nan_counted_never_zero():
 
 def test_chunked_computation_matches_one_tile():
     case = make_video_case(2, tokens_per_frame=3, heads=4, kv_heads=2)
-    spans = {n: make_ablation(n).dropped(case) for n in ("none", "drop_sink", "control_recent", "drop_history")}
+    spans = {n: make_ablation(n).dropped(case) for n in ("none", "drop_sink", "control_sink", "drop_history")}
     big = ablate_case(case, spans, max_scores=1 << 30)
     small = ablate_case(case, spans, max_scores=1)  # one query per tile
     torch.testing.assert_close(small.output, big.output, rtol=1e-12, atol=1e-13)
-    for attr in ("dropped_mass", "tv", "err2", "ref2", "dot", "out2"):
-        torch.testing.assert_close(getattr(small, attr), getattr(big, attr), rtol=1e-10, atol=1e-12)
+    for attr in ("dropped_mass", "tv", "err2", "ref2", "dot", "out2", "mean_shift"):
+        torch.testing.assert_close(getattr(small, attr), getattr(big, attr), rtol=1e-10, atol=1e-12, equal_nan=True)
 
 
 def test_score_tiles_stay_within_budget_and_cover_everything():
@@ -168,30 +173,64 @@ def test_ablation_spans_follow_the_layout():
 def test_control_block_same_size_from_the_middle(seed):
     case = random_case(seed, sizes=(3, 12, 5, 7))
     for target in ("sink", "recent"):
-        a, b, overlap = control_block(case, target, seed)
+        spans, kind = control_block(case, target, seed)
         r = case.region(target)
         mid = case.region("middle")
-        assert b - a == r.size and overlap == 0
-        assert mid.start <= a and b <= mid.stop
-        assert control_block(case, target, seed) == (a, b, overlap)  # seeded: reproducible
-        assert Control(target, seed).dropped(case) == [(a, b)]
+        assert kind == "middle" and len(spans) == 1
+        a, b = spans[0]
+        assert b - a == r.size and mid.start <= a and b <= mid.stop
+        assert control_block(case, target, seed) == (spans, kind)  # seeded: reproducible
+        assert Control(target, seed).dropped(case) == spans
 
 
 def test_control_block_seed_moves_it():
     case = random_case(0, sizes=(3, 40, 5, 7))
-    starts = {control_block(case, "sink", s)[0] for s in range(20)}
+    starts = {control_block(case, "sink", s)[0][0][0] for s in range(20)}
     assert len(starts) > 3
 
 
-def test_video_controls_are_frame_aligned_and_report_overlap():
+@pytest.mark.parametrize("sizes", [(3, 12, 5, 7), (4, 2, 6, 5), (3, 5, 4, 7), (6, 0, 9, 4), (2, 1, 2, 3), (8, 3, 8, 8)])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_control_never_overlaps_its_target_and_drops_as_many_keys(sizes, seed):
+    """Whatever the layout: the control's keys lie in the history, outside the target, and are as
+    many as the target's; it is None exactly when fewer keys than that lie outside the target."""
+    case = random_case(seed, sizes=sizes)
+    hist = case.region("current").start
+    for target in ("sink", "middle", "recent"):
+        r = case.region(target)
+        got = control_block(case, target, seed)
+        outside = hist - r.size
+        if r.size == 0 or outside < r.size:
+            assert got is None, (sizes, target, got)
+            continue
+        spans, kind = got
+        keys = [t for a, b in spans for t in range(a, b)]
+        assert len(keys) == len(set(keys)) == r.size
+        assert all(0 <= t < hist and not r.start <= t < r.stop for t in keys), (sizes, target, spans)
+        assert kind == ("scattered" if len(spans) > 1 else kind)
+        assert Control(target, seed).dropped(case) == spans
+
+
+def test_scattered_when_no_block_fits_beside_the_target():
+    """middle (5 keys) between a 3-key sink and a 4-key recent window: no 5-key block avoids it,
+    but 7 keys lie outside it: the control is 5 single keys from the sink and the recent window."""
+    case = random_case(0, sizes=(3, 5, 4, 7))
+    spans, kind = control_block(case, "middle", 0)
+    keys = [t for a, b in spans for t in range(a, b)]
+    assert kind == "scattered" and len(keys) == 5 and not set(keys) & set(range(3, 8))
+
+
+def test_video_controls_are_frame_aligned_and_never_overlap():
+    """sink 4 | recent 6 | current 6 frames: the sink's control is 4 frames of the recent window;
+    the recent window (6 frames) has only the 4 sink frames beside it: no valid control."""
     case = make_video_case(1, tokens_per_frame=5)
     tpf = 5
-    a, b, overlap = control_block(case, "sink", 0)
-    assert (b - a) == 4 * tpf and a % tpf == 0 and overlap == 0
+    spans, kind = control_block(case, "sink", 0)
+    (a, b), = spans
+    assert (b - a) == 4 * tpf and a % tpf == 0 and kind == "contiguous"
     assert case.region("recent").start <= a and b <= case.region("recent").stop  # no middle: inside recent
-    # a 6-frame block in a 10-frame history cannot avoid the 6 recent frames: 2 frames overlap at best
-    a, b, overlap = control_block(case, "recent", 0)
-    assert (a, b) == (0, 6 * tpf) and overlap == 2 * tpf
+    assert control_block(case, "recent", 0) is None
+    assert Control("recent", 0).dropped(case) is None
 
 
 def test_not_applicable_without_regions():

@@ -53,8 +53,11 @@ def test_protocol_is_default_and_covers_every_arm(finished_run):
     assert json.loads(PROTOCOL.read_text())["default"] is True
     rows = _rows(finished_run)
     n_inputs = len(proto["source"]["seeds"]) * len(proto["source"]["lengths"]) * len(proto["source"]["distributions"])
-    assert len(rows) == 3 * n_inputs
-    assert {(r["path"], r["rotation"]) for r in rows} == {("qk", "none"), ("qk", "signed_hadamard"), ("p", "none")}
+    rules = proto["analyses"]["mx_paths"]["scale_rules"]
+    assert rules == ["floor", "rceil"]
+    assert len(rows) == 3 * n_inputs * len(rules)
+    assert {(r["path"], r["rotation"], r["scale_rule"]) for r in rows} == {
+        (path, rot, rule) for rule in rules for path, rot in (("qk", "none"), ("qk", "signed_hadamard"), ("p", "none"))}
     for r in rows:
         for key in ("scheme", "rotation", "path", "tv_median", "tv_mean", "argmax_agreement", "numerical_zero_rate_median",
                     "numerical_zero_rate_mean", "row_sum_median", "rel_l2", "payload_bytes", "arrays"):
@@ -69,6 +72,34 @@ def test_protocol_is_default_and_covers_every_arm(finished_run):
             d, hkv = proto["source"]["head_dim"], proto["source"]["kv_heads"]
             assert r["payload_bytes"] == (r["rows"] + hkv * r["n"]) * d * 33 / 32 + 32
             assert ("signs" in r["arrays"]) == (r["rotation"] == "signed_hadamard")
+
+
+def test_rceil_never_clamps_where_floor_does(finished_run):
+    """FLOOR leaves the block maximum in [256, 512) for E4M3 and clamps what lands above 448; RCEIL
+    takes the smallest scale that needs no clamping. On the same inputs: RCEIL rows clamp no block,
+    FLOOR rows of the Q/K path clamp some, and RCEIL's TV is never far from FLOOR's."""
+    rows = _rows(finished_run)
+    by = {(r["case"], r["path"], r["rotation"], r["scale_rule"]): r for r in rows}
+    assert all(r["block_saturation"] == 0.0 for r in rows if r["scale_rule"] == "rceil")
+    floor_qk = [r["block_saturation"] for r in rows if r["scale_rule"] == "floor" and r["path"] == "qk"]
+    assert np.mean(floor_qk) > 0.05
+    for (case, path, rot, rule), r in by.items():
+        if rule == "floor":
+            other = by[(case, path, rot, "rceil")]
+            assert other["tv_median"] < 3 * r["tv_median"] + 1e-3
+            assert other["quant"]["scale_rule"] == "rceil" and r["quant"]["scale_rule"] == "floor"
+
+
+def test_argmax_ties_are_counted_apart():
+    """A decoded row whose maximum is shared by the reference argmax and an earlier key is a tie,
+    not a disagreement; a row whose maximum is elsewhere is neither."""
+    from testbed.analyses.mx_paths import _argmax_agree
+
+    p_ref = torch.tensor([[0.1, 0.2, 0.7], [0.1, 0.2, 0.7], [0.1, 0.2, 0.7], [0.5, 0.3, 0.2]], dtype=torch.float64)
+    p_hat = torch.tensor([[0.1, 0.2, 0.7], [0.45, 0.1, 0.45], [0.5, 0.4, 0.1], [0.4, 0.4, 0.2]], dtype=torch.float64)
+    strict, tie = _argmax_agree(p_hat, p_ref)
+    assert strict.tolist() == [True, False, False, True]     # row 3: the first maximal index is the reference's
+    assert tie.tolist() == [False, True, False, False]
 
 
 def test_mx_paths_evidence_is_small(finished_run):

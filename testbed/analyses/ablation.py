@@ -139,6 +139,11 @@ def _median(x: torch.Tensor) -> float | None:
     return float(torch.quantile(x, 0.5)) if x.numel() else None
 
 
+def _per_mass(rel: float, tau: float | None) -> float | None:
+    """rel-L2 per unit of mean dropped mass: what an ablation does beyond how much mass it removes."""
+    return None if tau is None or tau <= 0 or rel != rel else rel / tau
+
+
 def _finite_or_none(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
@@ -163,8 +168,8 @@ def evaluate(case, params, ctx) -> list[dict]:
         spans[name] = sp
         if name.startswith("control_"):
             target = name[len("control_"):]
-            a, b, overlap = control_block(case, target, params["control_seed"])
-            info[name].update(control_of=target, control_seed=params["control_seed"], control_overlap=overlap / (b - a))
+            _, kind = control_block(case, target, params["control_seed"])
+            info[name].update(control_of=target, control_seed=params["control_seed"], control_kind=kind)
     rows = []
     ref = None
     hkv, d = case.kv_heads, case.k.shape[-1]
@@ -200,7 +205,8 @@ def evaluate(case, params, ctx) -> list[dict]:
             row.update({k2: v2 for k2, v2 in info[name].items() if k2 != "applicable"})
             if name not in spans:
                 row.update({"dropped_spans": None, "dropped_keys": None, "dropped_mass": None, "tv": None,
-                            "rel_l2": None, "cosine": None, "undefined_rows": None})
+                            "rel_l2": None, "cosine": None, "undefined_rows": None, "rel_l2_per_mass": None,
+                            "mean_shift": None})
                 row.update(region)
                 row["arrays"] = _arrays(name, packed_paths)
                 rows.append(row)
@@ -215,6 +221,8 @@ def evaluate(case, params, ctx) -> list[dict]:
                 "rel_l2": _finite_or_none(res.rel_l2(name)),
                 "cosine": _finite_or_none(res.cosine(name)),
                 "rel_l2_own": _finite_or_none(res.rel_l2(name, own=True)),
+                "rel_l2_per_mass": _per_mass(res.rel_l2(name), _mean(res.dropped_mass[i])),
+                "mean_shift": _mean(res.mean_shift[i]),
                 "rel_l2_heads": [_finite_or_none(x) for x in res.rel_l2_heads(name)],
                 "undefined_rows": int(res.undefined[i].sum()),
                 **region,
@@ -249,6 +257,10 @@ def _fmt_pct(x, digits=2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
 
 
+def _fmt_ratio(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
 def _median_list(xs):
     xs = sorted(x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x)))
     if not xs:
@@ -277,17 +289,26 @@ def paired_controls(rows, arm="float32") -> list[dict]:
             b = _per_unit([r for r in sel if r["ablation"] == ctrl], "rel_l2")
             units = sorted(set(a) & set(b))
             if not units:
+                if a:  # the ablation ran but no valid control exists in this layout: said, not hidden
+                    out.append({"distribution": dist, "ablation": target, "control": ctrl, "units": 0,
+                                "rel_l2": _median_list(a.values()), "rel_l2_control": None, "tau": None,
+                                "tau_control": None, "per_mass": None, "per_mass_control": None,
+                                "ablation_worse": 0, "p": None, "median_diff": None, "control_kind": "none valid"})
                 continue
             test = paired_wilcoxon([a[u] for u in units], [b[u] for u in units])
             ta = _per_unit([r for r in sel if r["ablation"] == target], "dropped_mass")
             tb = _per_unit([r for r in sel if r["ablation"] == ctrl], "dropped_mass")
-            ov = [r["control_overlap"] for r in sel if r["ablation"] == ctrl]
+            pa = _per_unit([r for r in sel if r["ablation"] == target], "rel_l2_per_mass")
+            pb = _per_unit([r for r in sel if r["ablation"] == ctrl], "rel_l2_per_mass")
+            kinds = sorted({r["control_kind"] for r in sel if r["ablation"] == ctrl})
             wins = sum(1 for u in units if a[u] > b[u])
             out.append({"distribution": dist, "ablation": target, "control": ctrl, "units": len(units),
                         "rel_l2": _median_list(a[u] for u in units), "rel_l2_control": _median_list(b[u] for u in units),
                         "tau": _median_list(ta.get(u) for u in units), "tau_control": _median_list(tb.get(u) for u in units),
+                        "per_mass": _median_list(pa.get(u) for u in units),
+                        "per_mass_control": _median_list(pb.get(u) for u in units),
                         "ablation_worse": wins, "p": test["p"], "median_diff": test["median_diff"],
-                        "control_overlap": max(ov) if ov else None})
+                        "control_kind": ", ".join(kinds)})
     return out
 
 
@@ -321,16 +342,22 @@ def report(rows, params) -> str:
                                       "rel-L2", "cosine (median)", "undefined rows"], tablefmt="github"))
     pairs = paired_controls(rows, arms[0])
     if pairs:
-        out.append("\nEach ablation next to its same-size control (a seeded block of the same size from the middle of "
-                   "the history): median per-unit rel-L2, how many units the ablation hurt more than its control, and "
+        out.append("\nEach ablation next to its same-size control: as many keys as the target holds, drawn (seeded) from "
+                   "the history outside it, never overlapping it (control keys: 'middle' = a block of the middle region, "
+                   "'contiguous' = a block elsewhere beside the target, 'scattered' = single keys where no block fits; "
+                   "'none valid' = the history outside the target is smaller than the target, so there is no "
+                   "comparison). Median per-unit rel-L2, how many units the ablation hurt more than its control, and "
                    "a two-sided Wilcoxon signed-rank test on the per-unit pairs (with n units the smallest possible p "
-                   "is 2/2^n; rows inside a unit are never treated as independent). Overlap: the largest share of the "
-                   "control block that falls inside the ablated region (a recent-sized block cannot always avoid it).\n")
+                   "is 2/2^n; rows inside a unit are never treated as independent). Since O' - O = tau (mu_kept - "
+                   "mu_dropped), a size-matched control that removes less mass does less damage for that reason "
+                   "alone: rel-L2 / tau is the damage per unit of dropped mass, what the region does beyond its mass.\n")
         ptab = [[p["distribution"], p["ablation"], _fmt_pct(p["rel_l2"], 3), p["control"], _fmt_pct(p["rel_l2_control"], 3),
-                 _fmt_pct(p["tau"]), _fmt_pct(p["tau_control"]), f"{p['ablation_worse']}/{p['units']}",
-                 "n/a" if p["p"] is None else f"{p['p']:.4f}", _fmt_pct(p["control_overlap"], 0)] for p in pairs]
+                 _fmt_pct(p["tau"]), _fmt_pct(p["tau_control"]), _fmt_ratio(p["per_mass"]),
+                 _fmt_ratio(p["per_mass_control"]), f"{p['ablation_worse']}/{p['units']}",
+                 "n/a" if p["p"] is None else f"{p['p']:.4f}", p["control_kind"]] for p in pairs]
         out.append(tabulate(ptab, headers=["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
-                                           "control tau", "ablation worse", "Wilcoxon p", "overlap"], tablefmt="github"))
+                                           "control tau", "rel-L2 / tau", "control rel-L2 / tau", "ablation worse",
+                                           "Wilcoxon p", "control keys"], tablefmt="github"))
     if len(arms) > 1:
         out.append("\nQuantization meets ablation: median per-unit rel-L2 against the float64 full attention on the "
                    "original K/V. Row `none` is the quantization of the cached history alone (the current chunk stays "

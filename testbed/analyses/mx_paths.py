@@ -13,11 +13,18 @@ Case's own (float32) Q, K, V:
   is zero-padded) and ``P̂ V`` is formed without renormalizing, as in the seed study's
   "P-path proxy".
 
-Per row (query head x query): total variation ``TV = 1/2 sum |P̂ - P|``, argmax agreement (first
-index on ties, so quantization ties count against it), and for the P path the numerical-zero
-rate (keys with ``p > 0`` in the reference that decode to exactly 0) and the row sum of ``P̂``.
-Per Case: the attention-output relative L2 ``||Ô - O|| / ||O||``. A row of results.json is one
-(case, path, rotation); its per-row values are kept so that the report can pool rows over cases.
+Each path runs once per block-scale rule of the protocol (``scale_rules``): ``floor`` (OCP MX
+v1.0: the block maximum lands in ``[2**emax, 2**(emax+1))`` and what exceeds the element maximum
+is clamped) and ``rceil`` (the smallest power of two that needs no clamping, as cuBLAS and
+torchao's ``RCEIL`` compute it); the share of quantized blocks that clamp is reported per row.
+
+Per row (query head x query): total variation ``TV = 1/2 sum |P̂ - P|``, argmax agreement, told
+apart into a strict agreement (the first maximal index of ``P̂`` is the reference's) and a tie
+(it is not, but the reference argmax is among ``P̂``'s tied maxima: quantization made two keys
+equal, it did not prefer another key), and for the P path the numerical-zero rate (keys with
+``p > 0`` in the reference that decode to exactly 0) and the row sum of ``P̂``. Per Case: the
+attention-output relative L2 ``||Ô - O|| / ||O||``. A row of results.json is one (case, path,
+rotation, scale rule); its per-row values are kept so that the report can pool rows over cases.
 Follows the Q/K and P-path measurements of the Catnip week-10 KV-cache attention study (seed
 000: median Q/K TV 1.52 %, argmax agreement 94.33 %, P-path numerical-zero rate median 0 and
 mean 2.45 %, P̂ row-sum median 0.999392) and OCP MX v1.0 (see ``testbed.quant.mx``).
@@ -33,7 +40,7 @@ from ..attention import expand_kv, probabilities
 from ..context import case_fields
 from ..metrics import numerical_zero_rate, rel_l2, total_variation
 from ..schema import Key, ProtocolError, Spec
-from ..quant.mx import ELEMENTS, MX
+from ..quant.mx import ELEMENTS, MX, SCALE_RULES, saturated_blocks
 
 __all__ = ["validate", "evaluate", "report", "ROTATION_NAMES", "SPEC"]
 
@@ -53,6 +60,8 @@ SPEC = Spec("analysis: mx_paths", "MX quantization on the Q/K path (with and wit
     "rotations": Key(("list", ("choice", ROTATION_NAMES), 1), "Q/K path variants", list(ROTATION_NAMES)),
     "rotation_seed": Key(("range", int, 0, 2**31 - 1), "seed of the rotation's random signs", 0),
     "p_path": Key(bool, "also quantize the probabilities (the P path)", True),
+    "scale_rules": Key(("list", ("choice", SCALE_RULES), 1), "E8M0 block-scale rules, each a variant of every path "
+                       "(floor: OCP MX v1.0; rceil: the smallest scale that needs no clamping)", ["floor"]),
 })
 
 
@@ -60,11 +69,15 @@ def validate(params, where):
     p = SPEC.check(params, where)
     if len(set(p["rotations"])) != len(p["rotations"]):
         raise ProtocolError(f"{where}.rotations: {p['rotations']!r} names a rotation twice")
+    if len(set(p["scale_rules"])) != len(p["scale_rules"]):
+        raise ProtocolError(f"{where}.scale_rules: {p['scale_rules']!r} names a rule twice")
     return p
 
 
-def _stats(tv: torch.Tensor, agree: torch.Tensor, zero: torch.Tensor | None, row_sum: torch.Tensor | None) -> dict:
+def _stats(tv: torch.Tensor, agree: tuple[torch.Tensor, torch.Tensor], zero: torch.Tensor | None,
+           row_sum: torch.Tensor | None, saturated: float) -> dict:
     tv_np = tv.reshape(-1).numpy()
+    strict, tie = agree
     out = {
         "rows": int(tv_np.size),
         "tv_median": float(np.median(tv_np)),
@@ -72,7 +85,9 @@ def _stats(tv: torch.Tensor, agree: torch.Tensor, zero: torch.Tensor | None, row
         "tv_p95": float(np.percentile(tv_np, 95)),
         "tv_max": float(np.max(tv_np)),
         "tv_over_5pct": float(np.mean(tv_np > TV_HIGH)),
-        "argmax_agreement": float(agree.to(torch.float64).mean()),
+        "argmax_agreement": float(strict.to(torch.float64).mean()),
+        "argmax_tie": float(tie.to(torch.float64).mean()),
+        "block_saturation": saturated,
         "numerical_zero_rate_median": None,
         "numerical_zero_rate_mean": None,
         "rows_with_zero": None,
@@ -98,8 +113,25 @@ def _stats(tv: torch.Tensor, agree: torch.Tensor, zero: torch.Tensor | None, row
     return out
 
 
-def _argmax_agree(p_hat: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:
-    return p_hat.argmax(dim=-1) == p_ref.argmax(dim=-1)
+def _argmax_agree(p_hat: torch.Tensor, p_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strict, tie) per row: the first maximal index of ``p_hat`` is the reference's (first) argmax;
+    or it is not, but ``p_hat`` at the reference argmax equals its maximum (a tie made by rounding)."""
+    ref = p_ref.argmax(dim=-1, keepdim=True)
+    strict = p_hat.argmax(dim=-1) == ref.squeeze(-1)
+    at_ref = p_hat.gather(-1, ref).squeeze(-1)
+    tie = ~strict & (at_ref == p_hat.amax(dim=-1))
+    return strict, tie
+
+
+def _saturation(mx: MX, parts) -> float:
+    """Share of the quantized blocks of ``parts`` ((input, packed) pairs, input as quantized:
+    rotated when the scheme rotates) in which some element was clamped to the element maximum."""
+    hit = total = 0
+    for x, packed in parts:
+        sat = saturated_blocks(x, packed.tensors["scales"], mx.fmt, mx.block_size)
+        hit += int(sat.sum())
+        total += sat.numel()
+    return hit / total
 
 
 def evaluate(case, params, ctx) -> list[dict]:
@@ -112,48 +144,52 @@ def evaluate(case, params, ctx) -> list[dict]:
     rows = []
     base = {"study": ctx.study, "analysis": "mx_paths", **case_fields(case), "element": element, "block_size": block}
 
-    quantizers = {rot: MX(element, block, None if rot == "none" else rot, params["rotation_seed"])
-                  for rot in params["rotations"]}
-    for rot, mx in quantizers.items():
+    quantizers = {(rot, rule): MX(element, block, None if rot == "none" else rot, params["rotation_seed"], rule)
+                  for rule in params["scale_rules"] for rot in params["rotations"]}
+    for (rot, rule), mx in quantizers.items():
         pq = mx.quantize(case.q, name=f"{case.id}.q")
         pk = mx.quantize(case.k, name=f"{case.id}.k")
         q_hat = mx.decode_rotated(pq)
         k_hat = mx.decode_rotated(pk)
         p_hat = probabilities(q_hat, k_hat, case.query_positions, case.causal)
         o_hat = p_hat @ v64
-        arrays = {"q": ctx.store.save_packed(f"{prefix}/qk_{rot}/q", pq),
-                  "k": ctx.store.save_packed(f"{prefix}/qk_{rot}/k", pk)}
+        tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
+        arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
+                  "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
         rotation = mx.rotation_for(case.q.shape[-1])
         if rotation is not None:
-            arrays["signs"] = ctx.store.save(f"{prefix}/qk_{rot}/signs", rotation.signs)
-        rows.append({**base, "scheme": mx.name, "rotation": rot, "path": "qk",
-                     **_stats(total_variation(p_hat, p_ref), _argmax_agree(p_hat, p_ref), None, None),
+            arrays["signs"] = ctx.store.save(f"{prefix}/{tag}/signs", rotation.signs)
+        sat = _saturation(mx, [(mx._rotated(case.q), pq), (mx._rotated(case.k), pk)])
+        rows.append({**base, "scheme": mx.name, "rotation": rot, "scale_rule": rule, "path": "qk",
+                     **_stats(total_variation(p_hat, p_ref), _argmax_agree(p_hat, p_ref), None, None, sat),
                      "rel_l2": rel_l2(o_hat, o_ref),
                      "payload_bytes": pq.nbytes + pk.nbytes, "float32_bytes": float32_qk,
                      "quant": mx.config(), "arrays": arrays})
 
-    if params["p_path"]:
-        mx = MX(element, block)
+    p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
+    for rule, mx in p_quantizers.items():
         p32 = p_ref.to(torch.float32)
         pp = mx.quantize(p32, name=f"{case.id}.p")
         p_hat = mx.dequantize(pp).to(torch.float64)
         o_hat = p_hat @ v64
-        rows.append({**base, "scheme": mx.name, "rotation": "none", "path": "p",
+        tag = "p" + ("" if rule == "floor" else f"_{rule}")
+        rows.append({**base, "scheme": mx.name, "rotation": "none", "scale_rule": rule, "path": "p",
                      **_stats(total_variation(p_hat, p_ref), _argmax_agree(p_hat, p_ref),
-                              numerical_zero_rate(p_hat, p_ref), p_hat.sum(dim=-1)),
+                              numerical_zero_rate(p_hat, p_ref), p_hat.sum(dim=-1), _saturation(mx, [(p32, pp)])),
                      "rel_l2": rel_l2(o_hat, o_ref),
                      "payload_bytes": pp.nbytes, "float32_bytes": 4 * p_ref.numel(),
-                     "quant": mx.config(), "arrays": {"p": ctx.store.save_packed(f"{prefix}/p/p", pp)}})
+                     "quant": mx.config(), "arrays": {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", pp)}})
 
     for repeat in range(ctx.timing_repeats):
-        for rot, mx in ctx.shuffled(list(quantizers.items())):
-            packed = ctx.timed(case.id, f"qk_{rot}", "quantize_k", repeat, lambda: mx.quantize(case.k))
-            ctx.timed(case.id, f"qk_{rot}", "decode_k", repeat, lambda: mx.decode_rotated(packed))
-        if params["p_path"]:
-            mxp = MX(element, block)
+        for (rot, rule), mx in ctx.shuffled(list(quantizers.items())):
+            tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
+            packed = ctx.timed(case.id, tag, "quantize_k", repeat, lambda: mx.quantize(case.k))
+            ctx.timed(case.id, tag, "decode_k", repeat, lambda: mx.decode_rotated(packed))
+        for rule, mxp in p_quantizers.items():
+            tag = "p" + ("" if rule == "floor" else f"_{rule}")
             p32 = p_ref.to(torch.float32)
-            packed = ctx.timed(case.id, "p", "quantize_p", repeat, lambda: mxp.quantize(p32))
-            ctx.timed(case.id, "p", "decode_p", repeat, lambda: mxp.dequantize(packed))
+            packed = ctx.timed(case.id, tag, "quantize_p", repeat, lambda: mxp.quantize(p32))
+            ctx.timed(case.id, tag, "decode_p", repeat, lambda: mxp.dequantize(packed))
     return rows
 
 
@@ -166,41 +202,54 @@ def _pooled(sel: list[dict], key: str) -> np.ndarray | None:
     return np.asarray([x for part in parts for x in part], dtype=np.float64) if parts else None
 
 
+def _arm(r: dict) -> tuple:
+    return r["path"], r["rotation"], r.get("scale_rule", "floor"), r["scheme"]
+
+
 def report(rows, params) -> str:
     out = []
-    arms = list(dict.fromkeys((r["path"], r["rotation"], r["scheme"]) for r in rows))
+    arms = list(dict.fromkeys(_arm(r) for r in rows))
     table = []
-    for path, rot, scheme in arms:
-        sel = [r for r in rows if (r["path"], r["rotation"], r["scheme"]) == (path, rot, scheme)]
+    for arm in arms:
+        path, rot, rule, scheme = arm
+        sel = [r for r in rows if _arm(r) == arm]
         tv = _pooled(sel, "tv")
         n_rows = sum(r["rows"] for r in sel)
         agree = sum(r["argmax_agreement"] * r["rows"] for r in sel) / n_rows
+        tie = sum(r["argmax_tie"] * r["rows"] for r in sel) / n_rows
         z = _pooled(sel, "numerical_zero_rate")
         s = _pooled(sel, "row_sum")
-        table.append([path, rot, scheme, len(sel), n_rows, _pct(float(np.median(tv))), _pct(float(np.mean(tv))),
-                      _pct(float(np.percentile(tv, 95))), _pct(float(np.mean(tv > TV_HIGH))), _pct(agree),
+        table.append([path, rot, rule, scheme, len(sel), n_rows, _pct(float(np.median(tv))), _pct(float(np.mean(tv))),
+                      _pct(float(np.percentile(tv, 95))), _pct(float(np.mean(tv > TV_HIGH))), _pct(agree), _pct(tie),
                       "-" if z is None else _pct(float(np.median(z))), "-" if z is None else _pct(float(np.mean(z))),
                       "-" if z is None else _pct(float(np.mean(z > 0))),
                       "-" if s is None else f"{float(np.median(s)):.6f}",
+                      _pct(float(np.mean([r["block_saturation"] for r in sel]))),
                       _pct(float(np.mean([r["rel_l2"] for r in sel])), 3)])
     out.append("Pooled over every (query head, query) row of every input: TV of each softmax row against the "
-               "float64 reference, argmax agreement, and for the P path the numerical-zero rate (reference "
-               "p > 0, decoded 0) and the row sum of the decoded P; output relative L2 is the mean over inputs.\n")
-    out.append(tabulate(table, headers=["path", "rotation", "scheme", "inputs", "rows", "median TV", "mean TV",
-                                        "p95 TV", "rows TV>5%", "argmax agree", "zero-rate median",
-                                        "zero-rate mean", "rows with a zero", "row-sum median", "mean rel-L2"],
+               "float64 reference, argmax agreement (strict: the first maximal key is the reference's; tie: it "
+               "is not, but the reference's argmax is among the decoded row's tied maxima), and for the P path "
+               "the numerical-zero rate (reference p > 0, decoded 0) and the row sum of the decoded P; blocks "
+               "clamped is the mean over inputs of the share of quantized blocks in which an element exceeded "
+               "the element maximum and was clamped; output relative L2 is the mean over inputs.\n")
+    out.append(tabulate(table, headers=["path", "rotation", "scale rule", "scheme", "inputs", "rows", "median TV",
+                                        "mean TV", "p95 TV", "rows TV>5%", "argmax agree", "argmax tie",
+                                        "zero-rate median", "zero-rate mean", "rows with a zero", "row-sum median",
+                                        "blocks clamped", "mean rel-L2"],
                         tablefmt="github"))
     dists = list(dict.fromkeys(r.get("distribution", "-") for r in rows))
     dtab = []
     for d in dists:
         line = [d]
-        for path, rot, scheme in arms:
-            sel = [r for r in rows if r.get("distribution", "-") == d and (r["path"], r["rotation"], r["scheme"]) == (path, rot, scheme)]
+        for arm in arms:
+            sel = [r for r in rows if r.get("distribution", "-") == d and _arm(r) == arm]
             tv = _pooled(sel, "tv")
             line.append(_pct(float(np.median(tv))) if tv is not None else "-")
         dtab.append(line)
+    rules = {a[2] for a in arms}
     out.append("\nMedian TV per distribution.\n")
-    out.append(tabulate(dtab, headers=["distribution"] + [f"{p} {r}" for p, r, _ in arms], tablefmt="github"))
+    out.append(tabulate(dtab, headers=["distribution"] + [f"{p} {r}" + (f" {rule}" if len(rules) > 1 else "")
+                                                          for p, r, rule, _ in arms], tablefmt="github"))
     s = SEED_STUDY
     out.append(f"\nSeed study for comparison (a real video DiT, one prompt and seed, so not the same inputs): "
                f"Q/K median TV {_pct(s['qk_tv_median'])}, argmax agreement {_pct(s['qk_argmax'])} (signed-H128); "

@@ -28,31 +28,40 @@ def _history(case):
 
 
 def _control(case, case_id, target, seed):
+    """(spans, kind) of the same-size control of ``target``, or None: a block of the middle region
+    where one fits, else a block of the history outside the target, else that many single keys
+    drawn from it, never a key of the target; None when fewer keys lie outside it."""
     regions = _regions(case)
     keys = case["k"].shape[1]
     if target not in regions or regions[target][1] == regions[target][0]:
         return None
     r0, r1 = regions[target]
     size = r1 - r0
-    hist = _history(case) or (0, keys)
+    h0, h1 = _history(case) or (0, keys)
     tpf = case.get("tokens_per_frame")
     step = tpf if tpf and size % tpf == 0 else 1
-    cands = []
+    rng = random.Random(f"control:{seed}:{case_id}:{target}")
     mid = regions.get("middle")
     if mid is not None and mid[1] - mid[0] >= size and target != "middle":
-        cands = [(a, 0) for a in range(mid[0], mid[1] - size + 1) if a % step == 0]
-    if not cands:
-        allc = []
-        for a in range(hist[0], hist[1] - size + 1):
-            if a % step == 0:
-                allc.append((a, max(0, min(a + size, r1) - max(a, r0))))
-        if not allc:
-            return None
-        least = min(o for _, o in allc)
-        cands = [c for c in allc if c[1] == least]
-    rng = random.Random(f"control:{seed}:{case_id}:{target}")
-    a, overlap = cands[rng.randrange(len(cands))]
-    return a, a + size, overlap
+        cands = [a for a in range(mid[0], mid[1] - size + 1) if a % step == 0]
+        if cands:
+            a = cands[rng.randrange(len(cands))]
+            return [(a, a + size)], "middle"
+    outside = [t for t in range(h0, h1) if not r0 <= t < r1]
+    cands = [a for a in range(h0, h1 - size + 1) if a % step == 0 and (a + size <= r0 or a >= r1)]
+    if cands:
+        a = cands[rng.randrange(len(cands))]
+        return [(a, a + size)], "contiguous"
+    if len(outside) < size:
+        return None
+    picked = sorted(rng.sample(outside, size))
+    spans = []
+    for t in picked:
+        if spans and spans[-1][1] == t:
+            spans[-1][1] = t + 1
+        else:
+            spans.append([t, t + 1])
+    return [tuple(x) for x in spans], "scattered"
 
 
 def expected_spans(case, case_id, name, seed):
@@ -72,7 +81,7 @@ def expected_spans(case, case_id, name, seed):
         return spans or None
     if name.startswith("control_"):
         blk = _control(case, case_id, name[len("control_"):], seed)
-        return None if blk is None else [(blk[0], blk[1])]
+        return None if blk is None else blk[0]
     if name.startswith("drop_"):
         r = regions.get(name[len("drop_"):])
         return None if r is None or r[1] == r[0] else [r]
@@ -131,7 +140,7 @@ def _derive(case, k, v, spans: dict, ref):
         regions["history"] = _history(case)
     out = {name: {"tau": np.full((h, tq), np.nan), "tv": np.full((h, tq), np.nan), "undefined": np.zeros(h, np.int64),
                   "err2": np.zeros(h), "ref2": np.zeros(h), "dot": np.zeros(h), "out2": np.zeros(h),
-                  "own_err2": np.zeros(h), "own_ref2": np.zeros(h)} for name in spans}
+                  "own_err2": np.zeros(h), "own_ref2": np.zeros(h), "shift": np.full((h, tq), np.nan)} for name in spans}
     masses = {name: np.zeros((h, tq)) for name in regions}
     full_out = np.zeros((h, tq, d))
     for hh in range(h):
@@ -168,6 +177,15 @@ def _derive(case, k, v, spans: dict, ref):
             r["out2"][hh] = (oa[ok] ** 2).sum()
             r["own_err2"][hh] = ((oa - o_full)[ok] ** 2).sum()
             r["own_ref2"][hh] = (o_full[ok] ** 2).sum()
+            # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
+            pd = np.where(keep[None, :], 0.0, p)
+            tau = pd.sum(axis=1)
+            pk = p - pd
+            mu_d = (pd @ vv) / np.where(tau > 0, tau, 1.0)[:, None]
+            mu_k = (pk @ vv) / np.where(pk.sum(axis=1) > 0, pk.sum(axis=1), 1.0)[:, None]
+            norm_o = np.linalg.norm(o_full, axis=1)
+            good = ok & (tau > 0) & (norm_o > 0)
+            r["shift"][hh] = np.where(good, np.linalg.norm(mu_k - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
     return out, masses, full_out
 
 
@@ -224,7 +242,7 @@ def check(row: dict, ctx) -> None:
     if row["ablation"].startswith("control_"):
         blk = _control(case, row["case"], row["ablation"][len("control_"):], seed)
         ctx.equal(row, "control_of", row["control_of"], row["ablation"][len("control_"):])
-        ctx.close(row, "control_overlap", row["control_overlap"], blk[2] / (blk[1] - blk[0]))
+        ctx.equal(row, "control_kind", row.get("control_kind"), blk[1])
     d = derived[row["ablation"]]
     ctx.equal(row, "undefined_rows", row["undefined_rows"], int(d["undefined"].sum()))
     ctx.close(row, "dropped_mass", row["dropped_mass"], _finite_mean(d["tau"]))
@@ -232,6 +250,9 @@ def check(row: dict, ctx) -> None:
     ctx.close(row, "tv", row["tv"], _finite_mean(d["tv"]))
     ctx.close(row, "rel_l2", row["rel_l2"], _ratio(d["err2"].sum(), d["ref2"].sum()))
     ctx.close(row, "rel_l2_own", row["rel_l2_own"], _ratio(d["own_err2"].sum(), d["own_ref2"].sum()))
+    rel, tau = _ratio(d["err2"].sum(), d["ref2"].sum()), _finite_mean(d["tau"])
+    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tau else rel / tau)
+    ctx.close(row, "mean_shift", row.get("mean_shift"), _finite_mean(d["shift"]))
     den = float(np.sqrt(d["out2"].sum() * d["ref2"].sum()))
     ctx.close(row, "cosine", row["cosine"], None if den == 0 else float(d["dot"].sum()) / den)
     heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]

@@ -209,8 +209,11 @@ def decode_mx_raw(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
     return vals.reshape(*lead, n, d_pad)[..., :d]
 
 
-def encode_mx(x: np.ndarray, element: str, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 ``x [..., L]`` -> (element codes uint8 ``[..., L_pad]``, E8M0 codes ``[..., L_pad / block]``)."""
+def encode_mx(x: np.ndarray, element: str, block: int, rule: str = "floor") -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``x [..., L]`` -> (element codes uint8 ``[..., L_pad]``, E8M0 codes ``[..., L_pad / block]``).
+
+    Block scales: ``floor`` puts floor(log2(amax)) - emax (OCP MX v1.0); ``rceil`` the smallest
+    power of two d' >= d of the float32 quotient d = fl32(amax / max) (cuBLAS block scaling)."""
     bits, table = MX_ELEMENTS[element]
     half = 1 << (bits - 1)
     grid = table[:half]
@@ -225,8 +228,15 @@ def encode_mx(x: np.ndarray, element: str, block: int) -> tuple[np.ndarray, np.n
     xp = np.concatenate([x, np.zeros((*x.shape[:-1], pad), np.float32)], axis=-1) if pad else x
     blocks = xp.astype(np.float64).reshape(*xp.shape[:-1], -1, block)
     amax = np.abs(blocks).max(axis=-1)
-    _, e = np.frexp(amax)
-    scale = np.clip(e.astype(np.int64) - 1 - emax, -127, 127) + 127
+    if rule == "floor":
+        _, e = np.frexp(amax)
+        unbiased = e.astype(np.int64) - 1 - emax
+    elif rule == "rceil":
+        m, e = np.frexp((amax.astype(np.float32) / np.float32(vmax)).astype(np.float64))
+        unbiased = np.where(m == 0.5, e - 1, e).astype(np.int64)
+    else:
+        raise ValueError(f"unknown MX scale rule {rule!r}")
+    scale = np.clip(unbiased, -127, 127) + 127
     scale = np.where(amax == 0, 0, scale).astype(np.uint8)
     y = np.ldexp(blocks, (127 - scale.astype(np.int64))[..., None])
     a = np.minimum(np.abs(y), vmax)
@@ -265,7 +275,7 @@ def encode_tensor(x: np.ndarray, cfg: dict) -> dict:
         if cfg.get("rotation"):
             raise ValueError("a rotated MX payload needs its rotation signs to be encoded (see audit_checks/mx_paths.py)")
         bits, _ = MX_ELEMENTS[cfg["element"]]
-        codes, scales = encode_mx(x, cfg["element"], cfg["block_size"])
+        codes, scales = encode_mx(x, cfg["element"], cfg["block_size"], cfg.get("scale_rule", "floor"))
         return {"codes": pack_bits(codes, bits), "scales": scales,
                 "header": np.array(x.shape[-2:], dtype=np.int64)}
     raise ValueError(f"no audit encoder for quantizer kind {kind!r}")

@@ -35,7 +35,7 @@ __all__ = ["check_run", "IDENTITY", "expected_cases", "expected_rows"]
 IDENTITY = {
     "residual_window": ("arm",),
     "ablation": ("arm", "ablation"),
-    "mx_paths": ("path", "rotation"),
+    "mx_paths": ("path", "rotation", "scale_rule"),
     "observation": ("scope", "head"),
     "live_quality": ("arm",),
 }
@@ -62,7 +62,7 @@ ANALYSIS_DEFAULTS = {
                              {"name": "int4", "key": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "channel"},
                               "value": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "token"}, "window": 0}]},
     "mx_paths": {"element": "e4m3", "block_size": 32, "rotations": ["none", "signed_hadamard"], "rotation_seed": 0,
-                 "p_path": True},
+                 "p_path": True, "scale_rules": ["floor"]},
     "observation": {"block_tokens": 16, "coverage": 0.9, "store_rows_max": 65536},
 }
 TOKENIZE_REASON = re.compile(r"^prompt has (\d+) tokens, the protocol needs (\d+)$")
@@ -247,13 +247,15 @@ def _residual_window_rows(p: dict, n: int) -> dict:
 def _mx_rows(p: dict) -> dict:
     e, b = p["element"], p["block_size"]
     out = {}
-    for rot in p["rotations"]:
-        out[("qk", rot)] = {"element": e, "block_size": b, "quant": {
-            "kind": "mx", "element": e, "block_size": b, "rotation": None if rot == "none" else rot,
-            "seed": p["rotation_seed"]}}
-    if p["p_path"]:
-        out[("p", "none")] = {"element": e, "block_size": b,
-                              "quant": {"kind": "mx", "element": e, "block_size": b, "rotation": None, "seed": 0}}
+    for rule in p["scale_rules"]:
+        for rot in p["rotations"]:
+            out[("qk", rot, rule)] = {"element": e, "block_size": b, "scale_rule": rule, "quant": {
+                "kind": "mx", "element": e, "block_size": b, "rotation": None if rot == "none" else rot,
+                "seed": p["rotation_seed"], "scale_rule": rule}}
+        if p["p_path"]:
+            out[("p", "none", rule)] = {"element": e, "block_size": b, "scale_rule": rule,
+                                        "quant": {"kind": "mx", "element": e, "block_size": b, "rotation": None,
+                                                  "seed": 0, "scale_rule": rule}}
     return out
 
 

@@ -244,11 +244,11 @@ def _observation_figures(rows, ctx):
 
 def _mx_figure(rows, ctx):
     series = []
-    for path, rot in _ordered([(r["path"], r["rotation"]) for r in rows]):
-        sel = [r for r in rows if (r["path"], r["rotation"]) == (path, rot)]
-        series.append({"path": path, "rotation": rot, "cases": [r["case"] for r in sel],
+    for path, rot, rule in _ordered([(r["path"], r["rotation"], r["scale_rule"]) for r in rows]):
+        sel = [r for r in rows if (r["path"], r["rotation"], r["scale_rule"]) == (path, rot, rule)]
+        series.append({"path": path, "rotation": rot, "scale_rule": rule, "cases": [r["case"] for r in sel],
                        "tv_sorted": _sorted_concat(r["per_row"]["tv"] for r in sel)})
-    p_rows = [r for r in rows if r["path"] == "p"]
+    p_rows = [r for r in rows if r["path"] == "p" and r["scale_rule"] == "floor"]
     p = None if not p_rows else {
         "cases": [r["case"] for r in p_rows], "distributions": [_label(r) for r in p_rows],
         "zero_rate_mean": [r["numerical_zero_rate_mean"] for r in p_rows],

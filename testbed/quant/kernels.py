@@ -433,7 +433,7 @@ if numba is not None:
         return code
 
     @njit(parallel=True, cache=True)
-    def _mx_q(x, xi, block, emax, emin, mbits, bias, maxv, maxbits, maxcode, bits, codes, scales, bad):
+    def _mx_q(x, xi, block, emax, emin, mbits, bias, maxv, maxbits, maxcode, bits, rceil, codes, scales, bad):
         # x [R, D] float32 and its uint32 view xi; codes [R, ceil(D_pad * bits / 8)]; scales [R, D_pad / block]
         R, D = x.shape
         nb = scales.shape[1]
@@ -457,10 +457,23 @@ if numba is not None:
                     a = ir[d] & _ABS
                     am = a if a > am else am
                 worst = am if am > worst else worst
-                # shared exponent floor(log2(amax)) - emax, clamped to E8M0's [-127, 127]: the biased
-                # exponent field of a normal amax is floor(log2(amax)) + 127, and a zero or
-                # subnormal amax (field 0) clamps to -127 just as its true exponent would
-                sc = min(max(np.int64(am >> np.uint32(23)) - 127 - emax, -127), 127) + 127
+                if rceil:
+                    # RCEIL: ceil(log2(d)) of the float32 quotient d = fl32(amax / max) (the float64
+                    # quotient rounded once to float32 is the correctly rounded float32 one); d as a
+                    # float64 is m * 2**e with m in [0.5, 1), a power of two exactly when m == 0.5
+                    amf = np.float64(abs(xr[d0]))
+                    for d in range(d0, d1):
+                        v = np.float64(abs(xr[d]))
+                        amf = v if v > amf else amf
+                    qv = np.float64(np.float32(amf / maxv))
+                    m, e = math.frexp(qv)
+                    ue = e - 1 if m == 0.5 else e
+                    sc = 0 if am == 0 else min(max(ue, -127), 127) + 127
+                else:
+                    # shared exponent floor(log2(amax)) - emax, clamped to E8M0's [-127, 127]: the biased
+                    # exponent field of a normal amax is floor(log2(amax)) + 127, and a zero or
+                    # subnormal amax (field 0) clamps to -127 just as its true exponent would
+                    sc = min(max(np.int64(am >> np.uint32(23)) - 127 - emax, -127), 127) + 127
                 scales[r, bi] = sc
                 if per == 1:
                     # branch-free over the block (vectorizable); elements in the float32 or element
@@ -521,8 +534,10 @@ if numba is not None:
                         orow[d] = np.float32(lut[c] * s)
 
 
-def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, maxv: float, emax: int):
-    """x [R, D] float32 -> (codes uint8 [R, D_pad*bits/8], scales uint8 [R, D_pad/block], any non-finite)."""
+def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, maxv: float, emax: int,
+                rceil: bool = False):
+    """x [R, D] float32 -> (codes uint8 [R, D_pad*bits/8], scales uint8 [R, D_pad/block], any non-finite);
+    block scales by the FLOOR rule, or RCEIL with ``rceil`` (``mx.block_scale_codes`` defines both)."""
     R, D = x.shape
     bits = 1 + ebits + mbits
     nb = _ceil_div(D, block)
@@ -533,7 +548,7 @@ def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, ma
     maxbits = int(np.array(maxv, np.float32).view(np.uint32))
     maxcode = ((emax + bias) << mbits) | ((1 << mbits) - 1) if ebits != 4 else 0x7E  # E4M3: S.1111.111 is NaN
     _mx_q(x, x.view(np.uint32), block, emax, 1 - bias, mbits, bias, float(maxv), maxbits, maxcode, bits,
-          codes, scales, bad)
+          bool(rceil), codes, scales, bad)
     return codes, scales, bool(bad.any())
 
 

@@ -1,7 +1,8 @@
 """OCP Microscaling (MX v1.0) block quantization: MXFP8 (E4M3, E5M2) and MXFP4 (E2M1).
 
 Follows the OCP Microscaling Formats (MX) v1.0 specification, section 6.3 ("minimally supported"
-conversion), with the FLOOR scale rule used by torchao's ``to_mx`` (``ScaleCalculationMode.FLOOR``):
+conversion), with the FLOOR scale rule used by torchao's ``to_mx`` (``ScaleCalculationMode.FLOOR``)
+by default:
 
 - the last axis is cut into blocks of ``block_size`` (32) elements; a last axis that is not a
   multiple of the block is **zero-padded** to whole blocks (padding never changes a block's
@@ -17,7 +18,13 @@ conversion), with the FLOOR scale rule used by torchao's ``to_mx`` (``ScaleCalcu
 
 FLOOR puts the block amax at ``x / X`` in ``[2**emax, 2**(emax+1))``, so the part above the
 element max (448..512 for E4M3) saturates: that is the rule's known cost and it is kept, not
-hidden. Inputs are first rounded to float32 (the precision of the kernels' inputs); the codes
+hidden. ``scale_rule="rceil"`` instead takes ``X = 2**ceil(log2(d))`` of the float32 quotient
+``d = fl32(amax / max)`` (cuBLAS block scaling, torchao's ``ScaleCalculationMode.RCEIL``): the
+smallest power of two that needs no clamping, so the scale is FLOOR's or one above and no block
+saturates. :func:`saturated_blocks` counts the blocks that clamp. torchao's CPU path takes the
+ceil of a float32 ``log2``, which lands one scale lower when ``d`` is a hair above a power of two;
+this module takes the exact value (``tests/quant/test_mx.py`` checks every other block bit for
+bit against torchao and that each difference is such a block). Inputs are first rounded to float32 (the precision of the kernels' inputs); the codes
 are those of the float32 value.
 
 Divergence from torchao, on purpose: for a non-zero block whose scale code is 0 (amax below
@@ -58,10 +65,12 @@ from .packing import pack_codes, unpack_codes
 from .rotation import SignedHadamard
 
 __all__ = ["ElementFormat", "ELEMENTS", "MX", "MXFP8", "MXFP4", "block_scale_codes", "encode_elements",
-           "encode_elements_reference", "element_values", "quantize_blocks", "ROTATIONS"]
+           "encode_elements_reference", "element_values", "quantize_blocks", "saturated_blocks", "ROTATIONS",
+           "SCALE_RULES"]
 
 E8M0_BIAS = 127
 ROTATIONS = (None, "signed_hadamard")
+SCALE_RULES = ("floor", "rceil")
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,37 @@ ELEMENTS = {
 }
 
 
-def block_scale_codes(amax: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """E8M0 codes (uint8) of blocks with absolute maxima ``amax`` (float32) by the FLOOR rule."""
-    _, e = torch.frexp(amax.to(torch.float64))          # amax = m * 2**e, m in [0.5, 1)
-    unbiased = (e.to(torch.int32) - 1 - fmt.emax).clamp_(-E8M0_BIAS, E8M0_BIAS)
-    codes = (unbiased + E8M0_BIAS).to(torch.uint8)
+def block_scale_codes(amax: torch.Tensor, fmt: ElementFormat, rule: str = "floor") -> torch.Tensor:
+    """E8M0 codes (uint8) of blocks with absolute maxima ``amax`` (float32).
+
+    ``floor``: ``floor(log2(amax)) - emax`` (OCP MX v1.0 section 6.3). ``rceil``: the smallest
+    power of two that brings the block inside the element range, ``ceil(log2(d))`` of the float32
+    quotient ``d = fl32(amax / max)`` (cuBLAS block scaling; torchao ``ScaleCalculationMode.RCEIL``),
+    exact: the float32 ``d`` is a power of two exactly when its frexp mantissa is 1/2."""
+    if rule == "floor":
+        _, e = torch.frexp(amax.to(torch.float64))          # amax = m * 2**e, m in [0.5, 1)
+        unbiased = e.to(torch.int32) - 1 - fmt.emax
+    elif rule == "rceil":
+        d = (amax.to(torch.float32) / torch.tensor(fmt.max, dtype=torch.float32)).to(torch.float64)
+        m, e = torch.frexp(d)                                # d = m * 2**e: log2 d = e - 1 when m == 1/2
+        unbiased = torch.where(m == 0.5, e - 1, e).to(torch.int32)
+    else:
+        raise ValueError(f"scale rule must be one of {SCALE_RULES}, got {rule!r}")
+    codes = (unbiased.clamp_(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
     return torch.where(amax == 0, torch.zeros_like(codes), codes)
+
+
+def saturated_blocks(x: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat, block_size: int) -> torch.Tensor:
+    """Boolean ``[..., L_pad / block]``: blocks where some ``|x| / X`` exceeds the element maximum,
+    so that at least one element was clamped (FLOOR's known cost; RCEIL scales never need it but
+    for a quotient rounded down to a power of two)."""
+    xf = x.detach().to(torch.float32)
+    pad = (-xf.shape[-1]) % block_size
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // block_size, block_size).to(torch.float64)
+    inv = torch.ldexp(torch.ones_like(scales, dtype=torch.float64), (E8M0_BIAS - scales.to(torch.float64)))
+    return (blocks.abs() * inv.unsqueeze(-1)).amax(dim=-1) > fmt.max
 
 
 def encode_elements_reference(y: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
@@ -152,14 +186,15 @@ def element_values(fmt: ElementFormat, device: torch.device | str = "cpu") -> to
     return v
 
 
-def quantize_blocks(x: torch.Tensor, fmt: ElementFormat, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, fmt: ElementFormat, block_size: int,
+                    rule: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., L]`` -> (element codes uint8 ``[..., L_pad]`` unpacked, scale codes uint8 ``[..., L_pad/B]``)."""
     xf = x.detach().to(torch.float32)
     pad = (-xf.shape[-1]) % block_size
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // block_size, block_size)
-    scales = block_scale_codes(blocks.abs().amax(dim=-1), fmt)
+    scales = block_scale_codes(blocks.abs().amax(dim=-1), fmt, rule)
     inv = torch.ldexp(torch.ones_like(scales, dtype=torch.float64), (E8M0_BIAS - scales.to(torch.float64)))
     y = blocks.to(torch.float64) * inv.unsqueeze(-1)        # exact: |x| >= 2**-149, factor in 2**[-127, 127]
     codes = encode_elements(y, fmt).reshape(xf.shape)
@@ -179,7 +214,8 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: ElementFor
 class MX(Quantizer):
     """MX block quantization with ``element`` in {e4m3, e5m2, e2m1} along the last axis."""
 
-    def __init__(self, element: str = "e4m3", block_size: int = 32, rotation: str | None = None, seed: int = 0):
+    def __init__(self, element: str = "e4m3", block_size: int = 32, rotation: str | None = None, seed: int = 0,
+                 scale_rule: str = "floor"):
         if element not in ELEMENTS:
             raise ValueError(f"element must be one of {sorted(ELEMENTS)}, got {element!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2 or block_size & (block_size - 1):
@@ -188,22 +224,27 @@ class MX(Quantizer):
             raise ValueError(f"rotation must be None or 'signed_hadamard', got {rotation!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+        self.scale_rule = scale_rule
         self.element = element
         self.fmt = ELEMENTS[element]
         self.block_size = block_size
         self.rotation = rotation
         self.seed = seed
         family = "mxfp4" if self.fmt.bits == 4 else "mxfp8"
-        self.name = f"{family}_{element}_b{block_size}" + ("_hadamard" if rotation else "")
+        self.name = (f"{family}_{element}_b{block_size}" + ("_rceil" if scale_rule == "rceil" else "")
+                     + ("_hadamard" if rotation else ""))
         self._rotations: dict[int, SignedHadamard] = {}
         self._lut: np.ndarray | None = None
 
     def config(self) -> dict:
         return {"kind": "mx", "element": self.element, "block_size": self.block_size,
-                "rotation": self.rotation, "seed": self.seed}
+                "rotation": self.rotation, "seed": self.seed, "scale_rule": self.scale_rule}
 
     def __repr__(self) -> str:
-        return f"MX(element={self.element!r}, block_size={self.block_size}, rotation={self.rotation!r}, seed={self.seed})"
+        return (f"MX(element={self.element!r}, block_size={self.block_size}, rotation={self.rotation!r}, seed={self.seed}, "
+                f"scale_rule={self.scale_rule!r})")
 
     def rotation_for(self, dim: int) -> SignedHadamard | None:
         """The rotation applied to a last axis of size ``dim`` (None without rotation)."""
@@ -226,7 +267,7 @@ class MX(Quantizer):
         f = self.fmt
         kernels.set_threads(torch.get_num_threads())
         codes, scales, bad = kernels.mx_quantize(xf.reshape(-1, d).numpy(), self.block_size, f.ebits, f.mbits,
-                                                 f.bias, f.max, f.emax)
+                                                 f.bias, f.max, f.emax, rceil=self.scale_rule == "rceil")
         if bad:
             check_input(x, name)  # raises with the tensor's name and the first bad index
         tensors = {
@@ -240,7 +281,7 @@ class MX(Quantizer):
         """The torch implementation: the definition the fused kernel must match bit for bit."""
         check_input(x, name)
         n, d = x.shape[-2], x.shape[-1]
-        codes, scales = quantize_blocks(self._rotated(x), self.fmt, self.block_size)
+        codes, scales = quantize_blocks(self._rotated(x), self.fmt, self.block_size, self.scale_rule)
         tensors = {
             "codes": pack_codes(codes, self.fmt.bits) if self.fmt.bits < 8 else codes,
             "scales": scales,

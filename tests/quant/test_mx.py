@@ -1,4 +1,4 @@
-"""MX-specific laws (OCP MX v1.0, FLOOR scales) and the signed Hadamard rotation.
+"""MX-specific laws (OCP MX v1.0, FLOOR and RCEIL scales) and the signed Hadamard rotation.
 
 Cross-checks: torchao's ``to_mx`` (bit for bit), the audit's independent numpy encoder (bit for
 bit), and the float64 reference encoder against the native float8 casts (bit for bit).
@@ -18,7 +18,7 @@ from testbed import quant
 from testbed.audit_checks import mx_paths as audit_mx
 from testbed.audit_checks.common import MX_ELEMENTS, decode_mx
 from testbed.quant.mx import (ELEMENTS, MX, MXFP4, MXFP8, element_values, encode_elements,
-                              encode_elements_reference, quantize_blocks)
+                              encode_elements_reference, quantize_blocks, saturated_blocks)
 from testbed.quant.packing import pack_codes, unpack_codes
 from testbed.quant.rotation import SignedHadamard, random_signs, rotation_block, sylvester
 
@@ -28,9 +28,9 @@ FORMATS = ["e4m3", "e5m2", "e2m1"]
 SPEC = {"e4m3": (3, -6, 8, 448.0), "e5m2": (2, -14, 15, 57344.0), "e2m1": (1, 0, 2, 6.0)}
 
 
-def _codes(x: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpacked element codes and scale codes of the registered 32-block scheme."""
-    q = MX(element, 32)
+def _codes(x: torch.Tensor, element: str, rule: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpacked element codes and scale codes of the 32-block scheme with scale rule ``rule``."""
+    q = MX(element, 32, scale_rule=rule)
     p = q.quantize(x)
     bits = 4 if element == "e2m1" else 8
     d_pad = p.tensors["scales"].shape[-1] * 32
@@ -92,6 +92,71 @@ def test_codes_equal_torchao_to_mx_floor_bit_for_bit(element):
     assert torch.equal(theirs, ref_codes_126)
 
 
+@pytest.mark.parametrize("element", FORMATS)
+def test_codes_equal_torchao_to_mx_rceil(element):
+    """RCEIL scales are ceil(log2(fl32(amax / max))). torchao's CPU path takes the ceil of its
+    float32 ``log2``, which rounds to the integer below when the quotient is a hair above a power
+    of two; every block where the two differ must be such a block (ours one higher), and every
+    other block must match bit for bit, its element codes included (scale code 0 aside, where
+    torchao multiplies by 1.0 instead of 2**127)."""
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor",
+                                    reason="torchao is not installed: the MX cross-check needs torchao's to_mx")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    x = _wide_blocks(seed=1)
+    fmt = ELEMENTS[element]
+    # quotients a hair above a power of two: where float32 log2 rounds down
+    x[6::40, 0] = (fmt.max * torch.exp2(torch.randint(-60, 60, (x[6::40].shape[0],)).float())
+                   * (1 + 2.0 ** -22)).clamp(max=2.0 ** 127)
+    x[6::40, 1:] = 0.5 * x[6::40, :1]
+    scale_t, data_t = mx_tensor.to_mx(x, getattr(torch, TORCHAO_DTYPES[element]), 32, ScaleCalculationMode.RCEIL)
+    scale_t = scale_t.view(torch.uint8).reshape(-1)
+    data_t = data_t.view(torch.uint8)
+    codes, scales = _codes(x, element, "rceil")
+    if element == "e2m1":
+        codes = pack_codes(codes, 4)
+    scales = scales.reshape(-1)
+    d = x.abs().amax(-1) / torch.tensor(fmt.max, dtype=torch.float32)
+    log2_rounded = (torch.log2(d) == torch.floor(torch.log2(d))) & (torch.frexp(d.double())[0] != 0.5)
+    differ = scales != scale_t
+    assert int(differ.sum()) > 0 and int(log2_rounded.sum()) > 0   # the edge is exercised
+    assert torch.equal(differ, log2_rounded & (scales > 0) & (scales < 254)), "a scale differs for another reason"
+    assert torch.equal(scales[differ].int(), scale_t[differ].int() + 1)
+    same = ~differ & (scales != 0)
+    assert torch.equal(codes[same], data_t[same]), "element codes differ from torchao where the scales agree"
+
+
+@pytest.mark.parametrize("element", FORMATS)
+def test_rceil_scale_is_floors_or_one_above_and_never_saturates(element):
+    """FLOOR lets the block maximum land in [2**emax, 2**(emax+1)) and clamps what exceeds the
+    element maximum (a random Gaussian block often does); RCEIL takes the smallest scale that does
+    not clamp, so it is FLOOR's scale or one above, and no block saturates (but for a quotient
+    rounded down onto a power of two, which random data does not produce)."""
+    x = torch.randn(4000, 32, generator=torch.Generator().manual_seed(7)) * 3.0
+    fmt = ELEMENTS[element]
+    _, s_floor = _codes(x, element, "floor")
+    _, s_rceil = _codes(x, element, "rceil")
+    step = s_rceil.int() - s_floor.int()
+    assert set(step.unique().tolist()) <= {0, 1} and int((step == 1).sum()) > 0
+    sat_floor = saturated_blocks(x, s_floor, fmt, 32).double().mean().item()
+    sat_rceil = saturated_blocks(x, s_rceil, fmt, 32).double().mean().item()
+    assert sat_rceil == 0.0
+    assert sat_floor > 0.05   # FLOOR's known cost, on Gaussian blocks
+    # one scale lower than RCEIL's would clamp: the scale is minimal
+    lower = (s_rceil.int() - 1).clamp(min=0).to(torch.uint8)
+    assert bool(saturated_blocks(x, lower, fmt, 32)[s_rceil > 0].all())
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("element", FORMATS)
+def test_fast_path_equals_reference_for_both_rules(element, rule):
+    x = _wide_blocks(seed=4, nb=3000)                            # 96k elements: above the fast-path threshold
+    q = MX(element, 32, scale_rule=rule)
+    fast, ref = q.quantize(x), q.quantize_reference(x)
+    for name in ("codes", "scales", "header"):
+        assert torch.equal(fast.tensors[name], ref.tensors[name]), name
+
+
 # --------------------------------------------------------------------- independent encoders agree
 @pytest.mark.parametrize("element", ["e4m3", "e5m2"])
 def test_reference_encoder_equals_native_float8_cast(element):
@@ -118,11 +183,12 @@ def test_every_code_round_trips(element):
     assert np.array_equal(vals.numpy(), table, equal_nan=True)
 
 
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("element", FORMATS)
-def test_audit_encoder_equals_quantizer(element):
+def test_audit_encoder_equals_quantizer(element, rule):
     x = _wide_blocks(seed=3, nb=800)[:, :29]                 # a ragged last axis: zero-padded blocks
-    codes, scales = _codes(x, element)
-    a_codes, a_scales = audit_mx.encode_mx(x.numpy(), element, 32)
+    codes, scales = _codes(x, element, rule)
+    a_codes, a_scales = audit_mx.encode_mx(x.numpy(), element, 32, rule)
     assert np.array_equal(scales.numpy(), a_scales)
     assert np.array_equal(codes.numpy(), a_codes)
 
@@ -243,7 +309,12 @@ def test_configs_names_and_bad_parameters():
     q = MXFP8(rotation="signed_hadamard", seed=5)
     assert q.name == "mxfp8_e4m3_b32_hadamard"
     assert quant.from_config(q.config()).config() == q.config()
-    for kwargs in ({"element": "e3m4"}, {"block_size": 24}, {"rotation": "hadamard"}, {"seed": 1.5}):
+    q = MXFP8(rotation="signed_hadamard", seed=5)
+    r = MX("e4m3", 32, scale_rule="rceil")
+    assert r.name == "mxfp8_e4m3_b32_rceil" and r.config()["scale_rule"] == "rceil"
+    assert quant.from_config(r.config()).config() == r.config()
+    for kwargs in ({"element": "e3m4"}, {"block_size": 24}, {"rotation": "hadamard"}, {"seed": 1.5},
+                   {"scale_rule": "ceil"}):
         with pytest.raises(ValueError):
             MX(**kwargs)
     with pytest.raises(ValueError, match="e4m3 or e5m2"):
