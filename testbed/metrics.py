@@ -17,6 +17,7 @@ across independent units (seeds, prompts), never across rows of one unit.
 from __future__ import annotations
 
 import math as _math
+import random as _random
 
 import torch
 
@@ -82,7 +83,7 @@ def numerical_zero_rate(p_hat: torch.Tensor, p_ref: torch.Tensor) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 __all__ += ["entropy", "effective_support", "top_mass", "strict_zero_rate", "block_masses", "top_blocks",
-            "jaccard", "history_span", "region_masses", "quantiles", "summary", "paired_wilcoxon",
+            "jaccard", "jaccard_nulls", "history_span", "region_masses", "quantiles", "summary", "paired_wilcoxon",
             "frame_size", "score_tiles", "observe", "Observation", "TOP_PERCENTS"]
 
 TOP_PERCENTS = (1, 5, 10)
@@ -260,7 +261,10 @@ class Observation:
     Jaccard overlaps between neighbouring queries and neighbouring query blocks."""
 
     def __init__(self, rows: dict, heatmap: torch.Tensor, query_blocks: list[int], frame: int,
-                 jaccard_query: torch.Tensor, jaccard_block: torch.Tensor, block_set_size: torch.Tensor):
+                 jaccard_query: torch.Tensor, jaccard_block: torch.Tensor, block_set_size: torch.Tensor,
+                 null_pair: torch.Tensor | None = None, null_shuffled: torch.Tensor | None = None):
+        self.null_pair = null_pair          # [H, Tq-1]: J(query i, a random same-head query), NaN where none
+        self.null_shuffled = null_shuffled  # [H, Tq-1]: E[J(query i, a random block set of query i-1's size)]
         self.rows = rows
         self.heatmap = heatmap
         self.query_blocks = query_blocks
@@ -301,6 +305,7 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
     counts = torch.bincount(qb_index, minlength=len(qblocks)).to(torch.float64)
     jq = torch.empty(h, max(tq - 1, 0), dtype=torch.float64)
     set_size = torch.empty(h, tq, dtype=torch.float64)
+    all_sets = torch.zeros(h, tq, nkb, dtype=torch.bool)
     prev = {}
     for _, heads, qs, s, vis in score_tiles(case.q, case.k, case.query_positions, case.causal, max_scores):
         p = _masked_softmax(s, vis)
@@ -318,6 +323,7 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
         heat[heads].index_add_(1, qb_index[qs], bm)
         sets = top_blocks(bm, coverage)
         set_size[heads, qs] = sets.sum(dim=-1).to(torch.float64)
+        all_sets[heads, qs] = sets
         for gi, hh in enumerate(range(heads.start, heads.stop)):
             cur = sets[gi]
             if qs.start > 0:
@@ -329,4 +335,47 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
     heat = heat / counts.view(1, -1, 1)
     bsets = top_blocks(heat, coverage)
     jb = jaccard(bsets[:, 1:], bsets[:, :-1]) if len(qblocks) > 1 else torch.empty(h, 0, dtype=torch.float64)
-    return Observation(rows, heat, qblocks, frame, jq, jb, set_size)
+    visible_blocks = [-(-int(n) // frame) for n in rows["visible_keys"][0].tolist()]
+    pair, shuffled = jaccard_nulls(all_sets, visible_blocks, case.id)
+    return Observation(rows, heat, qblocks, frame, jq, jb, set_size, pair, shuffled)
+
+
+def jaccard_nulls(sets: torch.Tensor, visible_blocks: list[int], case_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two nulls for the neighbouring-query Jaccard ``J(set_i, set_{i-1})`` (``sets [H, Tq, B]``).
+
+    - pair: ``J(set_i, set_j)`` with ``j`` a random query of the same head that sees the same key
+      blocks as ``i`` and is not ``i`` or a neighbour of it, drawn with
+      ``random.Random(f"jaccard-null:{case_id}:{head}")`` one query after another (stdlib, so the
+      audit can redraw it); NaN where no such query exists. What any two queries of the head share.
+    - shuffled: the expected ``J(set_i, B)`` for ``B`` a uniformly random set of ``|set_{i-1}|`` of the
+      blocks query ``i-1`` sees, in closed form (hypergeometric): what neighbours would share if the
+      previous query's blocks sat at random positions.
+    """
+    h, tq, _ = sets.shape
+    pair = torch.full((h, max(tq - 1, 0)), float("nan"), dtype=torch.float64)
+    shuffled = torch.full((h, max(tq - 1, 0)), float("nan"), dtype=torch.float64)
+    sizes = sets.sum(dim=-1).tolist()
+    for hh in range(h):
+        rng = _random.Random(f"jaccard-null:{case_id}:{hh}")
+        for i in range(1, tq):
+            cands = [j for j in range(tq) if abs(j - i) > 1 and visible_blocks[j] == visible_blocks[i]]
+            if cands:
+                j = cands[rng.randrange(len(cands))]
+                pair[hh, i - 1] = float(jaccard(sets[hh, i], sets[hh, j]))
+            n = visible_blocks[i - 1]
+            a = sizes[hh][i]
+            a0 = int(sets[hh, i, :n].sum())
+            b = sizes[hh][i - 1]
+            shuffled[hh, i - 1] = _expected_jaccard(a, a0, b, n)
+    return pair, shuffled
+
+
+def _expected_jaccard(a: int, a0: int, b: int, n: int) -> float:
+    """E[|A & B| / |A | B|] for a fixed set A of ``a`` blocks, ``a0`` of them among the ``n`` blocks
+    B is drawn from, and B a uniformly random ``b``-subset of those ``n``."""
+    total = _math.comb(n, b)
+    e = 0.0
+    for k in range(max(0, b - (n - a0)), min(a0, b) + 1):
+        union = a + b - k
+        e += _math.comb(a0, k) * _math.comb(n - a0, b - k) / total * (k / union if union else 1.0)
+    return e

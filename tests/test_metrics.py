@@ -146,3 +146,44 @@ def test_float32_underflow_shows_as_strict_zeros():
     assert float(obs.rows["zero_rate"][0, 0]) == pytest.approx(2 / 3)
     p, _ = _direct_probs(case)
     assert (p > 0).all()  # float64 has no zero: the zeros are numerical, not structural
+
+
+@pytest.mark.parametrize("a,a0,b,n", [(3, 3, 2, 6), (4, 2, 3, 5), (1, 1, 1, 1), (5, 5, 5, 8), (2, 0, 3, 4)])
+def test_shuffled_jaccard_null_is_the_expectation_over_random_sets(a, a0, b, n):
+    """The closed form against an exhaustive average over every b-subset of the n blocks (A has a0
+    blocks among them and a - a0 outside)."""
+    import itertools
+
+    blocks = list(range(n + (a - a0)))
+    A = set(range(a0)) | set(range(n, n + a - a0))
+    vals = []
+    for B in itertools.combinations(range(n), b):
+        inter = len(A & set(B))
+        union = len(A | set(B))
+        vals.append(inter / union if union else 1.0)
+    assert M._expected_jaccard(a, a0, b, n) == pytest.approx(sum(vals) / len(vals), rel=1e-12)
+    assert len(blocks) >= n
+
+
+def test_random_pair_null_pairs_non_neighbours_that_see_the_same_blocks():
+    """Every drawn partner is a query of the same head, not the query or its neighbour, seeing as
+    many key blocks; with identical queries every set is the same, so every null is 1."""
+    case = make_llm_case(4)
+    obs = M.observe(case, block_tokens=8)
+    frame = obs.frame
+    vb = [-(-int(x) // frame) for x in obs.rows["visible_keys"][0].tolist()]
+    sets = torch.zeros(case.heads, case.q.shape[1], -(-case.keys // frame), dtype=torch.bool)
+    sets[..., 0] = True
+    pair, shuffled = M.jaccard_nulls(sets, vb, "same")
+    assert torch.equal(pair[torch.isfinite(pair)], torch.ones_like(pair[torch.isfinite(pair)]))
+    assert bool(torch.isfinite(pair).any())
+    # reproducible, and a different case id draws other partners on real sets
+    p1, _ = M.jaccard_nulls(torch.ones_like(sets), vb, "x")
+    p2, _ = M.jaccard_nulls(torch.ones_like(sets), vb, "x")
+    assert torch.equal(torch.nan_to_num(p1, nan=-1), torch.nan_to_num(p2, nan=-1))
+    assert ((obs.null_pair[torch.isfinite(obs.null_pair)] >= 0) & (obs.null_pair[torch.isfinite(obs.null_pair)] <= 1)).all()
+    assert ((obs.null_shuffled >= 0) & (obs.null_shuffled <= 1)).all()
+    # queries with no same-block non-neighbour get NaN, never a made-up partner
+    lonely = [i for i in range(1, len(vb)) if not [j for j in range(len(vb)) if abs(j - i) > 1 and vb[j] == vb[i]]]
+    for i in lonely:
+        assert bool(torch.isnan(obs.null_pair[:, i - 1]).all())

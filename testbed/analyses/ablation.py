@@ -372,10 +372,14 @@ def report(rows, params) -> str:
                     line.append(_fmt_pct(_median_list(list(_per_unit(app, "rel_l2").values())), 3) if app else "n/a")
                 qtab.append(line)
             bytes_line = [dist, "cache payload / float32"]
+            half_line = [dist, "cache payload / float16 or bfloat16"]
             for arm in arms:
                 rs = [r for r in rows if r.get("distribution", r["case"]) == dist and r["arm"] == arm]
-                bytes_line.append(f"{sum(r['payload_bytes'] for r in rs) / max(1, sum(r['baseline_bytes'] for r in rs)):.3f}")
+                ratio = sum(r['payload_bytes'] for r in rs) / max(1, sum(r['baseline_bytes'] for r in rs))
+                bytes_line.append(f"{ratio:.3f}")
+                half_line.append(f"{2 * ratio:.3f}")   # a 16-bit cache holds half the float32 bytes
             qtab.append(bytes_line)
+            qtab.append(half_line)
             out.append(tabulate(qtab, headers=["distribution", "ablation"] + arms, tablefmt="github"))
             out.append("")
     return "\n".join(out).rstrip()

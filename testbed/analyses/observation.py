@@ -121,6 +121,7 @@ def evaluate(case, params, ctx) -> list[dict]:
     out = [{**base, "scope": "case", "head": None, "rows": h * tq, **_stats(rows, (slice(None), slice(None)), hist_uniform),
             "jaccard_query": float(obs.jaccard_query.mean()) if obs.jaccard_query.numel() else None,
             "jaccard_block": float(obs.jaccard_block.mean()) if obs.jaccard_block.numel() else None,
+            **_nulls(obs, slice(None)),
             "block_set_size": float(obs.block_set_size.mean()),
             # the mean heatmap is inlined for the report when small; the per-head array always has it
             "heatmap": obs.heatmap.mean(dim=0).tolist() if obs.heatmap[0].numel() <= HEATMAP_INLINE_MAX else None,
@@ -131,8 +132,20 @@ def evaluate(case, params, ctx) -> list[dict]:
                     **_stats(rows, (hh, slice(None)), hist_uniform),
                     "jaccard_query": float(obs.jaccard_query[hh].mean()) if obs.jaccard_query.shape[1] else None,
                     "jaccard_block": float(obs.jaccard_block[hh].mean()) if obs.jaccard_block.shape[1] else None,
+                    **_nulls(obs, hh),
                     "block_set_size": float(obs.block_set_size[hh].mean())})
     return out
+
+
+def _finite_mean(x: torch.Tensor) -> float | None:
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else None
+
+
+def _nulls(obs, sel) -> dict:
+    """Means of the two nulls of the neighbouring-query Jaccard (``metrics.jaccard_nulls``)."""
+    return {"jaccard_query_null_pair": _finite_mean(obs.null_pair[sel]),
+            "jaccard_query_null_shuffled": _finite_mean(obs.null_shuffled[sel])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,12 +187,15 @@ def distribution_summary(rows) -> list[dict]:
         d = {"distribution": dist, "cases": len(sel), "rows": sum(r["rows"] for r in sel)}
         for key in ("support_le_10", "support_le_25", "support_ge_75", "top10_ge_80", "zero_row_share", "zero_rate_mean",
                     "history_lt_10", "history_gt_50", "uniform_history", "jaccard_query", "jaccard_block",
+                    "jaccard_query_null_pair", "jaccard_query_null_shuffled",
                     *[f"{r}_mass" for r in REGIONS], *[f"top{pc}_mean" for pc in TOP_PERCENTS]):
             d[key] = _pooled(sel, key)
         for key in ("support_q10", "support_q25", "support_median", "support_q75", "support_q90",
                     "history_q10", "history_q25", "history_median", "history_q75", "history_q90",
                     *[f"top{pc}_median" for pc in TOP_PERCENTS]):
             d[key] = _med([r.get(key) for r in sel])
+        paired = [r for r in sel if r.get("jaccard_query") is not None and r.get("jaccard_query_null_pair") is not None]
+        d["jaccard_over_pair_cases"] = (sum(r["jaccard_query"] > r["jaccard_query_null_pair"] for r in paired), len(paired))
         out.append(d)
     return out
 
@@ -206,10 +222,22 @@ def report(rows, params) -> str:
                                       "history q10", "median", "q90", "history <10%", "history >50%"], tablefmt="github"))
     out.append("\nBlock predictability: mean Jaccard overlap of the top-mass key-block sets (fewest blocks carrying "
                f"{_pct(params['coverage'], 0)} of a row's mass; a block is a latent frame, or {params['block_tokens']} "
-               "tokens) between neighbouring queries and between neighbouring query blocks (chunks of queries).\n")
-    out.append(tabulate([[d["distribution"], _pct(d["jaccard_query"], 1), _pct(d["jaccard_block"], 1)] for d in dsum],
-                        headers=["distribution", "Jaccard neighbouring queries", "Jaccard neighbouring query blocks"],
-                        tablefmt="github"))
+               "tokens) between neighbouring queries and between neighbouring query blocks (chunks of queries), "
+               "beside two nulls for the neighbouring queries: a random pair (each query against a seeded random "
+               "query of the same head that sees the same key blocks and is not its neighbour: what any two queries "
+               "of a head share) and position-shuffled (the expected overlap if the previous query's blocks sat at "
+               "random among the blocks it sees). Excess = neighbours minus the random pair; cases above: in how many "
+               "cases the neighbours overlap more than the random pairs. The query-block Jaccard has no null here, "
+               "and under a causal mask its blocks see different keys.\n")
+    out.append(tabulate([[d["distribution"], _pct(d["jaccard_query"], 1), _pct(d["jaccard_query_null_pair"], 1),
+                          _pct(d["jaccard_query_null_shuffled"], 1),
+                          "n/a" if d["jaccard_query"] is None or d["jaccard_query_null_pair"] is None
+                          else f"{100 * (d['jaccard_query'] - d['jaccard_query_null_pair']):+.1f} pts",
+                          f"{d['jaccard_over_pair_cases'][0]}/{d['jaccard_over_pair_cases'][1]}",
+                          _pct(d["jaccard_block"], 1)] for d in dsum],
+                        headers=["distribution", "Jaccard neighbouring queries", "random pair (null)",
+                                 "position-shuffled (null)", "excess over random pair", "cases above",
+                                 "Jaccard neighbouring query blocks"], tablefmt="github"))
     heads = [r for r in rows if r["scope"] == "head"]
     if heads:
         out.append("\nBy head (median over cases of each head's median support; pooled means otherwise).\n")

@@ -157,8 +157,13 @@ def report(rows, params) -> str:
                 if not sel:
                     continue
                 r0 = sel[0]
-                btab.append([n, a, f"{r0['payload_bytes']:,}", f"{r0['baseline_bytes']:,}", f"{100 * r0['reduction']:.1f}%"])
+                half = r0["baseline_bytes"] // 2
+                btab.append([n, a, f"{r0['payload_bytes']:,}", f"{r0['baseline_bytes']:,}", f"{100 * r0['reduction']:.1f}%",
+                             f"{half:,}", f"{100 * (1 - r0['payload_bytes'] / half):.1f}%"])
         out.append("\nPayload bytes of K+V (every stored array counted: codes, float16 scales and zero-points, "
-                   "group padding, float32 windows, the 16-byte header).\n")
-        out.append(tabulate(btab, headers=["N", "arm", "payload B", "float32 K+V B", "reduction"], tablefmt="github"))
+                   "group padding, float32 windows, the 16-byte header), against the same K+V in float32 and in a "
+                   "16-bit format (float16 or bfloat16, half the bytes; a negative reduction is a payload larger "
+                   "than the 16-bit cache, as a float32 window can make it).\n")
+        out.append(tabulate(btab, headers=["N", "arm", "payload B", "float32 K+V B", "reduction", "16-bit K+V B",
+                                           "reduction vs 16-bit"], tablefmt="github"))
     return "\n".join(out)

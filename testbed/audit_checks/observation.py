@@ -2,7 +2,9 @@
 
 numpy only, one head at a time: float64 softmax over the visible keys, entropy-equivalent
 support, top-k mass by sorting, the float32 softmax's strict zeros, region and history mass,
-key-block masses, top-block sets, Jaccard overlaps and the temporal heatmap.
+key-block masses, top-block sets, Jaccard overlaps (and their two nulls: a seeded random pair of
+same-head queries that see the same key blocks, redrawn with stdlib ``random``; the
+position-shuffled expectation from the hypergeometric law) and the temporal heatmap.
 
 The strict-zero rate is compared with an absolute tolerance of ``ZERO_ATOL``: an entry that sits
 at float32's underflow boundary can round either way depending on summation order, which two
@@ -10,6 +12,9 @@ implementations need not share. Everything else uses the protocol's tolerances.
 """
 
 from __future__ import annotations
+
+import math
+import random
 
 import numpy as np
 
@@ -40,7 +45,33 @@ def _jaccard(a, b):
     return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
 
 
-def derive(case, frame: int, coverage: float) -> dict:
+def _shuffled_jaccard(a: int, a0: int, b: int, n: int) -> float:
+    """Expected Jaccard of a fixed a-set (a0 of its blocks among n) with a uniform b-subset of the n."""
+    out = 0.0
+    for k in range(min(a0, b) + 1):
+        ways = math.comb(a0, k) * math.comb(n - a0, b - k)
+        if ways:
+            out += ways / math.comb(n, b) * (k / (a + b - k) if a + b - k else 1.0)
+    return out
+
+
+def _nulls(sets: np.ndarray, vblocks: list, case_id: str, hh: int) -> tuple[np.ndarray, np.ndarray]:
+    tq = sets.shape[0]
+    pair = np.full(max(tq - 1, 0), np.nan)
+    shuf = np.full(max(tq - 1, 0), np.nan)
+    rng = random.Random(f"jaccard-null:{case_id}:{hh}")
+    sizes = sets.sum(axis=1)
+    for i in range(1, tq):
+        cands = [j for j in range(tq) if abs(j - i) > 1 and vblocks[j] == vblocks[i]]
+        if cands:
+            j = cands[rng.randrange(len(cands))]
+            pair[i - 1] = float(_jaccard(sets[i], sets[j]))
+        n = vblocks[i - 1]
+        shuf[i - 1] = _shuffled_jaccard(int(sizes[i]), int(sets[i, :n].sum()), int(sizes[i - 1]), n)
+    return pair, shuf
+
+
+def derive(case, frame: int, coverage: float, case_id: str = "") -> dict:
     q, k = case["q"], case["k"]
     h, tq, d = q.shape
     keys = k.shape[1]
@@ -59,6 +90,9 @@ def derive(case, frame: int, coverage: float) -> dict:
     rows.update({f"{name}_mass": np.zeros((h, tq)) for name in regions})
     heat = np.zeros((h, len(blocks), nkb))
     jq = np.zeros((h, max(tq - 1, 0)))
+    null_pair = np.zeros((h, max(tq - 1, 0)))
+    null_shuf = np.zeros((h, max(tq - 1, 0)))
+    vblocks = [-(-int(n) // frame) for n in nvis]
     size = np.zeros((h, tq))
     for hh in range(h):
         s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
@@ -84,6 +118,7 @@ def derive(case, frame: int, coverage: float) -> dict:
         size[hh] = sets.sum(axis=1)
         if tq > 1:
             jq[hh] = _jaccard(sets[1:], sets[:-1])
+        null_pair[hh], null_shuf[hh] = _nulls(sets, vblocks, case_id, hh)
         for i in range(len(blocks)):
             heat[hh, i] = bm[qbi == i].mean(axis=0)
     bsets = _top_sets(heat, coverage)
@@ -93,7 +128,14 @@ def derive(case, frame: int, coverage: float) -> dict:
         hv = np.minimum(qp + 1, regions["history"][1]).astype(np.float64) if case["causal"] else np.full(tq, float(regions["history"][1]))
         hist_uniform = np.broadcast_to(hv / nvis, (h, tq))
     return {"rows": rows, "heat": heat, "jq": jq, "jb": jb, "size": size, "blocks": blocks, "qbi": qbi,
+            "null_pair": null_pair, "null_shuffled": null_shuf,
             "hist_uniform": hist_uniform, "nkb": nkb}
+
+
+def _finite_mean(x):
+    x = np.asarray(x, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if x.size else None
 
 
 def _q(x, qs):
@@ -140,7 +182,8 @@ def check(row: dict, ctx) -> None:
     frame = int(tpf) if tpf else int(row["block_tokens"])
     ctx.equal(row, "frame", row["frame"], frame)
     coverage = float(row["coverage"])
-    der = ctx.cached(("observation", row["study"], row["case"], frame, coverage), lambda: derive(case, frame, coverage))
+    der = ctx.cached(("observation", row["study"], row["case"], frame, coverage),
+                     lambda: derive(case, frame, coverage, row["case"]))
     rows = der["rows"]
     h, tq = rows["support"].shape
     ctx.equal(row, "key_blocks", row["key_blocks"], der["nkb"])
@@ -154,6 +197,8 @@ def check(row: dict, ctx) -> None:
         ctx.close(row, "jaccard_query", row["jaccard_query"], float(der["jq"].mean()) if der["jq"].size else None)
         ctx.close(row, "jaccard_block", row["jaccard_block"], float(der["jb"].mean()) if der["jb"].size else None)
         ctx.close(row, "block_set_size", row["block_set_size"], float(der["size"].mean()))
+        for key in ("null_pair", "null_shuffled"):
+            ctx.close(row, f"jaccard_query_{key}", row.get(f"jaccard_query_{key}"), _finite_mean(der[key]))
         mean_heat = der["heat"].mean(axis=0)
         ctx.close(row, "heatmap", row["heatmap"], mean_heat if mean_heat.size <= HEATMAP_INLINE_MAX else None)
         ctx.close(row, "arrays.heatmap", ctx.load(row["arrays"]["heatmap"]), der["heat"])
@@ -186,6 +231,8 @@ def check(row: dict, ctx) -> None:
         ctx.close(row, "jaccard_query", row["jaccard_query"], float(der["jq"][hh].mean()) if der["jq"].shape[1] else None)
         ctx.close(row, "jaccard_block", row["jaccard_block"], float(der["jb"][hh].mean()) if der["jb"].shape[1] else None)
         ctx.close(row, "block_set_size", row["block_set_size"], float(der["size"][hh].mean()))
+        for key in ("null_pair", "null_shuffled"):
+            ctx.close(row, f"jaccard_query_{key}", row.get(f"jaccard_query_{key}"), _finite_mean(der[key][hh]))
     for key, val in _expected_stats(rows, sel, der["hist_uniform"]).items():
         ctx.close(row, key, row.get(key), val)
     z = rows["zero_rate"][sel].ravel()
