@@ -5,14 +5,16 @@ testbed's quantizers, attention or metrics): they decode the stored packed array
 code and recompute every reported number in float64. ``CHECKS`` maps an analysis name to a
 function ``check(row, ctx) -> None`` that reports problems through ``ctx.fail``; ``RUN_CHECKS``
 maps a file of the run to a function ``check(ctx) -> None`` run once all rows are checked (for
-``results.json``: completeness, exactly the cases and rows the frozen protocols produce).
+``results.json``: completeness, exactly the cases and rows the frozen protocols produce; for
+``report.md``: every table cell and every run-derived number of its prose re-derived from the rows).
 """
 
-from . import ablation, completeness, live_quality, mx_paths, observation, report_html, residual_window
+from . import ablation, completeness, live_quality, mx_paths, observation, report_html, report_md, residual_window
 
 CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation.check,
           "observation": observation.check, "live_quality": live_quality.check}
 
-RUN_CHECKS = {"report.html": report_html.check_run, "results.json": completeness.check_run}
+RUN_CHECKS = {"report.html": report_html.check_run, "report.md": report_md.check_run,
+              "results.json": completeness.check_run}
 
 __all__ = ["CHECKS", "RUN_CHECKS"]
