@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SUITES = ["tests/test_tamper.py", "tests/test_run_cli.py", "tests/test_determinism.py", "tests/test_fuzz_inputs.py",
-          "tests/test_resource_guard.py", "tests/test_report_html.py"]
+          "tests/test_resource_guard.py", "tests/test_report_html.py", "tests/test_audit_report_md.py"]
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"
 
 # (summary line, categories) in table order
@@ -171,7 +171,8 @@ def render(recs: list[dict], status: dict[str, str]) -> tuple[str, bool]:
     body = ["# Reliability", "",
             "What the reliability suites try against testbed, and what happened, generated from one pytest run "
             "(tests/test_tamper.py, test_run_cli.py, test_determinism.py, test_fuzz_inputs.py, "
-            "test_resource_guard.py). Do not edit by hand: run `.venv/bin/python tools/reliability_table.py`.", "",
+            "test_resource_guard.py, test_report_html.py, test_audit_report_md.py). Do not edit by hand: run "
+            "`.venv/bin/python tools/reliability_table.py`.", "",
             summary, ""]
     for title, cats in GROUPS + [("Known gaps", ["gap"]), ("Known bugs", ["bug"])]:
         rs = [r for c in cats for r in by_cat.get(c, [])]
