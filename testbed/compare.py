@@ -16,8 +16,9 @@ docs/compare.md says what may differ and by how much, as measured between AVX2 a
   position); every number of a row (nested fields and lists included) compared, the max abs and
   rel difference kept per field; strings, booleans and nulls must be equal;
 - the frozen protocol copies must be identical (a comparison of two different protocols means
-  nothing). timings.json, report.md, results.csv (a view of results.json) and the studies' own
-  manifests (they record the machine) are not compared.
+  nothing). timings.json, report.md (it states the creation time; each run's own audit re-derives
+  every cell of it from that run's results.json), results.csv (a view of results.json) and the
+  studies' own manifests (they record the machine) are not compared.
 
 Prints the ten largest differences and ``PASS`` or one ``FAIL: ...`` line per problem; exit 0
 on PASS, 1 on FAIL, 2 on bad input (not a run folder, unreadable manifest or results).

@@ -73,6 +73,26 @@ def forge_report_html(run_dir: Path) -> None:
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
+def forge_report_md(run_dir: Path) -> None:
+    """What a consistent forger does after rewriting results.json: rewrite report.md from the rows with
+    the run's own builder (the protocols as the run validated them, the manifest, timings.json) and
+    record its new sha256 (the audit re-derives every table cell from the rows, so a forger who left
+    report.md alone would be caught there)."""
+    import hashlib
+    import json
+
+    from testbed.protocol import validate_protocol
+    from testbed.report import build_report
+
+    m = json.loads((run_dir / "manifest.json").read_text())
+    protocols = [validate_protocol(json.loads((run_dir / e["copy"]).read_text())) for e in m["protocols"]]
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    timings = json.loads((run_dir / "timings.json").read_text()) if (run_dir / "timings.json").exists() else []
+    (run_dir / "report.md").write_text(build_report(protocols, rows, m, timings), encoding="utf-8")
+    m["files"]["report.md"] = hashlib.sha256((run_dir / "report.md").read_bytes()).hexdigest()
+    (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
 def synthetic_run(base: Path, name: str, **source) -> Path:
     """Run :func:`synthetic_protocol` (``source`` overrides) once into ``base / "run"``; returns the run."""
     import json
@@ -112,10 +132,10 @@ def heavy_imports(call: str, run: Path) -> tuple[str, list[str]]:
 
 def forge_results(run: Path, res: dict, redraw: bool = True) -> None:
     """What a consistent forger does to results.json: write ``res``, rewrite results.csv to say the
-    same (the audit checks one against the other), redraw report.html from the rows (the audit
-    recomputes its figures) and record the new sha256 in the manifest, so that only the audit's own
-    re-derivation of the numbers can notice. ``redraw=False`` leaves report.html (its builder needs
-    well-formed rows)."""
+    same (the audit checks one against the other), redraw report.html and rewrite report.md from the
+    rows (the audit recomputes the figures and every table cell) and record the new sha256 in the
+    manifest, so that only the audit's own re-derivation of the numbers can notice. ``redraw=False``
+    leaves report.html and report.md (their builders need well-formed rows)."""
     import hashlib
     import json
 
@@ -129,6 +149,8 @@ def forge_results(run: Path, res: dict, redraw: bool = True) -> None:
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
     if redraw and (run / "report.html").exists():
         forge_report_html(run)
+    if redraw and (run / "report.md").exists():
+        forge_report_md(run)
 
 
 def default_sigint() -> None:

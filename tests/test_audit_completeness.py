@@ -3,8 +3,9 @@ relabels cases and rows, or changes a row's parameter, is caught by the expansio
 protocol copies, not by a re-derived number.
 
 Every forgery here is consistent: results.json is edited and its sha256 re-computed in the
-manifest; deleted arrays are deleted from the run and from the manifest's ``arrays``; report.html
-is redrawn from the forged rows with the run's own builder (its audit recomputes the figures).
+manifest; deleted arrays are deleted from the run and from the manifest's ``arrays``; report.html and
+report.md are redrawn from the forged rows with the run's own builders (the audit recomputes the
+figures and every table cell).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from testbed.audit import audit
 from testbed.audit_checks.common import softmax_attention
 from testbed.run import main as run_main
-from tests._helpers import REPO, forge_results
+from tests._helpers import REPO, forge_report_md, forge_results
 from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
 
 SMALL = {
@@ -259,6 +260,7 @@ def test_forged_exclusion(run):
     m = load(run, "manifest.json")
     m["excluded"].append({"id": "residual_window/clean-s7-n128", "stage": "tokenize", "error": "too short"})
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
+    forge_report_md(run)  # report.md lists the exclusions too
     assert failures(run) == ["FAIL: manifest.json excluded[0]: 'residual_window/clean-s7-n128' (stage 'tokenize': "
                              "'too short') is not an exclusion the protocols allow"]
 
@@ -372,6 +374,7 @@ def test_capture_whose_model_did_not_load(tmp_path, monkeypatch):
     m = load(out, "manifest.json")
     m["excluded"] = []
     (out / "manifest.json").write_text(json.dumps(m, indent=1))
+    forge_report_md(out)  # report.md lists the exclusions too
     fails = failures(out)
     src = proto["source"]
     want = len(src["prompts"]) * len(src["layers"]) * len(src["record_chunks"])

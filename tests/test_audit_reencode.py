@@ -2,8 +2,8 @@
 
 Each forgery here is consistent: the forger edits a payload .npy, records its new sha256, and
 re-derives every reported number of the run from the forged payload with the audit's own arithmetic
-(and redraws report.html). A control proves the forgery consistent: with the audit's payload
-comparison switched off, the forged run passes. With it on, the audit FAILs with a line naming the
+(and redraws report.html and report.md). A control proves the forgery consistent: with the audit's
+payload comparison switched off, the forged run passes. With it on, the audit FAILs with a line naming the
 array. The last tests show that the audit's numpy encoder equals the run's ``IntGrouped`` byte for
 byte, on both sides of the numba fast path's size threshold.
 """
@@ -100,8 +100,8 @@ def _json_like(derived, reported):
 
 def rederive(run: Path) -> int:
     """Rewrite every reported number the audit derives differently from the (forged) arrays, with the
-    audit's own arithmetic, then redraw report.html: what a consistent forger does. Returns how many
-    numbers it rewrote."""
+    audit's own arithmetic, then redraw report.html and report.md: what a consistent forger does.
+    Returns how many numbers it rewrote."""
     edits: dict[tuple[int, str], tuple] = {}
     orig_close, orig_equal = audit_mod.Audit.close, audit_mod.Audit.equal
 
@@ -125,7 +125,7 @@ def rederive(run: Path) -> int:
     for (i, name), (derived, reported) in edits.items():
         assert name in res["rows"][i], f"the forger cannot rewrite {name!r} of row {i}"
         res["rows"][i][name] = _json_like(derived, reported)
-    write_results(run, res, forge=True)  # report.html redrawn too
+    write_results(run, res, forge=True)  # report.html and report.md redrawn too
     return len(edits)
 
 

@@ -258,7 +258,7 @@ def test_gap_consistently_rewritten_logprobs(live_run, tmp_path):
     lp = np.load(run / row["arrays"]["logprob"]).astype(np.float64)
     row["nll"] = -float(lp.mean())
     row["perplexity"] = float(np.exp(row["nll"]))
-    _write_rows(run, res)  # report.html redrawn too
+    _write_rows(run, res)  # report.html and report.md redrawn too
     assert not audit(run)[0]
 
 

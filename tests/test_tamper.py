@@ -31,7 +31,7 @@ import pytest
 import testbed.audit as audit_mod
 from testbed.audit import audit
 from testbed.run import main as run_main
-from tests._helpers import forge_results
+from tests._helpers import forge_report_md, forge_results
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -682,6 +682,7 @@ def test_outside_protocol_copy_edit_is_reported_self_consistent_only(run, reliab
     p["description"] = "something else"
     (run / rel).write_text(json.dumps(p))
     rehash(run, rel)
+    forge_report_md(run)  # report.md quotes the description: the consistent forger rewrites it too
     ok, failures, summary = audit(run, check_sources=False)
     reliability("tamper: consistent forger", "copy of a protocol from outside the repo edited, hashes updated",
                 "PASS, the verdict saying the protocol is self-consistent only", summary if ok else failures[0])
@@ -779,23 +780,33 @@ def test_gap_descriptive_manifest_fields(run, field, reliability):
     else:
         m[field] = MANIFEST_GAPS[field]
     write_manifest(run, m)
+    forge_report_md(run)  # report.md's header quotes the creation time and the environment
     reliability("gap", f"manifest {field} changed", "not caught (descriptive, not re-derivable)")
     assert not check(run)[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: timings and the rendered report are not re-derived")
-@pytest.mark.parametrize("rel", ["timings.json", "report.md"])
-def test_gap_timings_and_report_with_hash(run, rel, reliability):
-    path = run / rel
-    if rel == "timings.json":
-        t = json.loads(path.read_text())
-        t[0]["seconds"] *= 100
-        path.write_text(json.dumps(t))
-    else:
-        path.write_text(path.read_text().replace("%", " %", 1))
-    rehash(run, rel)
-    reliability("gap", f"{rel} edited, sha256 updated", "not caught (not re-derived)")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: timings are measurements, not re-derivable")
+def test_gap_timings_with_hash(run, reliability):
+    path = run / "timings.json"
+    t = json.loads(path.read_text())
+    t[0]["seconds"] *= 100
+    path.write_text(json.dumps(t))
+    rehash(run, "timings.json")
+    reliability("gap", "timings.json edited, sha256 updated", "not caught (not re-derived)")
     assert not check(run)[0]
+
+
+def test_report_md_edited_with_hash(run, reliability):
+    """Formerly a known gap: report.md is now re-derived cell by cell from the rows
+    (audit_checks/report_md.py; tests/test_audit_report_md.py has the forgeries one by one)."""
+    path = run / "report.md"
+    text = path.read_text()
+    edited = text.replace("%", " %", 1)
+    assert edited != text
+    path.write_text(edited)
+    rehash(run, "report.md")
+    assert_fails(reliability, "tamper: consistent forger", "report.md: one '%' turned into ' %', sha256 updated", run,
+                 ["FAIL: report.md "], "FAIL naming the report.md table, row and column")
 
 
 def test_row_removed_with_its_arrays(run, reliability):
@@ -810,8 +821,8 @@ def test_row_removed_with_its_arrays(run, reliability):
         (run / rel).unlink()
         del m["arrays"][rel]
     write_manifest(run, m)
-    write_results(run, res, forge=True)  # report.html redrawn too
+    write_results(run, res, forge=True)  # report.html and report.md redrawn too
     assert_fails(reliability, "tamper: consistent forger",
-                 "a row deleted with its arrays and their manifest entries (report.html redrawn)", run,
+                 "a row deleted with its arrays and their manifest entries (report.html and report.md redrawn)", run,
                  [f"residual_window/{CASE} residual_window arm=R=16: missing: the protocol produces this row"],
                  "FAIL naming the missing row")
