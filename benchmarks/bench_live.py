@@ -47,7 +47,7 @@ def _held_bytes(cache) -> int:
             total += x.numel() * x.element_size()
         for span in (layer.mid_k, layer.mid_v):
             if span is not None:
-                total += sum(x.numel() * x.element_size() for b in span.buffers.values() for x in b.parts)
+                total += sum(x.numel() * x.element_size() for b in span.buffers.values() for x in [b.view()] if x is not None)
     return total
 
 
