@@ -318,8 +318,9 @@ def _packed_layer(batch, hkv, n, d, bits, group, fgroup, seed):
 
 
 def _direct_against_definition(layer, hq, tq, d, read, span, seed):
-    """(kernel, definition) outputs of attention over the packed middle's first ``read`` tokens
-    plus ``8 + tq`` float32 keys whose last ``tq`` are the queries themselves (causal among them)."""
+    """Outputs of attention over the packed middle's first ``read`` tokens plus ``8 + tq`` float32
+    keys whose last ``tq`` are the queries themselves (causal among them): (the kernel's packed
+    part merged with torch's float part, the kernel over both, the definition)."""
     from testbed.policies import packed_attention as pa
 
     batch, hkv = layer.mid_k.shape_lead
@@ -330,6 +331,7 @@ def _direct_against_definition(layer, hq, tq, d, read, span, seed):
     scale = d ** -0.5
     floats = pa.float_part(q, fk, fv, scale, tq)
     got = pa.merge(pa.packed_part(q, layer, scale, read, kernel=True, span=span), floats)
+    fused = pa.attend(q, layer, fk, fv, scale, read, tq, kernel=True, span=span)  # the float keys inside the kernel
     # the definition written out: decode the history, concatenate, one causal softmax (SDPA)
     k = layer.mid_k.q.dequantize(layer.mid_k.packed())[..., :read, :]
     v = layer.mid_v.q.dequantize(layer.mid_v.packed())[..., :read, :]
@@ -337,7 +339,7 @@ def _direct_against_definition(layer, hq, tq, d, read, span, seed):
     values = torch.cat([v, fv], dim=-2).repeat_interleave(hq // hkv, 1)
     causal = torch.ones(tq, keys.shape[-2], dtype=torch.bool).tril(keys.shape[-2] - tq)
     want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=scale)
-    return got, want
+    return got, fused, want
 
 
 def _close(got, want) -> bool:
@@ -356,8 +358,9 @@ def test_the_direct_kernel_equals_decode_then_attend_over_shapes(batch, hkv, rat
     span: within relative 1e-4 of decoding the history and attending it (SDPA)."""
     layer = _packed_layer(batch, hkv, n, d, bits, group, fgroup, seed)
     read = group * (n // group) if prefix and n >= group else n  # a flush's prefix: whole groups
-    got, want = _direct_against_definition(layer, hkv * ratio, tq, d, read, span, seed)
+    got, fused, want = _direct_against_definition(layer, hkv * ratio, tq, d, read, span, seed)
     assert _close(got, want), (got - want).abs().max()
+    assert _close(fused, want), (fused - want).abs().max()
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -367,15 +370,15 @@ def test_a_wrong_fold_or_index_in_the_direct_kernel_is_caught(bits):
     next token, a K channel's codes swapped with its neighbour's (a nibble-order slip), and one
     token too few read."""
     layer = _packed_layer(2, 3, 70, 64, bits, 16, 32, seed=3)
-    got, want = _direct_against_definition(layer, 9, 2, 64, 70, 64, seed=3)
-    assert _close(got, want)
+    got, fused, want = _direct_against_definition(layer, 9, 2, 64, 70, 64, seed=3)
+    assert _close(got, want) and _close(fused, want)
 
     def wrong(span, name, fn):
         buf = span.buffers[name]
         right = buf.data
         buf.data = fn(right).contiguous()
         try:
-            return _direct_against_definition(layer, 9, 2, 64, 70, 64, seed=3)[0]
+            return _direct_against_definition(layer, 9, 2, 64, 70, 64, seed=3)[:2]  # kernel + torch, fused
         finally:
             buf.data = right
 
@@ -394,7 +397,6 @@ def test_a_wrong_fold_or_index_in_the_direct_kernel_is_caught(bits):
     q = torch.randn(2, 9, 2, 64, generator=torch.Generator().manual_seed(4))
     short = pa.packed_part(q, layer, 0.125, 69, kernel=True)
     full = pa.packed_part_reference(q, layer, 0.125)
-    broken["one token too few"] = short[0] / short[2][..., None]
-    for what, out in broken.items():
-        ref = full[0] / full[2][..., None] if what == "one token too few" else want
-        assert not _close(out, ref), what
+    for what, outs in broken.items():
+        assert not any(_close(out, want) for out in outs), what
+    assert not _close(short[0] / short[2][..., None], full[0] / full[2][..., None]), "one token too few"

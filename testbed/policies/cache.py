@@ -61,7 +61,7 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     if direct is not None:
         layer, new, packed = direct  # the middle as it was when update returned (a flush may follow it)
         scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
-        out = pa.merge(pa.packed_part(query, layer, scale, packed), pa.float_part(query, key, value, scale, new))
+        out = pa.attend(query, layer, key, value, scale, packed, new)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
     pending = _PENDING.pop(getattr(module, "layer_idx", None), None)
     if pending is not None:

@@ -8,13 +8,15 @@ With K quantized per channel (KIVI), a key of group g is ``k_t,d = c_t,d * s_g,d
 and the zero-point into one constant per row and group. V is per token over feature groups f:
 ``Σ_t p_t v_t,d = Σ_t p_t (c_t,d s_t,f + z_t,f)``; its scales could fold into P the same way, but
 decoding one token's row into a D-float scratch and adding ``p_t`` times it to every row was
-measured faster (fewer, longer vector loops; benchmarks/bench_packed_attention.py), so that is what
-the kernel does. The packed part (:func:`packed_part`) is a numba kernel on the CPU, parallel over
-(batch × KV head × blocks of ``span`` keys): each block gives a softmax partial (max, sum,
-numerator) and a second pass merges them exactly. The float32 part (sink, window, new tokens) is
-torch (:func:`float_part`), and the two merge exactly through their maxima and sums
-(:func:`merge`). The history's float32 form never exists in memory: per block one group's folded
-query and one token's unpacked codes are scratch.
+measured faster (fewer, longer vector loops), so that is what the kernel does.
+
+:func:`attend` is one numba kernel call per layer on the CPU, parallel over (batch × KV head ×
+blocks of ``span`` packed keys, plus one block over the float32 keys: sink, window and the new
+tokens, causal among them): each block gives a softmax partial (max, sum, numerator) and a second
+pass merges them exactly. :func:`packed_part` is the packed blocks alone, to be merged
+(:func:`merge`) with a float part computed by torch (:func:`float_part`). The history's float32
+form never exists in memory: per block one group's folded query and one token's unpacked codes
+are scratch.
 
 The kernel's cost grows with the query rows per KV head, the definition's (decode once, then GEMMs)
 hardly: above :data:`KERNEL_MAX_ROWS` rows (a chunk of several new tokens) and off the CPU the
@@ -36,7 +38,8 @@ try:
 except ImportError:  # pragma: no cover
     njit = None
 
-__all__ = ["packed_part", "packed_part_reference", "merge", "float_part", "supported", "kernel_serves", "KERNEL_MAX_ROWS"]
+__all__ = ["attend", "packed_part", "packed_part_reference", "merge", "float_part", "supported", "kernel_serves",
+           "KERNEL_MAX_ROWS"]
 
 # query rows per KV head (GQA ratio × new tokens) up to which the kernel is used (measured crossover)
 KERNEL_MAX_ROWS = 12
@@ -90,13 +93,16 @@ if njit is not None:
         return f * fg + (w % per) * fb + w // per
 
     @njit(parallel=True, fastmath=_FM, cache=True)
-    def _attend(q, kc, ks, kz, vc, vs, vz, f16, n, bits, group, fgroup, scaling, span, num, mx, sm):  # pragma: no cover
+    def _attend(q, kc, ks, kz, vc, vs, vz, f16, n, bits, group, fgroup, scaling, span,  # pragma: no cover
+                fk, fv, tq, new, norm, num, mx, sm):
         # q [B, H, R, D] float32 (the R query rows of each KV head); kc [B, H, Tp, kb] uint8 codes
         # of K per channel, ks/kz [B, H, Tp/group, D] float16 bit patterns (uint16); vc [B, H, T,
         # vb] codes of V per token in feature groups of fgroup, vs/vz [B, H, T, nf]; f16 the
         # float32 value of every float16 pattern; n keys. Blocks of ``span`` keys (whole groups)
-        # of every head run in parallel, each giving a softmax partial (max, sum, numerator); a
-        # second pass merges them exactly.
+        # of every head run in parallel, each giving a softmax partial (max, sum, numerator); so
+        # does one more block per head over the float32 keys fk/fv [B, H, nfl, D] (none when nfl
+        # is 0) whose last ``new`` are the queries' own tokens, causal among them (row r is query
+        # token r % tq); a second pass merges them exactly, and with ``norm`` divides by the sum.
         nb_, nh, nr, d = q.shape
         per = 8 // bits
         kb = kc.shape[3]
@@ -106,20 +112,26 @@ if njit is not None:
         nf = vs.shape[3]
         fb = fgroup // per  # bytes of one feature group of V
         nblk = (n + span - 1) // span
+        nfl = fk.shape[2]
+        ntb = nblk + (1 if nfl else 0)  # blocks per head, the float one last
         pn = np.empty((nb_, nh, nblk, nr, mv), np.float32)
-        pm = np.empty((nb_, nh, nblk, nr), np.float32)
-        pl = np.empty((nb_, nh, nblk, nr), np.float32)
+        pm = np.empty((nb_, nh, ntb, nr), np.float32)
+        pl = np.empty((nb_, nh, ntb, nr), np.float32)
+        fn = np.empty((nb_, nh, nr, d), np.float32)
         one = np.ones(1, np.float32)
         kpos = np.empty(d, np.int64)
         vpos = np.empty(d, np.int64)
         for j in range(d):
             kpos[j] = _pos(j, per, kb)
             vpos[j] = _pos(j, per, fb)
-        for task in prange(nb_ * nh * nblk):
-            bh = task // nblk
-            blk = task - bh * nblk
+        for task in prange(nb_ * nh * ntb):
+            bh = task // ntb
+            blk = task - bh * ntb
             b = bh // nh
             h = bh - b * nh
+            if blk == nblk:
+                _float_block(q[b, h], fk[b, h], fv[b, h], scaling, tq, new, pm[b, h, blk], pl[b, h, blk], fn[b, h])
+                continue
             t0 = blk * span
             t1 = min(n, t0 + span)
             sc = np.empty((nr, span), np.float32)
@@ -180,18 +192,58 @@ if njit is not None:
             h = bh - b * nh
             for r in range(nr):
                 m0 = np.float32(-np.inf)
-                for blk in range(nblk):
+                for blk in range(ntb):
                     m0 = max(m0, pm[b, h, blk, r])
                 mx[b, h, r] = m0
-                for j in range(d):
-                    num[b, h, r, j] = 0.0
+                out = num[b, h, r]
+                out[:] = 0.0
                 l0 = np.float32(0.0)
                 for blk in range(nblk):
                     w = np.exp(pm[b, h, blk, r] - m0)
                     l0 += w * pl[b, h, blk, r]
+                    part = pn[b, h, blk, r]
                     for j in range(d):
-                        num[b, h, r, j] += w * pn[b, h, blk, r, vpos[j]]
+                        out[j] += w * part[vpos[j]]
+                if nfl:
+                    w = np.exp(pm[b, h, nblk, r] - m0)
+                    l0 += w * pl[b, h, nblk, r]
+                    part = fn[b, h, r]
+                    for j in range(_U(d)):
+                        out[j] += w * part[j]
                 sm[b, h, r] = l0
+                if norm:
+                    for j in range(_U(d)):
+                        out[j] /= l0
+
+    @njit(inline="always", fastmath=_FM, cache=True)
+    def _float_block(q, fk, fv, scaling, tq, new, pm, pl, fn):  # pragma: no cover - numba
+        """Softmax partial of the query rows ``q`` [R, D] over float32 keys ``fk``/``fv`` [nfl, D]
+        whose last ``new`` are the query tokens (key t hidden from row r when t > nfl - new + r % tq)."""
+        nr, d = q.shape
+        nfl = fk.shape[0]
+        sc = np.empty(nfl, np.float32)
+        for r in range(nr):
+            qr = q[r]
+            last = nfl - new + r % tq  # the newest key row r sees
+            m0 = np.float32(-np.inf)
+            for t in range(last + 1):
+                kr = fk[t]
+                acc = np.float32(0.0)
+                for j in range(_U(d)):
+                    acc += qr[j] * kr[j]
+                sc[t] = acc * scaling
+                m0 = max(m0, sc[t])
+            pm[r] = m0
+            out = fn[r]
+            out[:] = 0.0
+            l0 = np.float32(0.0)
+            for t in range(last + 1):
+                e = np.exp(sc[t] - m0)
+                l0 += e
+                vr = fv[t]
+                for j in range(_U(d)):
+                    out[j] += e * vr[j]
+            pl[r] = l0
 
 
 def _rows(query: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -207,7 +259,8 @@ def _unrows(x: torch.Tensor, hq: int, tq: int) -> torch.Tensor:
 
 def _kernel_can(query: torch.Tensor, layer) -> bool:
     """numba present, CPU tensors, and V's feature groups made of whole code bytes."""
-    return njit is not None and query.device.type == "cpu" and layer.mid_v.q.group_size % (8 // layer.mid_v.q.bits) == 0
+    vq = layer.mid_v.q
+    return njit is not None and query.device.type == "cpu" and vq.group_size % (8 // vq.bits) == 0
 
 
 def kernel_serves(query: torch.Tensor, layer) -> bool:
@@ -217,6 +270,14 @@ def kernel_serves(query: torch.Tensor, layer) -> bool:
     return _kernel_can(query, layer) and rows <= KERNEL_MAX_ROWS
 
 
+def _use_kernel(query, layer, kernel: bool | None) -> bool:
+    if kernel is None:
+        return kernel_serves(query, layer)
+    if kernel and not _kernel_can(query, layer):
+        raise ValueError("the kernel needs numba, CPU tensors and V feature groups of whole code bytes")
+    return kernel
+
+
 def packed_part(query: torch.Tensor, layer, scaling: float, tokens: int | None = None, *, kernel: bool | None = None,
                 span: int = 256):
     """(numerator [B, Hq, tq, D], max [B, Hq, tq], sum [B, Hq, tq]) of softmax attention over the
@@ -224,12 +285,23 @@ def packed_part(query: torch.Tensor, layer, scaling: float, tokens: int | None =
     :func:`kernel_serves`; True forces the kernel (tests), False the definition. ``span``: keys per
     parallel block of the kernel (rounded down to whole K groups). Every packed key is older than
     every query, so no mask applies here (no padded batches)."""
-    if kernel is None:
-        kernel = kernel_serves(query, layer)
-    elif kernel and not _kernel_can(query, layer):
-        raise ValueError("the kernel needs numba, CPU tensors and V feature groups of whole code bytes")
-    if not kernel:
+    if not _use_kernel(query, layer, kernel):
         return packed_part_reference(query, layer, scaling, tokens)
+    return _run_kernel(query, layer, scaling, tokens, span, None, None, 0, False)
+
+
+def attend(query: torch.Tensor, layer, keys: torch.Tensor, values: torch.Tensor, scaling: float, tokens: int | None,
+           new: int, *, kernel: bool | None = None, span: int = 256) -> torch.Tensor:
+    """Softmax attention [B, Hq, tq, D] over the first ``tokens`` keys of the packed middle and
+    the float32 ``keys``/``values`` [B, Hkv, nfl, D] (sink, window, the ``new`` query tokens last,
+    causal among them): the kernel, every part in one call, when :func:`kernel_serves` (or
+    ``kernel``), else ``merge(packed_part_reference, float_part)``."""
+    if not _use_kernel(query, layer, kernel):
+        return merge(packed_part_reference(query, layer, scaling, tokens), float_part(query, keys, values, scaling, new))
+    return _run_kernel(query, layer, scaling, tokens, span, keys, values, new, True)[0]
+
+
+def _run_kernel(query, layer, scaling, tokens, span, keys, values, new, norm):
     t, u = layer.mid_k.arrays(), layer.mid_v.arrays()  # the buffers as stored: the kernel reads n tokens
     kq, vq = layer.mid_k.q, layer.mid_v.q
     n = layer.mid_k.tokens if tokens is None else tokens
@@ -237,6 +309,11 @@ def packed_part(query: torch.Tensor, layer, scaling: float, tokens: int | None =
     hkv = t["codes"].shape[-3]
     q = _rows(query.detach().to(torch.float32), hkv).contiguous().numpy()
     nr = q.shape[2]
+    if keys is None:
+        fk = fv = np.empty((b, hkv, 0, d), np.float32)
+    else:
+        fk = keys.detach().to(torch.float32).contiguous().numpy()
+        fv = values.detach().to(torch.float32).contiguous().numpy()
     num = np.empty((b, hkv, nr, d), np.float32)
     mx = np.empty((b, hkv, nr), np.float32)
     sm = np.empty((b, hkv, nr), np.float32)
@@ -244,7 +321,7 @@ def packed_part(query: torch.Tensor, layer, scaling: float, tokens: int | None =
     kernels.set_threads(torch.get_num_threads())
     _attend(q, t["codes"].numpy(), _bits16(t["scale"]), _bits16(t["zero"]), u["codes"].numpy(), _bits16(u["scale"]),
             _bits16(u["zero"]), kernels._F16_VALUES, n, kq.bits, g, vq.group_size, np.float32(scaling),
-            max(g, span // g * g), num, mx, sm)
+            max(g, span // g * g), fk, fv, tq, new, norm, num, mx, sm)
     return (_unrows(torch.from_numpy(num), hq, tq), _unrows(torch.from_numpy(mx), hq, tq),
             _unrows(torch.from_numpy(sm), hq, tq))
 
