@@ -2,6 +2,7 @@
 
     python benchmarks/bench_live.py                       # contexts 256 1024 2048, batch 1, 2 threads
     python benchmarks/bench_live.py --contexts 256 4096 --steps 8 --threads 2
+    python benchmarks/bench_live.py --contexts 256 1024 2048 4096 8064 --steps 6 --repeats 2 --warmup 2 --threads 2
     python benchmarks/bench_live.py --throughput          # the study's scored tokens per second
 
 For each context C: the model (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized to float32) reads a
@@ -14,7 +15,9 @@ all of them. Arms: ``DynamicCache`` (float32, the reference), transformers' ``Qu
 (quanto) at 4 and 2 bits (groups of 64, residual 128; its CPU extension is compiled and warmed up
 before anything is timed), and testbed policies (KIVI-style int4 / int2 with R = 128, G = 32;
 MXFP8; StreamingLLM eviction sink 4 + window 256), whose step decodes the packed history, and the
-int policies again with ``direct`` attention, which reads the packed history from its codes.
+int policies again with ``direct`` attention, which reads the packed history from its codes
+(testbed.policies.packed_attention: one numba kernel call per layer over the codes and the float
+keys).
 
 Also printed: the bytes of tensors each cache object holds against its accounted bytes (testbed
 policies: their byte accounting; the others: what they hold is what they are charged). Ratios
@@ -47,7 +50,7 @@ def _held_bytes(cache) -> int:
             total += x.numel() * x.element_size()
         for span in (layer.mid_k, layer.mid_v):
             if span is not None:
-                total += sum(x.numel() * x.element_size() for b in span.buffers.values() for x in b.parts)
+                total += sum(x.numel() * x.element_size() for b in span.buffers.values() for x in [b.view()] if x is not None)
     return total
 
 
@@ -62,8 +65,9 @@ def main(argv=None) -> int:
                     help="instead: teacher forcing of 256 steps after a 256-token prefill (int4, R 128, G 32), one "
                          "token per forward at batch 1 against chunked at batch 1 and 4, ms per scored token")
     args = ap.parse_args(argv)
-    if any(not 16 <= c <= 8000 for c in args.contexts) or args.steps < 1 or args.repeats < 1:
-        ap.error("contexts must be in [16, 8000]; steps and repeats at least 1")
+    top = 8192 - args.warmup - args.steps - 1  # SmolLM2's max_position_embeddings
+    if any(not 16 <= c <= top for c in args.contexts) or args.steps < 1 or args.repeats < 1:
+        ap.error(f"contexts must be in [16, {top}] (8192 positions less warm-up and steps); steps and repeats at least 1")
     torch.set_num_threads(args.threads)
     from transformers import DynamicCache, QuantizedCache
 

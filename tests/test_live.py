@@ -113,11 +113,16 @@ def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
         _logprobs(model, ids, PolicyCache(pol, 30), 64, [24, 24])
 
 
-def test_direct_attention_in_the_model_equals_decode_then_attend(smollm2):
+def test_direct_attention_in_the_model_equals_decode_then_attend(smollm2, monkeypatch):
     """Attention reading the packed history from its codes gives the model's log-probs of
-    decode-then-attend within 1e-4, one token per forward and in a chunk."""
+    decode-then-attend within 1e-4, one token per forward and in a chunk (the kernel serves the
+    chunk too here: by default a chunk this long takes the definition)."""
+    from testbed.policies import packed_attention as pa
     from testbed.policies.cache import PolicyCache, policy_attention
 
+    monkeypatch.setattr(pa, "KERNEL_MAX_ROWS", 10 ** 9)
+    calls, kernel = [], pa._attend
+    monkeypatch.setattr(pa, "_attend", lambda *args: (calls.append(args[0].shape[2]), kernel(*args))[1])
     model, tok = smollm2
     pol = preset("int4", window=32, group=32)
     ids = _ids(tok, 128 + 40 + 1, batch=2)
@@ -126,6 +131,7 @@ def test_direct_attention_in_the_model_equals_decode_then_attend(smollm2):
         direct = PolicyCache(pol, 30, direct=True)
         b = _logprobs(model, ids, direct, 128, [1] * 8 + [32])
     assert direct.layers[5].mid_k.tokens == 128
+    assert len(calls) == 30 * 9 and max(calls) == 3 * 32  # every layer of every forward read the codes, the chunk too
     assert (a - b).abs().max() < 1e-4
 
 

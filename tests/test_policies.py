@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.policies import PRESETS, Policy, preset
@@ -295,7 +295,108 @@ def test_direct_attention_over_codes_equals_decode_then_attend(name, new):
     fv = torch.cat([values[..., :s, :], values[..., s + tokens:, :]], dim=-2)
     floats = pa.float_part(q, fk, fv, scale, new)
     ref = pa.merge(pa.packed_part_reference(q, layer, scale, tokens), floats)
-    got = pa.merge(pa.packed_part(q, layer, scale, tokens), floats)
+    got = pa.merge(pa.packed_part(q, layer, scale, tokens, kernel=True), floats)
     assert torch.allclose(ref, want, rtol=1e-5, atol=1e-6), (ref - want).abs().max()
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
     assert not torch.allclose(got, pa.merge(floats), rtol=1e-3)  # the packed part matters
+
+
+def _packed_layer(batch, hkv, n, d, bits, group, fgroup, seed):
+    """A stand-in layer whose packed middle holds ``n`` tokens (the last K group may be partial,
+    D need not fill V's last feature group): what packed_part reads of a PolicyLayer."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, hkv, n, d, generator=g) * 2.0
+    k[..., 1] += 6.0  # an outlier channel: its zero-point dominates the score
+    v = torch.randn(batch, hkv, n, d, generator=g) + torch.linspace(-2, 2, d)
+    mk = cache_mod._PackedSpan(IntGrouped(bits, group, "channel"), "k")
+    mv = cache_mod._PackedSpan(IntGrouped(bits, fgroup, "token"), "v")
+    mk.append(k)
+    mv.append(v)
+    return SimpleNamespace(mid_k=mk, mid_v=mv)
+
+
+def _direct_against_definition(layer, hq, tq, d, read, span, seed):
+    """Outputs of attention over the packed middle's first ``read`` tokens plus ``8 + tq`` float32
+    keys whose last ``tq`` are the queries themselves (causal among them): (the kernel's packed
+    part merged with torch's float part, the kernel over both, the definition)."""
+    from testbed.policies import packed_attention as pa
+
+    batch, hkv = layer.mid_k.shape_lead
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(batch, hq, tq, d, generator=g)
+    fk = torch.randn(batch, hkv, 8 + tq, d, generator=g)
+    fv = torch.randn(batch, hkv, 8 + tq, d, generator=g)
+    scale = d ** -0.5
+    floats = pa.float_part(q, fk, fv, scale, tq)
+    got = pa.merge(pa.packed_part(q, layer, scale, read, kernel=True, span=span), floats)
+    fused = pa.attend(q, layer, fk, fv, scale, read, tq, kernel=True, span=span)  # the float keys inside the kernel
+    # the definition written out: decode the history, concatenate, one causal softmax (SDPA)
+    k = layer.mid_k.q.dequantize(layer.mid_k.packed())[..., :read, :]
+    v = layer.mid_v.q.dequantize(layer.mid_v.packed())[..., :read, :]
+    keys = torch.cat([k, fk], dim=-2).repeat_interleave(hq // hkv, 1)
+    values = torch.cat([v, fv], dim=-2).repeat_interleave(hq // hkv, 1)
+    causal = torch.ones(tq, keys.shape[-2], dtype=torch.bool).tril(keys.shape[-2] - tq)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=scale)
+    return got, fused, want
+
+
+def _close(got, want) -> bool:
+    return bool(((got - want).abs() <= 1e-4 * want.abs().max()).all())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 3), hkv=st.integers(1, 3), ratio=st.sampled_from([1, 2, 3, 5]), tq=st.sampled_from([1, 2, 7]),
+       bits=st.sampled_from([2, 4, 8]), group=st.sampled_from([4, 16, 32]), fgroup=st.sampled_from([4, 8, 32]),
+       d=st.sampled_from([12, 20, 64]), n=st.integers(1, 300), prefix=st.booleans(),
+       span=st.sampled_from([1, 64, 256]), seed=st.integers(0, 2 ** 16))
+def test_the_direct_kernel_equals_decode_then_attend_over_shapes(batch, hkv, ratio, tq, bits, group, fgroup, d, n,
+                                                                 prefix, span, seed):
+    """The kernel over any batch, GQA ratio, query chunk (causal among the new tokens), bit width,
+    K group (the last one partial), V feature group (D not filling the last), read prefix and block
+    span: within relative 1e-4 of decoding the history and attending it (SDPA)."""
+    layer = _packed_layer(batch, hkv, n, d, bits, group, fgroup, seed)
+    read = group * (n // group) if prefix and n >= group else n  # a flush's prefix: whole groups
+    got, fused, want = _direct_against_definition(layer, hkv * ratio, tq, d, read, span, seed)
+    assert _close(got, want), (got - want).abs().max()
+    assert _close(fused, want), (fused - want).abs().max()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_a_wrong_fold_or_index_in_the_direct_kernel_is_caught(bits):
+    """The comparison above fails for each of these kernel inputs made wrong on purpose: K's
+    zero-points or scales of the next group (a misplaced fold), V's zero-points or scales of the
+    next token, a K channel's codes swapped with its neighbour's (a nibble-order slip), and one
+    token too few read."""
+    layer = _packed_layer(2, 3, 70, 64, bits, 16, 32, seed=3)
+    got, fused, want = _direct_against_definition(layer, 9, 2, 64, 70, 64, seed=3)
+    assert _close(got, want) and _close(fused, want)
+
+    def wrong(span, name, fn):
+        buf = span.buffers[name]
+        right = buf.data
+        buf.data = fn(right).contiguous()
+        try:
+            return _direct_against_definition(layer, 9, 2, 64, 70, 64, seed=3)[:2]  # kernel + torch, fused
+        finally:
+            buf.data = right
+
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    swap = lambda c: ((c & mask) << bits) | ((c >> bits) & mask) | (c & ~((1 << 2 * bits) - 1) & 0xFF)
+    broken = {
+        "K zero of the next group": wrong(layer.mid_k, "zero", lambda z: z.roll(-1, dims=-2)),
+        "K scale of the next group": wrong(layer.mid_k, "scale", lambda s: s.roll(-1, dims=-2)),
+        "V zero of the next token": wrong(layer.mid_v, "zero", lambda z: z.roll(-1, dims=-2)),
+        "V scale of the next token": wrong(layer.mid_v, "scale", lambda s: s.roll(-1, dims=-2)),
+        "K channels 0 and 1 swapped in their byte": wrong(layer.mid_k, "codes", swap),
+    }
+    from testbed.policies import packed_attention as pa
+    assert per >= 2
+    q = torch.randn(2, 9, 2, 64, generator=torch.Generator().manual_seed(4))
+    short = pa.packed_part(q, layer, 0.125, 69, kernel=True)
+    full = pa.packed_part_reference(q, layer, 0.125)
+    for what, outs in broken.items():
+        assert not any(_close(out, want) for out in outs), what
+    assert not _close(short[0] / short[2][..., None], full[0] / full[2][..., None]), "one token too few"

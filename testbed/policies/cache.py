@@ -61,7 +61,7 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     if direct is not None:
         layer, new, packed = direct  # the middle as it was when update returned (a flush may follow it)
         scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
-        out = pa.merge(pa.packed_part(query, layer, scale, packed), pa.float_part(query, key, value, scale, new))
+        out = pa.attend(query, layer, key, value, scale, packed, new)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
     pending = _PENDING.pop(getattr(module, "layer_idx", None), None)
     if pending is not None:
@@ -97,27 +97,29 @@ def policy_attention(model):
 
 
 class GrowBuffer:
-    """A stored array that grows along dim -2 by appended parts (one per flush), read as one tensor.
+    """A stored array that grows along dim -2 by appended parts (one per flush), held as one tensor.
 
-    Parts are kept as they were quantized, so the object holds exactly the accounted bytes (no
-    spare capacity); reading concatenates them, which costs what copying a preallocated buffer's
-    used rows would."""
+    An append copies what is held and the new part into one tensor (the old one is freed), so the
+    object holds exactly the accounted bytes (no spare capacity) and a read is the tensor itself:
+    a decode step reads its packed history without copying it; the copy is paid once per flush
+    (every G tokens), not on every read (before: one concatenation per read and layer)."""
 
     def __init__(self):
-        self.parts: list[torch.Tensor] = []
-        self.rows = 0
+        self.data: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.data is None else self.data.shape[-2]
 
     def append(self, x: torch.Tensor) -> None:
-        self.parts.append(x.contiguous())
-        self.rows += x.shape[-2]
+        x = x.contiguous()
+        self.data = x if self.data is None else torch.cat([self.data, x], dim=-2)
 
     def view(self) -> torch.Tensor | None:
-        if not self.parts:
-            return None
-        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=-2)
+        return self.data
 
     def used_bytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in self.parts)
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
 
 class _PackedSpan:
@@ -148,6 +150,11 @@ class _PackedSpan:
                    for name, buf in self.buffers.items()}
         tensors["header"] = make_header(n, self.dim, next(iter(tensors.values())).device)
         return Packed(self.q.name, (*self.shape_lead, n, self.dim), self.dtype, tensors, self.q.config())
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The stored arrays themselves (every packed token; no copy), for readers that take a
+        token count (:func:`testbed.policies.packed_attention.packed_part`)."""
+        return {name: buf.view() for name, buf in self.buffers.items()}
 
     def decode(self) -> torch.Tensor:
         return self.q.dequantize(self.packed())
