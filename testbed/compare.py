@@ -5,7 +5,7 @@ pickle, nothing outside the two folders, no symlinks). It answers "did B reprodu
 byte-for-byte check (``audit --same-as``) is too strict: the same protocol run with another
 instruction set's kernels gives the same results to within a few float32 ulps — and, where one
 of those ulps moves an input across a rounding boundary, a flipped code — not the same bytes.
-Floats are compared normwise (per array, and per field of an analysis across its rows), with a
+Floats are compared normwise (per array, and per field of one arm of an analysis across its cases), with a
 looser tolerance for the analyses where one flipped code moves a number by a quantization step.
 docs/compare.md says what may differ and by how much, as measured between AVX2 and SSE4.2 kernels.
 
@@ -45,13 +45,15 @@ __all__ = ["TOLERANCES", "IDENTITY", "compare_runs", "main"]
 # its own (a float32 arm's rel_l2 of 3e-7 is rounding noise whatever its relative change).
 TOLERANCES = {
     # float kernels of another instruction set sum in another order: measured between AVX2 and
-    # SSE4.2-level kernels on one CPU (docs/compare.md), at most 1.2e-4 on row numbers and 7.8e-4 on
+    # SSE4.2-level kernels on one CPU (docs/compare.md), at most 4.0e-4 on row numbers and 7.8e-4 on
     # float16 payload scales (one float16 ulp where an input moved across a rounding boundary)
     "float": {"rtol": 1e-3},
     # where one flipped code moves a number by a whole quantization step: the MX Q/K path on sharp
-    # rows (per-row TV up to 3.0e-2 normwise) and the live study, 30 layers deep with flushes
-    # re-quantizing the window (per-token KL up to 2.6e-2 normwise)
-    "flip_sensitive": {"rtol": 5e-2},
+    # rows and the live study, 30 layers deep with flushes re-quantizing the window (per-token KL up
+    # to 2.6e-2 normwise). A flip moves one row by an arbitrary amount, so up to 1 % of a group's
+    # elements (at least one) may lie beyond rtol, none beyond outlier_rtol: measured, one SmolLM2
+    # layer-9 row of 144 at 6.1e-2 of its group's scale, every other element within 5e-2
+    "flip_sensitive": {"rtol": 5e-2, "outliers": 0.01, "outlier_rtol": 0.5},
     # quantization codes and argmax flip only where a value sits on a rounding boundary or a tie
     # (measured at most 3.3e-4 of an array's elements)
     "integer_array_fraction": 1e-3,
@@ -59,6 +61,7 @@ TOLERANCES = {
     "integer_number": 0,
 }
 ATOL_FLOOR = 1e-12
+FIELD_FLOOR = 1e-2
 # analyses whose numbers (and, for the live study, arrays) are flip-sensitive
 FLIP_SENSITIVE = ("mx_paths", "live_quality")
 # Arrays that no float kernel touches: they must be identical on any machine.
@@ -86,10 +89,11 @@ class Diffs:
     def fail(self, what: str, reason: str) -> None:
         self.failures.append(f"FAIL: {what}: {reason}")
 
-    def floats(self, what: str, a: np.ndarray, b: np.ndarray, kind: str = "float", labels=None) -> None:
+    def floats(self, what: str, a: np.ndarray, b: np.ndarray, kind: str = "float", labels=None,
+               floor_scale: float = 0.0) -> None:
         """Normwise float comparison of a (from A) against b (from B, the reference): passes when
-        max |a - b| <= rtol * max |b| (+ ATOL_FLOOR). ``labels[i]`` names where element i comes from
-        (the row of a field), for the FAIL line."""
+        max |a - b| <= rtol * max(max |b|, floor_scale) (+ ATOL_FLOOR). ``labels[i]`` names where
+        element i comes from (the row of a field), for the FAIL line."""
         rtol = TOLERANCES[kind]["rtol"]
         a = np.asarray(a, dtype=np.float64).ravel()
         b = np.asarray(b, dtype=np.float64).ravel()
@@ -109,13 +113,20 @@ class Diffs:
         if d.size == 0 or not np.any(d):
             self.exact += 1
             return
-        scale = float(np.abs(b[idx]).max())
+        scale = max(float(np.abs(b[idx]).max()), floor_scale)
         limit = rtol * scale + ATOL_FLOOR
         j = int(np.argmax(d))
         i = int(idx[j])
         entry = {"abs": float(d[j]), "rel": float(d[j]) / scale if scale else math.inf, "ratio": float(d[j]) / limit,
                  "limit": f"{kind}: rtol {rtol:g} x max|b| {scale:.3g}",
                  "beyond_1e-4": int(np.count_nonzero(d > 1e-4 * scale)), "n": int(d.size)}
+        tol = TOLERANCES[kind]
+        if "outliers" in tol and entry["ratio"] > 1:
+            beyond = int(np.count_nonzero(d > limit))
+            allowed = max(1, int(tol["outliers"] * d.size))
+            if beyond <= allowed and float(d[j]) <= tol["outlier_rtol"] * scale + ATOL_FLOOR:
+                entry["limit"] += f" (<= {allowed} beyond, none past {tol['outlier_rtol']:g})"
+                entry["ratio"] = float(d[j]) / (tol["outlier_rtol"] * scale + ATOL_FLOOR)
         self._keep(what, entry)
         if entry["ratio"] > 1:
             at = labels[i] if labels else what
@@ -250,18 +261,31 @@ def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs) -> i
                     per_field.setdefault(_group(a[key], field), []).append((where, [x], [y]))
             elif x != y or type(x) is not type(y):
                 out.fail(where, f"{field}: {x!r} against {y!r}")
-    for (study, analysis, field), items in sorted(per_field.items()):
-        # one group per field of an analysis, across all its rows: the table shows fields, not rows
+    # a group's scale is never taken below FIELD_FLOOR of its field's largest value across the
+    # analysis: a float32 arm's rel_l2 (rounding noise, ~1e-7) is judged on that, not on itself
+    field_scale: dict = {}
+    for (study, analysis, field, _), items in per_field.items():
+        ys = [abs(v) for _, _, y in items for v in y if isinstance(v, (int, float)) and math.isfinite(v)]
+        key = (study, analysis, field)
+        field_scale[key] = max([field_scale.get(key, 0.0)] + ys)
+    for (study, analysis, field, rest), items in sorted(per_field.items(), key=lambda kv: repr(kv[0])):
+        # one group per field of one arm (ablation, path, ...) across its cases: the table shows
+        # groups, not rows
         xs = np.concatenate([np.asarray(x, dtype=np.float64) for _, x, _ in items])
         ys = np.concatenate([np.asarray(y, dtype=np.float64) for _, _, y in items])
         labels = [f"{where} {field}" for where, x, _ in items for _ in x]
-        out.floats(f"results.json {study} {analysis} {field}", xs, ys,
-                   "flip_sensitive" if analysis in FLIP_SENSITIVE else "float", labels)
+        tag = " ".join(f"{k}={v}" for k, v in rest)
+        out.floats(f"results.json {study} {analysis} {tag + ' ' if tag else ''}{field}", xs, ys,
+                   "flip_sensitive" if analysis in FLIP_SENSITIVE else "float", labels,
+                   FIELD_FLOOR * field_scale[(study, analysis, field)])
     return len(set(a) & set(b))
 
 
 def _group(row: dict, field: str) -> tuple:
-    return (str(row.get("study")), str(row.get("analysis")), field)
+    """The numbers judged together: one field of the rows that differ only by their case (seed,
+    prompt, length), i.e. of one arm / ablation / path / scheme / head / layer of one analysis."""
+    rest = tuple((k, row.get(k)) for k in IDENTITY if k not in ("study", "analysis", "case") and row.get(k) is not None)
+    return (str(row.get("study")), str(row.get("analysis")), field, rest)
 
 
 def _exact_ints(out: Diffs, where: str, field: str, x: list, y: list) -> None:

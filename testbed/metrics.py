@@ -16,6 +16,7 @@ across independent units (seeds, prompts), never across rows of one unit.
 
 from __future__ import annotations
 
+import bisect as _bisect
 import math as _math
 import random as _random
 
@@ -355,12 +356,14 @@ def jaccard_nulls(sets: torch.Tensor, visible_blocks: list[int], case_id: str) -
     pair = torch.full((h, max(tq - 1, 0)), float("nan"), dtype=torch.float64)
     shuffled = torch.full((h, max(tq - 1, 0)), float("nan"), dtype=torch.float64)
     sizes = sets.sum(dim=-1).tolist()
+    buckets: dict[int, list[int]] = {}
+    for j, vb in enumerate(visible_blocks):
+        buckets.setdefault(vb, []).append(j)        # ascending query indices per visible-block count
     for hh in range(h):
         rng = _random.Random(f"jaccard-null:{case_id}:{hh}")
         for i in range(1, tq):
-            cands = [j for j in range(tq) if abs(j - i) > 1 and visible_blocks[j] == visible_blocks[i]]
-            if cands:
-                j = cands[rng.randrange(len(cands))]
+            j = _partner(buckets[visible_blocks[i]], i, rng)
+            if j is not None:
                 pair[hh, i - 1] = float(jaccard(sets[hh, i], sets[hh, j]))
             n = visible_blocks[i - 1]
             a = sizes[hh][i]
@@ -368,6 +371,21 @@ def jaccard_nulls(sets: torch.Tensor, visible_blocks: list[int], case_id: str) -
             b = sizes[hh][i - 1]
             shuffled[hh, i - 1] = _expected_jaccard(a, a0, b, n)
     return pair, shuffled
+
+
+def _partner(bucket: list[int], i: int, rng) -> int | None:
+    """``cands[rng.randrange(len(cands))]`` for ``cands`` the queries of ``bucket`` (ascending) other
+    than ``i - 1, i, i + 1``, without building ``cands``: the draw, then a step past each excluded one."""
+    lo = _bisect.bisect_left(bucket, i - 1)
+    excluded = [k for k in range(lo, min(lo + 3, len(bucket))) if abs(bucket[k] - i) <= 1]
+    n = len(bucket) - len(excluded)
+    if n <= 0:
+        return None
+    r = rng.randrange(n)
+    for k in excluded:
+        if k <= r:
+            r += 1
+    return bucket[r]
 
 
 def _expected_jaccard(a: int, a0: int, b: int, n: int) -> float:

@@ -47,7 +47,7 @@ _CAPTIONS = {
                  "softmax row on the Q/K path without and with the signed Hadamard rotation, and on the P path, for "
                  "each block-scale rule of the protocol (FLOOR, the OCP rule; RCEIL, the smallest scale that needs no "
                  "clamping); the P path's strict-zero rate per case and its row sums (ECDF over rows, 1 = a proper "
-                 "distribution), FLOOR scales. "
+                 "distribution), for the protocol's first scale rule. "
                  "What it does not show: independent samples (rows within a case are not independent), other element "
                  "formats or block sizes, or the effect on model quality."),
     "ablation_pairs": ("Each ablation against its same-size seeded control on the float32 cache: attention-output "
@@ -144,7 +144,8 @@ def _mx(study, rows, load):
         tv = np.concatenate([np.asarray(r["per_row"]["tv"], np.float64) for r in sel])
         series.append({"path": path, "rotation": rotation, "scale_rule": rule, "cases": [r["case"] for r in sel],
                        "tv_sorted": np.sort(tv).tolist()})
-    p = [r for r in rows if r["path"] == "p" and r["scale_rule"] == "floor"]
+    p_rules = [r["scale_rule"] for r in rows if r["path"] == "p"]
+    p = [r for r in rows if r["path"] == "p" and r["scale_rule"] == p_rules[0]] if p_rules else []
     p_data = None
     if p:
         sums = np.concatenate([np.asarray(r["per_row"]["row_sum"], np.float64) for r in p])

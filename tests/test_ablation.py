@@ -207,7 +207,10 @@ def test_a_control_never_overlaps_its_target_and_drops_as_many_keys(sizes, seed)
         keys = [t for a, b in spans for t in range(a, b)]
         assert len(keys) == len(set(keys)) == r.size
         assert all(0 <= t < hist and not r.start <= t < r.stop for t in keys), (sizes, target, spans)
-        assert kind == ("scattered" if len(spans) > 1 else kind)
+        assert kind in ("middle", "contiguous", "scattered") and (len(spans) == 1 or kind == "scattered")
+        if kind == "middle":
+            mid = case.region("middle")
+            assert mid.start <= spans[0][0] and spans[0][1] <= mid.stop
         assert Control(target, seed).dropped(case) == spans
 
 

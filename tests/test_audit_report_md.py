@@ -146,7 +146,7 @@ def test_one_number_changed_fails_the_whole_audit(tmp_path, monkeypatch, reliabi
     monkeypatch.setattr(audit_mod, "CHECKS", {name: (lambda row, ctx: None) for name in audit_mod.CHECKS})
     run = tmp_path / "run"
     shutil.copytree(EVIDENCE, run)
-    target = next(ln for ln in lines_of(run) if ln.startswith("| llm_causal     | drop_sink   | 42.216%"))
+    target = row_line(run, "| llm_causal     | drop_sink   | 42.216%")
     forge(run, lambda t: t.replace(target, target.replace("42.216%", "52.216%", 1), 1))
     ok, fails, _ = audit(run, check_sources=False)
     record(reliability, "the LLM drop_sink rel-L2 42.216% -> 52.216% in the ablation-vs-control table", fails)
@@ -159,9 +159,21 @@ def test_one_number_changed_fails_the_whole_audit(tmp_path, monkeypatch, reliabi
 
 # -- single forgeries -------------------------------------------------------------------------------
 
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def row_line(run: Path, row_start: str) -> str:
+    """The first table line of report.md whose leading cells are those of ``row_start`` (written as
+    the row prints, e.g. ``"| video | drop_sink | 6/6"``; column padding is ignored, since it moves
+    whenever a longer value enters a column)."""
+    want = _cells(row_start)
+    return next(ln for ln in lines_of(run) if ln.startswith("|") and _cells(ln)[:len(want)] == want)
+
+
 def replace_in_row(run: Path, row_start: str, old: str, new: str):
     """An edit that replaces ``old`` by ``new`` in the first line of report.md starting with ``row_start``."""
-    line = next(ln for ln in lines_of(run) if ln.startswith(row_start))
+    line = row_line(run, row_start)
     assert old in line
     return lambda t: t.replace(line, line.replace(old, new, 1), 1)
 
@@ -196,7 +208,7 @@ def test_payload_ratio_changed(small, reliability):
 
 
 def test_table_row_deleted(small, reliability):
-    victim = next(ln for ln in lines_of(small) if ln.startswith("| llm_causal     | drop_recent | 12.423%"))
+    victim = row_line(small, "| llm_causal     | drop_recent | 12.423%")
     forge(small, lambda t: t.replace(victim + "\n", "", 1))
     fails = md_failures(small)
     record(reliability, "a table row deleted (ablation vs control, llm_causal drop_recent)", fails)
@@ -205,7 +217,7 @@ def test_table_row_deleted(small, reliability):
 
 
 def test_table_row_duplicated(small, reliability):
-    row = next(ln for ln in lines_of(small) if ln.startswith("| L19            |      19 |"))
+    row = row_line(small, "| L19            |      19 |")
     forge(small, lambda t: t.replace(row + "\n", row + "\n" + row + "\n", 1))
     fails = md_failures(small)
     record(reliability, "a table row duplicated (smollm2 by layer, L19)", fails)
@@ -215,7 +227,7 @@ def test_table_row_duplicated(small, reliability):
 
 def test_table_row_added(small, reliability):
     """A made-up row (a distribution the rows do not have) in the residual-window table."""
-    row = next(ln for ln in lines_of(small) if ln.startswith("| clean          |        6 | 0.000%"))
+    row = row_line(small, "| clean          |        6 | 0.000%")
     forge(small, lambda t: t.replace(row + "\n", row + "\n" + row.replace("clean         ", "noisy         ") + "\n", 1))
     fails = md_failures(small)
     record(reliability, "a table row added (residual window, a distribution the run does not have)", fails)
@@ -225,8 +237,8 @@ def test_table_row_added(small, reliability):
 
 def test_rows_swapped(small, reliability):
     text = (small / "report.md").read_text(encoding="utf-8")
-    a = next(ln for ln in lines_of(small) if ln.startswith("| int4          | chunked, 4"))
-    b = next(ln for ln in lines_of(small) if ln.startswith("| mxfp4         | chunked, 4"))
+    a = row_line(small, "| int4          | chunked, 4")
+    b = row_line(small, "| mxfp4         | chunked, 4")
     assert a + "\n" + b in text
     forge(small, lambda t: t.replace(a + "\n" + b, b + "\n" + a, 1))
     fails = md_failures(small)
@@ -271,8 +283,9 @@ def test_other_cells(small, what, reliability):
 @pytest.mark.parametrize("what", ["row count", "description", "coverage", "heatmap frame", "seed study",
                                   "live steps", "float16 bytes"])
 def test_prose_numbers(small, what, reliability):
+    n_rows = len(json.loads((small / "results.json").read_text())["rows"])
     edits = {
-        "row count": ("Rows: 1400.", "Rows: 1399.", "report.md header", "rows: printed '1399'"),
+        "row count": (f"Rows: {n_rows}.", f"Rows: {n_rows - 1}.", "report.md header", f"rows: printed '{n_rows - 1}'"),
         "description": ("6 seeds per layout;", "8 seeds per layout;", "report.md ## ablation",
                         "not its frozen protocol copy's"),
         "coverage": ("fewest blocks carrying 90% of", "fewest blocks carrying 80% of", "paragraph 'block predictability'",
@@ -333,14 +346,17 @@ def test_gap_timings_and_ms_column_edited_together(small, reliability):
     (small / "timings.json").write_text(json.dumps(t))
     rehash(small, "timings.json")
     ms = 1000 * sum(e["seconds"] for e in mine) / sum(e["scored_tokens"] for e in mine)
-    forge(small, replace_in_row(small, "| int2          |", "16.8", f"{ms:.1f}"))
+    line = row_line(small, "| int2          |")
+    printed = _cells(line)[-1]                       # the last column: ms / scored token
+    assert f"{ms:.1f}" != printed                    # the forgery must change the report
+    forge(small, replace_in_row(small, "| int2          |", f" {printed} |", f" {ms:.1f} |"))
     reliability("gap", "timings.json and report.md's ms / scored token edited together, sha256s updated",
                 "not caught (wall time is not re-derivable)")
     assert md_failures(small)
 
 
 def test_ms_column_is_checked_against_timings(small, reliability):
-    line = next(ln for ln in lines_of(small) if ln.startswith("| int2          |"))
+    line = row_line(small, "| int2          |")
     ms = line.rstrip(" |").rsplit("|", 1)[1].strip()   # the last column, ms / scored token (a wall time)
     half = f"{float(ms) / 2:.1f}"
     assert half != ms

@@ -224,3 +224,28 @@ def test_gap_token_ids_replaced_with_every_hash(run, reliability):
     reliability("gap", "capture token ids replaced with every hash recomputed",
                 "not caught (no tokenizer or model in the audit)")
     assert failures(run)
+
+
+def test_unsorted_kv_heads_and_a_single_newest_query_pass(tmp_path):
+    """Legitimate settings the audit must not mistake for forgeries: KV heads listed out of order
+    (the observer keeps them sorted) and one query per chunk (the newest token, which sees every
+    key, so the case is recorded as not causal)."""
+    from testbed.sources import capture
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    text = "A short note on the tides, the harbour and the ferry that crosses twice a week in winter. " * 4
+    proto = {"name": "cap2", "default": False, "timing": {"repeats": 0, "seed": 0},
+             "source": {"kind": "capture", "model": capture.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
+                        "recent_tokens": 16, "layers": [3], "kv_heads": [2, 0], "queries": 1,
+                        "prompts": [{"id": "tide", "kind": "prose", "text": text}]},
+             "analyses": {"observation": {}}}
+    path = tmp_path / "cap2.json"
+    path.write_text(json.dumps(proto))
+    out = tmp_path / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    rec = json.loads((out / "results.json").read_text())["cases"]["cap2"]["tide-L03-c01"]
+    assert rec["meta"]["kv_heads"] == [0, 2] and rec["causal"] is False
+    assert failures(out) == []

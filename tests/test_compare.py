@@ -180,3 +180,39 @@ def test_flip_sensitive_analyses_get_their_own_tolerance():
     plain.floats("ablation", moved, ref, "float", ["r0", "r1", "r2"])
     assert flip.failures == []
     assert len(plain.failures) == 1 and plain.failures[0].startswith("FAIL: r1: differs by 0.002")
+
+
+def test_each_arm_is_judged_on_its_own_scale():
+    """One field, two arms of very different size (a control with tiny mass at ~100 per unit of
+    mass, an ablation at ~1): a 10 % drift of the small arm must not hide behind the large one."""
+    from testbed.compare import Diffs, _compare_rows
+
+    def rows(x):
+        return {"rows": [{"study": "s", "analysis": "ablation", "case": f"c{i}", "arm": "float32", "ablation": name,
+                          "rel_l2_per_mass": v} for i in range(3) for name, v in (("drop_sink", x), ("control_sink", 100.0))]}
+
+    out = Diffs()
+    _compare_rows(Path("a"), Path("b"), rows(1.1), rows(1.0), out)
+    assert out.failures and all("ablation=drop_sink" in f for f in out.failures), out.failures
+    out = Diffs()
+    _compare_rows(Path("a"), Path("b"), rows(1.0 + 1e-7), rows(1.0), out)
+    assert out.failures == []
+
+
+def test_a_flip_sensitive_group_allows_one_percent_of_outliers_and_no_more():
+    """One flipped code moves one row: up to 1 % of a flip-sensitive group (at least one element)
+    may lie beyond 5 % of its scale, none beyond 50 %; plain float groups allow no outlier."""
+    from testbed.compare import Diffs
+
+    ref = np.linspace(0.01, 0.1, 144)
+    one = ref.copy()
+    one[7] += 0.06 * ref.max()
+    two = one.copy()
+    two[90] += 0.06 * ref.max()
+    far = ref.copy()
+    far[7] += 0.6 * ref.max()
+    for moved, kind, ok in ((one, "flip_sensitive", True), (two, "flip_sensitive", False),
+                            (far, "flip_sensitive", False), (one, "float", False)):
+        d = Diffs()
+        d.floats("g", moved, ref, kind, [f"r{i}" for i in range(144)])
+        assert (d.failures == []) is ok, (kind, d.failures)

@@ -227,7 +227,8 @@ def report(rows, params) -> str:
                "query of the same head that sees the same key blocks and is not its neighbour: what any two queries "
                "of a head share) and position-shuffled (the expected overlap if the previous query's blocks sat at "
                "random among the blocks it sees). Excess = neighbours minus the random pair; cases above: in how many "
-               "cases the neighbours overlap more than the random pairs. The query-block Jaccard has no null here, "
+               "cases the neighbours overlap more than the random pairs (the random-pair mean is over the queries that "
+               "have a partner). The query-block Jaccard has no null here, "
                "and under a causal mask its blocks see different keys.\n")
     out.append(tabulate([[d["distribution"], _pct(d["jaccard_query"], 1), _pct(d["jaccard_query_null_pair"], 1),
                           _pct(d["jaccard_query_null_shuffled"], 1),

@@ -178,13 +178,15 @@ def _derive(case, k, v, spans: dict, ref):
             r["own_err2"][hh] = ((oa - o_full)[ok] ** 2).sum()
             r["own_ref2"][hh] = (o_full[ok] ** 2).sum()
             # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
-            pd = np.where(keep[None, :], 0.0, p)
-            tau = pd.sum(axis=1)
-            pk = p - pd
-            mu_d = (pd @ vv) / np.where(tau > 0, tau, 1.0)[:, None]
-            mu_k = (pk @ vv) / np.where(pk.sum(axis=1) > 0, pk.sum(axis=1), 1.0)[:, None]
+            dropped = vis & ~keep[None, :]
+            has = dropped.any(axis=1)
+            sd = np.where(dropped, s, -np.inf)
+            md = np.where(has, sd.max(axis=1), 0.0)
+            ed = np.where(dropped, np.exp(sd - md[:, None]), 0.0)   # the dropped keys' own softmax:
+            mu_d = (ed @ vv) / np.where(has, ed.sum(axis=1), 1.0)[:, None]  # stable however small their mass
+            mu_k = oa
             norm_o = np.linalg.norm(o_full, axis=1)
-            good = ok & (tau > 0) & (norm_o > 0)
+            good = ok & has & (norm_o > 0)
             r["shift"][hh] = np.where(good, np.linalg.norm(mu_k - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
     return out, masses, full_out
 

@@ -259,7 +259,7 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         ctx.fail(where, f"meta.chunk {chunk!r} is not an integer")
         return ids_bytes
     group = known["heads"] // known["kv_heads"]
-    kv = list(range(known["kv_heads"])) if p["kv_heads"] is None else list(p["kv_heads"])
+    kv = list(range(known["kv_heads"])) if p["kv_heads"] is None else sorted({int(h) for h in p["kv_heads"]})
     q_heads = [h * group + j for h in kv for j in range(group)]
     qi = query_index(p["chunk"], p["queries"])
     keys = (chunk + 1) * p["chunk"]
@@ -271,7 +271,8 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         "meta.dtype": (meta.get("dtype"), "float32"), "meta.tokens_per_chunk": (meta.get("tokens_per_chunk"), p["chunk"]),
         "meta.prompt_kind": (meta.get("prompt_kind"), next(q["kind"] for q in p["prompts"] if q["id"] == meta.get("prompt"))),
         "meta.sink_tokens": (meta.get("sink_tokens"), min(p["sink_tokens"], keys - p["chunk"])),
-        "causal": (rec.get("causal"), True),
+        # a causal call whose only kept query is the newest sees every key: recorded as not causal
+        "causal": (rec.get("causal"), qi != [p["chunk"] - 1]),
         "layout": (rec.get("layout"), llm_layout(keys, p["chunk"], p["recent_tokens"], p["sink_tokens"])),
         "head_map": (rec.get("head_map"), [i // group for i in range(len(q_heads))]),
     }

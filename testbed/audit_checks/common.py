@@ -236,8 +236,9 @@ def encode_mx(x: np.ndarray, element: str, block: int, rule: str = "floor") -> t
         _, e = np.frexp(amax)
         unbiased = e.astype(np.int64) - 1 - emax
     elif rule == "rceil":
-        m, e = np.frexp((amax.astype(np.float32) / np.float32(vmax)).astype(np.float64))
-        unbiased = np.where(m == 0.5, e - 1, e).astype(np.int64)
+        d = (amax.astype(np.float32) / np.float32(vmax)).astype(np.float64)
+        m, e = np.frexp(d)
+        unbiased = np.where(d == 0, -127, np.where(m == 0.5, e - 1, e)).astype(np.int64)
     else:
         raise ValueError(f"unknown MX scale rule {rule!r}")
     scale = np.clip(unbiased, -127, 127) + 127

@@ -13,6 +13,7 @@ implementations need not share. Everything else uses the protocol's tolerances.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 
@@ -61,10 +62,21 @@ def _nulls(sets: np.ndarray, vblocks: list, case_id: str, hh: int) -> tuple[np.n
     shuf = np.full(max(tq - 1, 0), np.nan)
     rng = random.Random(f"jaccard-null:{case_id}:{hh}")
     sizes = sets.sum(axis=1)
+    same = {}
+    for j, vb in enumerate(vblocks):
+        same.setdefault(vb, []).append(j)
     for i in range(1, tq):
-        cands = [j for j in range(tq) if abs(j - i) > 1 and vblocks[j] == vblocks[i]]
-        if cands:
-            j = cands[rng.randrange(len(cands))]
+        # the partners: queries seeing as many blocks, other than i and its two neighbours, in order
+        group = same[vblocks[i]]
+        near = {i - 1, i, i + 1}
+        count = len(group) - sum(1 for j in (i - 1, i, i + 1) if 0 <= j < tq and vblocks[j] == vblocks[i])
+        if count > 0:
+            r = rng.randrange(count)
+            start = bisect.bisect_left(group, i - 1)          # the excluded ones sit together from here
+            for pos in range(start, min(start + 3, len(group))):
+                if group[pos] in near and pos <= r:
+                    r += 1
+            j = group[r]
             pair[i - 1] = float(_jaccard(sets[i], sets[j]))
         n = vblocks[i - 1]
         shuf[i - 1] = _shuffled_jaccard(int(sizes[i]), int(sets[i, :n].sum()), int(sizes[i - 1]), n)

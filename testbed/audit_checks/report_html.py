@@ -248,7 +248,8 @@ def _mx_figure(rows, ctx):
         sel = [r for r in rows if (r["path"], r["rotation"], r["scale_rule"]) == (path, rot, rule)]
         series.append({"path": path, "rotation": rot, "scale_rule": rule, "cases": [r["case"] for r in sel],
                        "tv_sorted": _sorted_concat(r["per_row"]["tv"] for r in sel)})
-    p_rows = [r for r in rows if r["path"] == "p" and r["scale_rule"] == "floor"]
+    p_rules = [r["scale_rule"] for r in rows if r["path"] == "p"]
+    p_rows = [r for r in rows if r["path"] == "p" and r["scale_rule"] == p_rules[0]] if p_rules else []
     p = None if not p_rows else {
         "cases": [r["case"] for r in p_rows], "distributions": [_label(r) for r in p_rows],
         "zero_rate_mean": [r["numerical_zero_rate_mean"] for r in p_rows],

@@ -468,6 +468,8 @@ if numba is not None:
                     qv = np.float64(np.float32(amf / maxv))
                     m, e = math.frexp(qv)
                     ue = e - 1 if m == 0.5 else e
+                    if qv == 0.0:
+                        ue = -127  # the quotient underflowed float32: the smallest scale
                     sc = 0 if am == 0 else min(max(ue, -127), 127) + 127
                 else:
                     # shared exponent floor(log2(amax)) - emax, clamped to E8M0's [-127, 127]: the biased

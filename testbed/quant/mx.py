@@ -116,6 +116,7 @@ def block_scale_codes(amax: torch.Tensor, fmt: ElementFormat, rule: str = "floor
         d = (amax.to(torch.float32) / torch.tensor(fmt.max, dtype=torch.float32)).to(torch.float64)
         m, e = torch.frexp(d)                                # d = m * 2**e: log2 d = e - 1 when m == 1/2
         unbiased = torch.where(m == 0.5, e - 1, e).to(torch.int32)
+        unbiased = torch.where(d == 0, torch.full_like(unbiased, -E8M0_BIAS), unbiased)  # quotient underflowed
     else:
         raise ValueError(f"scale rule must be one of {SCALE_RULES}, got {rule!r}")
     codes = (unbiased.clamp_(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)

@@ -147,6 +147,24 @@ def test_rceil_scale_is_floors_or_one_above_and_never_saturates(element):
     assert bool(saturated_blocks(x, lower, fmt, 32)[s_rceil > 0].all())
 
 
+@pytest.mark.parametrize("element", FORMATS)
+def test_rceil_scale_of_a_block_whose_quotient_underflows_is_the_smallest(element):
+    """amax / max below float32's smallest subnormal rounds to 0: the smallest scale (code 0), as
+    for every amax just above it, never scale 1 (code 127); fast path, reference and audit agree."""
+    x = torch.zeros(4, 32)
+    x[0, 3] = 2.0 ** -149                       # the smallest float32: amax / max underflows
+    x[1, 3] = 2.0 ** -140
+    x[2, 3] = 2.0 ** -145
+    x[3, :] = 2.0 ** -130 * torch.arange(1, 33)
+    q = MX(element, 32, scale_rule="rceil")
+    ref = q.quantize_reference(x).tensors["scales"].reshape(-1)
+    assert ref[:3].tolist() == [0, 0, 0]
+    big = x.repeat(3000, 1)                      # above the fast-path threshold
+    assert torch.equal(q.quantize(big).tensors["scales"].reshape(-1, 4 // 4)[:4].reshape(-1), ref)
+    _, a_scales = audit_mx.encode_mx(x.numpy(), element, 32, "rceil")
+    assert a_scales.reshape(-1).tolist() == ref.tolist()
+
+
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("element", FORMATS)
 def test_fast_path_equals_reference_for_both_rules(element, rule):
