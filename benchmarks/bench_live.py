@@ -9,9 +9,10 @@ For each context C: the model (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized 
 C-token prefill of the built-in corpus once; each cache is filled with those post-RoPE K/V through
 its own ``update`` (so it packs, evicts or quantizes them as a prefill would), then runs one-token
 decode steps; the time
-of a step is the median over ``--steps`` steps after ``--warmup`` untimed ones, every arm on the same
-tokens, arms interleaved in a shuffled order per repeat so that drift of the machine spreads over
-all of them. Arms: ``DynamicCache`` (float32, the reference), transformers' ``QuantizedCache``
+of a step is the median over ``--steps`` steps after ``--warmup`` untimed ones and over
+``--repeats`` repeats (fresh caches each), every arm on the same tokens; the arms are interleaved
+step by step (each step in a fresh shuffled order), so that drift of the machine and bursts of other
+load spread over all of them. Arms: ``DynamicCache`` (float32, the reference), transformers' ``QuantizedCache``
 (quanto) at 4 and 2 bits (groups of 64, residual 128; its CPU extension is compiled and warmed up
 before anything is timed), and testbed policies (KIVI-style int4 / int2 with R = 128, G = 32;
 MXFP8; StreamingLLM eviction sink 4 + window 256), whose step decodes the packed history, and the
@@ -105,21 +106,28 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             order = list(arms)
             rng.shuffle(order)
-            for arm in order:
-                make, accounted = arms[arm]
-                cache = make()
-                with torch.no_grad(), policy_attention(model):
+            caches = {}
+            with torch.no_grad(), policy_attention(model):
+                for arm in order:
+                    caches[arm] = arms[arm][0]()
                     for i, (k, v) in enumerate(kv):
-                        cache.update(k.clone(), v.clone(), i)
-                    pos = ctx_len
-                    for i in range(args.warmup + args.steps):
+                        caches[arm].update(k.clone(), v.clone(), i)
+                # step by step: every arm takes its i-th step before any takes its (i+1)-th, in a
+                # fresh shuffled order, so a burst of other load on the machine hits all arms alike
+                for i in range(args.warmup + args.steps):
+                    rng.shuffle(order)
+                    pos = ctx_len + i
+                    for arm in order:
                         t0 = time.perf_counter()
-                        model(input_ids=ids[:, pos:pos + 1], use_cache=True, logits_to_keep=1, **{kw["cache"]: cache})
+                        model(input_ids=ids[:, pos:pos + 1], use_cache=True, logits_to_keep=1,
+                              **{kw["cache"]: caches[arm]})
                         dt = time.perf_counter() - t0
                         if i >= args.warmup:
                             times[arm].append(dt)
-                        pos += 1
+            for arm, cache in caches.items():
+                accounted = arms[arm][1]
                 held[arm] = (_held_bytes(cache) if arm.startswith("testbed") else accounted(cache), accounted(cache))
+            del caches
         med = {a: statistics.median(t) for a, t in times.items()}
         print(f"\n## context {ctx_len}\n")
         print("| arm | step (ms) | × DynamicCache | × quanto same bits | tensor bytes held (MB) | accounted (MB) |")
