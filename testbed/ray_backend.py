@@ -11,7 +11,8 @@ domain. Nothing the run folder holds is ever loaded with pickle.
 
 Faults: a task whose worker dies is retried up to ``RETRIES`` times (Ray's ``max_retries``); an
 exception inside a task is the protocol's own error (the same on every retry), is not retried and
-ends the run, which then writes nothing to ``--out``. Ctrl-C cancels every task still pending.
+ends the run, which then writes nothing to ``--out``. Ctrl-C ends every task still pending (a Ray
+this run started is shut down; one the caller started gets its pending tasks cancelled).
 
 Every task reports the SHA-256 of the testbed sources it imported and its torch CPU capability;
 a worker running other sources than the driver is an error, one of another instruction set a
@@ -115,7 +116,7 @@ def run_studies(root, protocols, threads, progress, *, address: str | None = Non
         where = address or f"a local Ray with {int(ray.cluster_resources().get('CPU', 0))} CPUs"
         progress(f"ray: connected to {where} in {time.perf_counter() - t0:.1f} s")
     try:
-        return _run(ray, root, protocols, threads, progress, fault_dir)
+        return _run(ray, root, protocols, threads, progress, fault_dir, owns_ray=started)
     finally:
         if started:
             ray.shutdown()
@@ -140,7 +141,7 @@ def _first_line(e) -> str:
     return lines[-1].strip() if lines else type(e).__name__
 
 
-def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
+def _run(ray, root, protocols, threads, progress, fault_dir, *, owns_ray: bool) -> list[dict]:
     remote = ray.remote(max_retries=RETRIES, retry_exceptions=False, num_returns=4)(_task)
     driver_sources, driver_cpu = _identity()["sources"], _identity()["cpu_capability"]
     studies = []
@@ -200,14 +201,17 @@ def _run(ray, root, protocols, threads, progress, fault_dir) -> list[dict]:
         if failed is not None:
             raise failed[1]
     except BaseException:
-        # A plain cancel (the worker gets KeyboardInterrupt): force-cancelling running tasks tripped an
-        # internal check of Ray 2.60 once in CI and aborted the driver; a local cluster's workers end
-        # with ray.shutdown() anyway.
-        for ref in pending:
-            try:
-                ray.cancel(ref, force=False)
-            except Exception:  # noqa: BLE001 - a task that just finished cannot be cancelled: fine
-                pass
+        # Ray 2.60 aborts the driver ("Tried to complete task that was not pending", a failed internal
+        # check) when a cancelled task's reply arrives, with force=True and, in a later CI run, with
+        # force=False too. So a Ray this run started is not asked to cancel anything: ray.shutdown()
+        # disconnects the driver, and Ray ends a job's tasks when its driver goes. Only a Ray the
+        # caller started (and keeps) gets a plain cancel of what is still pending.
+        if not owns_ray:
+            for ref in pending:
+                try:
+                    ray.cancel(ref, force=False)
+                except Exception:  # noqa: BLE001 - a task that just finished cannot be cancelled: fine
+                    pass
         raise
     results = []
     for st in studies:
