@@ -6,8 +6,11 @@ metrics. It checks, in order:
 1. ``manifest.json`` parses, has the supported ``schema_version`` and names only paths inside
    the run (no absolute paths, no ``..``, no symlinks; nothing outside is read);
 2. the files present are exactly those the manifest names (nothing missing, added or renamed);
-3. every file's SHA-256, and every array's SHA-256, nbytes, dtype and shape; ``.npy`` headers are
-   read first and object dtypes refused, arrays are loaded with ``allow_pickle=False``;
+3. every file's SHA-256, and every array's SHA-256, nbytes, dtype and shape; an array
+   ``arrays/S/C/NAME.npy`` is member ``NAME.npy`` of the zip ``arrays/S/C.npz``, whose members must
+   be exactly the manifest's arrays of that case (read with the stdlib's zipfile, stored or
+   deflated only, sizes bounded by the manifest before decompressing); ``.npy`` headers are read
+   first and object dtypes refused, arrays are loaded with ``allow_pickle=False``;
 4. the frozen protocol copies against their recorded hashes;
 5. the source hashes (LF-normalized) against this checkout, unless ``--no-sources``;
 6. every row of ``results.json``: payload bytes recomputed from the stored packed arrays, its own
@@ -48,6 +51,8 @@ import os
 import re
 import stat
 import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -148,33 +153,123 @@ def _present_files(root: Path) -> tuple[set[str], list[str]]:
     return files, links
 
 
-def _load_npy(path: Path, rel: str, entry: dict) -> np.ndarray:
+def container_of(rel: str) -> tuple[str, str]:
+    """``(container, member)``: array ``arrays/S/C/NAME.npy`` is member ``NAME.npy`` of ``arrays/S/C.npz``."""
+    head, _, member = rel.rpartition("/")
+    return head + ".npz", member
+
+
+_MEMBER = re.compile(r"[^/\\\x00-\x1f]+\.npy")
+_NPY_HEADER_MAX = 1 << 17  # a .npy header is at most 65,535 bytes + its preamble (format 1.0) or ~4 GB (2.0): bounded here
+
+
+class Containers:
+    """The per-case array containers of one run, each opened once, read with the stdlib's zipfile.
+
+    ``members(container)`` lists its member names (a container that is not a zip, names a member
+    twice or holds an encrypted member is an `AuditError`); ``load(rel, entry)`` reads one member,
+    bounded by the manifest's nbytes before anything is decompressed, checks its SHA-256 and loads
+    it with `_load_npy`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._open: dict[str, zipfile.ZipFile | AuditError] = {}
+
+    def _zip(self, container: str) -> zipfile.ZipFile:
+        got = self._open.get(container)
+        if got is None:
+            try:
+                path = _safe_relpath(self.root, container)
+                try:
+                    zf = zipfile.ZipFile(path)
+                except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+                    raise AuditError(f"{container}: not a readable zip ({str(e)[:200]})") from None
+                names = [i.filename for i in zf.infolist()]
+                dup = sorted({n for n in names if names.count(n) > 1})
+                if dup:
+                    raise AuditError(f"{container}: member {dup[0]!r} stored twice (which one is the array?)")
+                bad = [i.filename for i in zf.infolist() if i.flag_bits & 0x1 or i.compress_type not in
+                       (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)]
+                if bad:
+                    raise AuditError(f"{container}: member {bad[0]!r} is encrypted or not stored/deflated; refused")
+                got = zf
+            except AuditError as e:
+                got = e
+            self._open[container] = got
+        if isinstance(got, AuditError):
+            raise got
+        return got
+
+    def members(self, container: str) -> list[str]:
+        return [i.filename for i in self._zip(container).infolist()]
+
+    def read(self, rel: str, entry: dict) -> bytes:
+        container, member = container_of(rel)
+        zf = self._zip(container)
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise AuditError(f"{rel}: missing (no member {member} in {container})") from None
+        nbytes = entry.get("nbytes") if isinstance(entry, dict) else None
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise AuditError(f"{rel}: manifest records nbytes {nbytes!r}; not read")
+        limit = nbytes + _NPY_HEADER_MAX
+        if info.file_size > limit:
+            raise AuditError(f"{rel}: member declares {info.file_size} bytes, more than an .npy of {nbytes} data "
+                             "bytes can hold; not decompressed")
+        try:
+            with zf.open(info) as f:
+                data = f.read(limit + 1)
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as e:
+            raise AuditError(f"{rel}: member cannot be read from {container} ({str(e)[:200]})") from None
+        if len(data) > limit:
+            raise AuditError(f"{rel}: member holds more than an .npy of {nbytes} data bytes can; not loaded")
+        return data
+
+    def load(self, rel: str, entry: dict, *, check_sha: bool = True) -> np.ndarray:
+        """The array, its bytes checked against the manifest's sha256 (``check_sha=False``: only its
+        header, size and nbytes, for `compare`, which reports what differs, not whether a run is intact)."""
+        data = self.read(rel, entry)
+        if not isinstance(entry, dict):
+            raise AuditError("manifest entry is not an object")
+        if check_sha and hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            raise AuditError("sha256 differs from the manifest")
+        return _load_npy(data, rel, entry)
+
+    def close(self) -> None:
+        for zf in self._open.values():
+            if isinstance(zf, zipfile.ZipFile):
+                zf.close()
+        self._open.clear()
+
+
+def _load_npy(data: bytes, rel: str, entry: dict) -> np.ndarray:
     """Check the .npy header before reading; refuse object dtypes and pickles.
 
-    The header is parsed by numpy's header reader (a literal parser, no code), the file size
-    must be exactly header + data, and only then is the file loaded with ``allow_pickle=False``."""
-    with open(path, "rb") as f:
-        try:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version in ((2, 0), (3, 0)):
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise AuditError(f"{rel}: unsupported .npy version {version}")
-        except (ValueError, TypeError, SyntaxError, OverflowError) as e:
-            raise AuditError(f"{rel}: not a valid .npy file ({str(e)[:200]})") from None
-        data_start = f.tell()
-        size = os.fstat(f.fileno()).st_size
+    The header is parsed by numpy's header reader (a literal parser, no code), the member's size
+    must be exactly header + data, and only then is it loaded with ``allow_pickle=False``."""
+    f = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise AuditError(f"{rel}: unsupported .npy version {version}")
+    except (ValueError, TypeError, SyntaxError, OverflowError) as e:
+        raise AuditError(f"{rel}: not a valid .npy file ({str(e)[:200]})") from None
+    data_start = f.tell()
+    size = len(data)
     if dtype.hasobject:
         raise AuditError(f"{rel}: object dtype {dtype} refused (would need pickle); not loaded")
     if math.prod(shape) * dtype.itemsize != size - data_start:
-        raise AuditError(f"{rel}: file holds {size - data_start} data bytes, its header {dtype.str} {list(shape)} "
+        raise AuditError(f"{rel}: member holds {size - data_start} data bytes, its header {dtype.str} {list(shape)} "
                          f"needs {math.prod(shape) * dtype.itemsize} (truncated or padded); not loaded")
     if dtype.str != entry.get("dtype") or list(shape) != entry.get("shape"):
         raise AuditError(f"{rel}: header says {dtype.str} {list(shape)}, manifest says {entry.get('dtype')} {entry.get('shape')}")
     try:
-        arr = np.load(path, allow_pickle=False)
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError) as e:
         raise AuditError(f"{rel}: cannot load without pickle ({e})") from None
     if int(arr.nbytes) != entry.get("nbytes"):
@@ -321,7 +416,14 @@ class Audit:
             self.fail("manifest.json", "arrays and files must be objects")
             return
         self.manifest = manifest
-        expected = set(arrays) | set(files) | {"manifest.json"}
+        # each array's container (arrays/S/C.npz) is a file of the run; its members are the arrays
+        cases: dict[str, set] = {}
+        for rel in arrays:
+            if isinstance(rel, str) and rel.startswith("arrays/") and rel.endswith(".npy") and rel.count("/") >= 3:
+                container, member = container_of(rel)
+                cases.setdefault(container, set()).add(member)
+        expected = set(arrays) - {r for r in arrays if isinstance(r, str) and container_of(r)[0] in cases}
+        expected |= set(files) | set(cases) | {"manifest.json"}
         present, links = _present_files(root)
         for rel in sorted(links):
             self.fail(rel, "symlink inside the run; refused (not followed)")
@@ -347,18 +449,32 @@ class Audit:
                     raise AuditError("sha256 differs from the manifest")
             except AuditError as e:
                 fail_once(rel, e)
+        store = Containers(root)
+        for container in sorted(set(cases) - absent):
+            try:
+                for member in store.members(container):
+                    if member not in cases[container]:
+                        self.fail(f"{container[:-len('.npz')]}/{member}",
+                                  f"member of {container} not named in the manifest (added or renamed)")
+            except AuditError as e:
+                self.fail(container, str(e).removeprefix(f"{container}: "))
         for rel, entry in sorted(arrays.items()):
             bar.step()
             try:
-                path = _safe_relpath(root, rel)
-                if not rel.endswith(".npy"):
-                    raise AuditError("arrays must be .npy files")
-                if not isinstance(entry, dict) or _sha256(path) != entry.get("sha256"):
-                    raise AuditError("sha256 differs from the manifest")
-                self.arrays[rel] = _load_npy(path, rel, entry)
+                if not (isinstance(rel, str) and rel.endswith(".npy") and rel.count("/") >= 3):
+                    _safe_relpath(root, rel)  # a path outside the run is named as such
+                    raise AuditError("arrays must be .npy members arrays/STUDY/CASE/NAME.npy of arrays/STUDY/CASE.npz")
+                container, member = container_of(rel)
+                if container in absent:
+                    raise AuditError(f"missing (its container {container} is not a file of the run)")
+                _safe_relpath(root, container)
+                if not _MEMBER.fullmatch(member):
+                    raise AuditError(f"member name {member!r} refused")
+                self.arrays[rel] = store.load(rel, entry)
             except AuditError as e:
                 self.bad_arrays.add(rel)
-                fail_once(rel, e)
+                self.fail(rel if not _CONTROL.search(str(rel)) else repr(rel), str(e).removeprefix(f"{rel}: "))
+        store.close()
         self._check_gates()
         self._check_protocols()
         if check_sources:

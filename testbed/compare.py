@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cli import entry
-from .audit import AuditError, _load_npy, _safe_relpath, load_json
+from .audit import AuditError, Containers, _safe_relpath, load_json
 
 __all__ = ["TOLERANCES", "IDENTITY", "compare_runs", "main"]
 
@@ -174,10 +174,11 @@ def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs, flip_stu
         out.fail(rel, f"array only in {ra}")
     for rel in sorted(b_set - a_set):
         out.fail(rel, f"array only in {rb}")
+    ca, cb = Containers(ra), Containers(rb)
     for rel in sorted(a_set & b_set):
         try:
-            x = _load_npy(_safe_relpath(ra, rel), rel, ma["arrays"][rel])
-            y = _load_npy(_safe_relpath(rb, rel), rel, mb["arrays"][rel])
+            x = ca.load(rel, ma["arrays"][rel], check_sha=False)
+            y = cb.load(rel, mb["arrays"][rel], check_sha=False)
         except AuditError as e:
             out.fail(rel, f"cannot be read ({e}); audit both runs")
             continue
@@ -187,6 +188,8 @@ def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs, flip_stu
             out.floats(rel, x, y, "flip_sensitive" if rel.split("/")[1:2] and rel.split("/")[1] in flip_studies else "float")
         else:
             out.integers(rel, x, y, exact=any(word in rel.rsplit("/", 1)[-1] for word in EXACT_ARRAYS))
+    ca.close()
+    cb.close()
     return len(a_set & b_set)
 
 

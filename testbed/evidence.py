@@ -1,4 +1,4 @@
-"""The evidence store: every array saved as ``.npy`` with its nbytes, dtype, shape and SHA-256.
+"""The evidence store: every array saved as ``.npy`` bytes with its nbytes, dtype, shape and SHA-256.
 
 Layout of one run (DESIGN.md)::
 
@@ -10,10 +10,15 @@ Layout of one run (DESIGN.md)::
     timings.json   raw per-call timings
     report.md      tables
     report.html    figures (testbed/report_html.py), their plotted data embedded for the audit
-    arrays/...     .npy only
+    arrays/STUDY/CASE.npz   one zip per case, a ``.npy`` member per array (deflated)
 
-The SHA-256 of an array is the hash of its ``.npy`` file as written (header included), so the
-audit can check the file before parsing it.
+An array's run-relative path is ``arrays/STUDY/CASE/NAME.npy``: member ``NAME.npy`` of the
+container ``arrays/STUDY/CASE.npz`` (`container_of`). ``np.load("arrays/STUDY/CASE.npz")[NAME]``
+reads it (with numpy's default ``allow_pickle=False``). One file per case instead of one per
+array: most arrays are a few hundred bytes (scales, zero-points), and every file costs a
+file-system block. The SHA-256 of an array is the hash of its ``.npy`` bytes (header included;
+the member as stored, uncompressed), so the audit can check the bytes before parsing them; the
+container's own bytes depend on the zlib that deflated them and are not hashed.
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ import json
 import os
 import platform
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["ArrayStore", "RecordingStore", "replay", "npy_bytes", "sha256_file", "sha256_bytes", "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
+__all__ = ["ArrayStore", "RecordingStore", "replay", "npy_bytes", "container_of", "load_array", "sha256_file", "sha256_bytes", "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
 SCHEMA_VERSION = 1
+# Fixed member timestamp (the zip format's earliest): a container's bytes depend on its arrays only.
+ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -54,25 +62,26 @@ def write_json(path: Path, obj) -> None:
 
 
 class ArrayStore:
-    """Writes arrays under ``root/arrays`` and remembers their hashes for the manifest."""
+    """Writes arrays into per-case containers under ``root/arrays`` and remembers their hashes for the manifest."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
         self.entries: dict[str, dict] = {}
         self._by_content: dict[tuple[str, str], str] = {}
+        self._containers: set[str] = set()
 
     def save(self, relpath: str, array) -> str:
         """Save ``array`` (numpy or torch) under ``arrays/``; returns the run-relative path.
 
-        ``relpath`` is ``STUDY/CASE/...``: the first two levels become folders and any deeper levels
-        are joined with dots into the file name (``STUDY/CASE/R=16/key.codes`` is stored as
-        ``arrays/STUDY/CASE/R=16.key.codes.npy``), which keeps the evidence to one folder per case
-        (every folder costs a file-system block).
+        ``relpath`` is ``STUDY/CASE/...``: the first two levels name the container
+        (``arrays/STUDY/CASE.npz``) and any deeper levels are joined with dots into the member's
+        name (``STUDY/CASE/R=16/key.codes`` is member ``R=16.key.codes.npy``, run-relative path
+        ``arrays/STUDY/CASE/R=16.key.codes.npy``).
 
         Within one study the store is content-addressed: an array whose bytes equal one already
         saved in that study (a payload header, query positions) is not written again and the
-        earlier path is returned. Studies never share files, so a study run alone or in a worker
-        (``--jobs``) stores exactly what it stores in a full run."""
+        earlier path is returned. Studies never share containers, so a study run alone or in a
+        worker (``--jobs``) stores exactly what it stores in a full run."""
         array, parts, rel, data = npy_bytes(relpath, array)
         if rel in self.entries:
             raise ValueError(f"{rel}: stored twice in one run")
@@ -80,9 +89,16 @@ class ArrayStore:
         seen = self._by_content.get((parts[0], digest))
         if seen is not None:
             return seen
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        container, member = container_of(rel)
+        path = self.root / container
+        if container not in self._containers:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        # Appended and closed at once: every container on disk is a whole zip after every save.
+        with zipfile.ZipFile(path, "a" if container in self._containers else "x") as zf:
+            info = zipfile.ZipInfo(member, date_time=ZIP_DATE_TIME)
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=6)
+        self._containers.add(container)
         self._by_content[(parts[0], digest)] = rel
         self.entries[rel] = {
             "sha256": digest,
@@ -97,9 +113,25 @@ class ArrayStore:
         return {name: self.save(f"{prefix}/{name}", arr) for name, arr in packed.arrays.items()}
 
 
+def container_of(rel: str) -> tuple[str, str]:
+    """``(container, member)`` of a run-relative array path: ``arrays/S/C/NAME.npy`` is member
+    ``NAME.npy`` of ``arrays/S/C.npz``."""
+    head, _, member = rel.rpartition("/")
+    return head + ".npz", member
+
+
+def load_array(root: Path, rel: str) -> np.ndarray:
+    """The array stored at run-relative path ``rel`` of the run in ``root`` (no pickle)."""
+    container, member = container_of(rel)
+    with zipfile.ZipFile(Path(root) / container) as zf:
+        return np.load(io.BytesIO(zf.read(member)), allow_pickle=False)
+
+
 def array_rel(relpath: str) -> tuple[list[str], str]:
     """``(path parts, run-relative path)`` under which `ArrayStore.save` stores ``relpath``."""
     parts = relpath.split("/")
+    if len(parts) < 3:
+        raise ValueError(f"{relpath}: array paths are STUDY/CASE/NAME (a container per case)")
     if len(parts) > 3:
         parts = parts[:2] + [".".join(parts[2:])]
     rel = "arrays/" + "/".join(parts) + ".npy"

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .evidence import load_array
+
 __all__ = ["build_html", "figure_data", "CSP", "AGREEMENT_BLOCK"]
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -422,7 +424,7 @@ def build_html(protocols: list[dict], rows: list[dict], root: Path) -> str:
     import matplotlib.pyplot as plt
 
     def load(rel):
-        return np.load(Path(root) / rel, allow_pickle=False)
+        return load_array(root, rel)
 
     figures = figure_data(rows, load)
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

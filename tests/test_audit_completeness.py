@@ -21,6 +21,7 @@ import pytest
 from testbed.audit import audit
 from testbed.audit_checks.common import softmax_attention
 from testbed.run import main as run_main
+from tests import _arrays
 from tests._helpers import REPO, forge_report_md, forge_results
 from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
 
@@ -78,7 +79,7 @@ def forge(run_dir: Path, res: dict, drop_arrays=(), redraw: bool = True) -> None
     report.html consistently (`forge_results`)."""
     m = load(run_dir, "manifest.json")
     for rel in drop_arrays:
-        (run_dir / rel).unlink()
+        _arrays.delete(run_dir, rel)
         del m["arrays"][rel]
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
     forge_results(run_dir, res, redraw)
@@ -201,7 +202,7 @@ def test_recent_mass_window_changed_and_its_number_rederived(run):
     row = res["rows"][i]
     assert row["recent_mass_window"] == 16
     rec = res["cases"]["residual_window"][row["case"]]
-    q, k, v, qp = (np.load(run / rec["arrays"][n]) for n in ("q", "k", "v", "query_positions"))
+    q, k, v, qp = (_arrays.load(run, rec["arrays"][n]) for n in ("q", "k", "v", "query_positions"))
     probs, _ = softmax_attention(q, k, v, qp, rec["causal"])
     row["recent_mass_window"] = 32
     row["recent_mass"] = float(probs[..., 128 - 32:].sum(-1).mean())

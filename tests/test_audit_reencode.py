@@ -28,6 +28,7 @@ from testbed.audit_checks import residual_window as rw_check
 from testbed.audit_checks.common import encode_int_grouped, pack_bits, unpack_bits
 from testbed.quant import IntGrouped, kernels
 from testbed.run import main as run_main
+from tests import _arrays
 from tests._helpers import REPO
 from tests.test_tamper import rehash, results, small_protocol, write_results
 from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
@@ -151,7 +152,7 @@ def _payload(run: Path, row_pred) -> tuple[dict, dict]:
 
 
 def _save(run: Path, rel: str, x: np.ndarray) -> None:
-    np.save(run / rel, x, allow_pickle=False)
+    _arrays.save(run, rel, x)
     rehash(run, rel)
 
 
@@ -205,11 +206,11 @@ def test_better_than_min_max_int4_key_encoding_fails(rw_finished, tmp_path):
     run = _copy(rw_finished, tmp_path)
     row, packed = _payload(run, lambda r: r["case"] == CASE and r["arm"] == "R=16")
     case = results(run)["cases"]["residual_window"][CASE]["arrays"]
-    k = np.load(run / case["k"])
+    k = _arrays.load(run, case["k"])
     codes, s16, z16, err, base_err = _better_int4(k[:, :112], 32)
     assert err < base_err  # it is a better encoding than min-max
     for name, x in (("key.codes", codes), ("key.scale", s16), ("key.zero", z16)):
-        assert x.shape == np.load(run / packed[name]).shape
+        assert x.shape == _arrays.load(run, packed[name]).shape
         _save(run, packed[name], x)
     failures = forge_and_audit(run)
     _line(failures, "key.codes", "arm=R=16")
@@ -219,7 +220,7 @@ def test_better_than_min_max_int4_key_encoding_fails(rw_finished, tmp_path):
 def _bump_code(run: Path, rel: str, bits: int, index: tuple, width: int) -> int:
     """Code ``index`` of a packed array (``width`` codes per row) moved by one; returns the byte's
     flat index in the packed array."""
-    packed = np.load(run / rel)
+    packed = _arrays.load(run, rel)
     c = unpack_bits(packed, bits, width).copy()
     c[index] = c[index] + 1 if c[index] < (1 << bits) - 1 else c[index] - 1
     _save(run, rel, pack_bits(c, bits))
@@ -232,7 +233,7 @@ def test_one_code_moved_by_one_fails_at_its_element(rw_finished, tmp_path):
     """(b) One int4 key code of R=16 (token 40, channel 7) moved by +-1."""
     run = _copy(rw_finished, tmp_path)
     _, packed = _payload(run, lambda r: r["case"] == CASE and r["arm"] == "R=16")
-    d = np.load(run / packed["key.scale"]).shape[-1]
+    d = _arrays.load(run, packed["key.scale"]).shape[-1]
     at = _bump_code(run, packed["key.codes"], 4, (0, 40, 7), d)
     line = _line(forge_and_audit(run), "key.codes", "arm=R=16")
     assert f"at element {at} " in line, line
@@ -243,8 +244,8 @@ def test_scale_or_zero_point_one_float16_ulp_fails(rw_finished, tmp_path, name):
     """(c) One float16 scale or zero-point of R=16 moved by one ulp (its bit pattern + 1)."""
     run = _copy(rw_finished, tmp_path)
     _, packed = _payload(run, lambda r: r["case"] == CASE and r["arm"] == "R=16")
-    x = np.load(run / packed[name])
-    scale = np.load(run / packed[name.split(".")[0] + ".scale"])
+    x = _arrays.load(run, packed[name])
+    scale = _arrays.load(run, packed[name.split(".")[0] + ".scale"])
     i = int(np.flatnonzero(scale.ravel() > 0)[3])  # a group with a live scale: its codes are decoded
     bits = x.view(np.uint16).copy().ravel()
     bits[i] += 1
@@ -260,7 +261,7 @@ def test_float32_window_shifted_by_one_token_fails(rw_finished, tmp_path, arm, r
     _, packed = _payload(run, lambda row: row["case"] == CASE and row["arm"] == arm)
     case = results(run)["cases"]["residual_window"][CASE]["arrays"]
     for part in ("k", "v"):
-        x = np.load(run / case[part])
+        x = _arrays.load(run, case[part])
         n = x.shape[1]
         _save(run, packed[f"recent.{part}"], np.ascontiguousarray(x[:, n - r - 1:n - 1]))
     failures = forge_and_audit(run)
@@ -273,7 +274,7 @@ def test_padding_code_of_a_partial_group_fails(rw_finished, tmp_path):
     no number moves; the re-encoding still catches it."""
     run = _copy(rw_finished, tmp_path)
     _, packed = _payload(run, lambda r: r["case"] == CASE and r["arm"] == "R=16")
-    d = np.load(run / packed["key.scale"]).shape[-1]
+    d = _arrays.load(run, packed["key.scale"]).shape[-1]
     at = _bump_code(run, packed["key.codes"], 4, (0, 127, 0), d)
     line = _line(forge_and_audit(run, moved_numbers=False), "key.codes", "arm=R=16")
     assert f"at element {at} " in line, line
@@ -288,7 +289,7 @@ def _ablation_none(run: Path):
 def test_ablation_quantized_arm_code_moved_by_one_fails(ablation_finished, tmp_path):
     run = _copy(ablation_finished, tmp_path)
     row, packed = _ablation_none(run)
-    d = np.load(run / packed["value.scale"]).shape[-1] * 32
+    d = _arrays.load(run, packed["value.scale"]).shape[-1] * 32
     at = _bump_code(run, packed["value.codes"], 4, (1, 5, 9), d)
     line = _line(forge_and_audit(run), "value.codes", "arm=int4_window ablation=none")
     assert f"at element {at} " in line, line
@@ -297,7 +298,7 @@ def test_ablation_quantized_arm_code_moved_by_one_fails(ablation_finished, tmp_p
 def test_ablation_quantized_arm_scale_one_ulp_fails(ablation_finished, tmp_path):
     run = _copy(ablation_finished, tmp_path)
     _, packed = _ablation_none(run)
-    x = np.load(run / packed["key.scale"])
+    x = _arrays.load(run, packed["key.scale"])
     bits = x.view(np.uint16).copy()
     bits[0, 0, 3] += 1
     _save(run, packed["key.scale"], bits.view(np.float16))
@@ -311,8 +312,8 @@ def test_ablation_quantized_arm_window_shifted_by_one_token_fails(ablation_finis
     stop = row["quantized_tokens"]
     case = results(run)["cases"][row["study"]][row["case"]]["arrays"]
     for part in ("k", "v"):
-        w = np.load(run / packed[f"recent.{part}"])
-        x = np.load(run / case[part])[:, :stop]
+        w = _arrays.load(run, packed[f"recent.{part}"])
+        x = _arrays.load(run, case[part])[:, :stop]
         r = w.shape[1]
         assert np.array_equal(w, x[:, stop - r:])  # the window is the history's last R tokens
         _save(run, packed[f"recent.{part}"], np.ascontiguousarray(x[:, stop - r - 1:stop - 1]))
@@ -352,21 +353,21 @@ def test_live_evidence_layer_forgeries_fail(live_finished, tmp_path, what):
     run = _copy(live_finished, tmp_path)
     if what == "int4_scale_ulp":
         ev = _evidence(run, "int4")
-        x = np.load(run / ev["key.scale"])
+        x = _arrays.load(run, ev["key.scale"])
         bits = x.view(np.uint16).copy()
         bits.flat[5] += 1
         _save(run, ev["key.scale"], bits.view(np.float16))
         name, arm, at = "key.scale", "int4", 5
     elif what == "int2_ktoken_code":
         ev = _evidence(run, "int2_ktoken")
-        d = np.load(run / ev["key.scale"]).shape[-1] * 32
+        d = _arrays.load(run, ev["key.scale"]).shape[-1] * 32
         at = _bump_code(run, ev["key.codes"], 2, (2, 3, 17), d)
         name, arm = "key.codes", "int2_ktoken"
     else:
         ev = _evidence(run, "int4")
         for part in ("k", "v"):
-            x = np.load(run / ev[f"input.{part}"])
-            w = np.load(run / ev[f"float.{part}"])
+            x = _arrays.load(run, ev[f"input.{part}"])
+            w = _arrays.load(run, ev[f"float.{part}"])
             n, f = x.shape[1], w.shape[1]
             assert np.array_equal(w, x[:, n - f:])
             _save(run, ev[f"float.{part}"], np.ascontiguousarray(x[:, n - f - 1:n - 1]))

@@ -18,6 +18,7 @@ import pytest
 
 from testbed.audit import audit
 from testbed.run import main as run_main
+from tests import _arrays
 from tests._helpers import forge_results
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
@@ -77,9 +78,9 @@ def _rehash_file(run_dir: Path, rel: str, obj: dict) -> None:
 
 def _rewrite_array(run_dir: Path, rel: str, arr: np.ndarray) -> None:
     """Replace a stored array and record its new sha256 (and shape) in the manifest."""
-    np.save(run_dir / rel, arr, allow_pickle=False)
+    _arrays.save(run_dir, rel, arr)
     m = _json(run_dir, "manifest.json")
-    m["arrays"][rel].update(sha256=hashlib.sha256((run_dir / rel).read_bytes()).hexdigest(), nbytes=int(arr.nbytes),
+    m["arrays"][rel].update(sha256=_arrays.sha(run_dir, rel), nbytes=int(arr.nbytes),
                             shape=list(arr.shape), dtype=arr.dtype.str)
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
 
@@ -112,7 +113,7 @@ def test_untouched_capture_passes_and_stores_its_token_ids(finished):
     assert sorted(cases) == ["ferry-L00-c01", "ferry-L29-c01"]
     paths = {rec["arrays"]["token_ids"] for rec in cases.values()}
     assert len(paths) == 1  # one file for the prompt, shared by its cases
-    ids = np.load(finished / paths.pop())
+    ids = _arrays.load(finished, paths.pop())
     assert ids.dtype == np.int32 and ids.shape == (64,)
     run = _json(finished, REL)["runs"][0]
     assert hashlib.sha256(ids.tobytes()).hexdigest() == run["token_ids_sha256"]
@@ -120,7 +121,7 @@ def test_untouched_capture_passes_and_stores_its_token_ids(finished):
 
 def test_token_ids_replaced_with_the_array_rehashed(run, reliability):
     rel = next(iter(_cases(run).values()))["arrays"]["token_ids"]
-    ids = np.load(run / rel)
+    ids = _arrays.load(run, rel)
     ids[10] = (ids[10] + 1) % 49152
     _rewrite_array(run, rel, ids)
     _only(failures(run), "token_ids hash", "not the capture manifest's", rec=(reliability, "one token id changed, the array's sha256 re-computed"))
@@ -210,7 +211,7 @@ def test_layout_sink_widened(run, reliability):
 def test_gap_token_ids_replaced_with_every_hash(run, reliability):
     cases = _cases(run)
     rel = next(iter(cases.values()))["arrays"]["token_ids"]
-    ids = np.load(run / rel)
+    ids = _arrays.load(run, rel)
     ids[10] = (ids[10] + 1) % 49152
     _rewrite_array(run, rel, ids)
     digest = hashlib.sha256(ids.tobytes()).hexdigest()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from testbed.compare import TOLERANCES, main as compare_main
+from tests import _arrays
 from tests._helpers import REPO, copy_run, heavy_imports, synthetic_run
 
 
@@ -100,14 +101,14 @@ def _array(run: Path, kind: str) -> str:
 
 def test_array_differences(small_run, copy, capsys):
     f = _array(copy, "f")
-    x = np.load(copy / f)
+    x = _arrays.load(copy, f)
     x.flat[3] = x.flat[3] * 1.01 + 1e-3  # beyond the float tolerance
-    np.save(copy / f, x)
+    _arrays.save(copy, f, x)
     c = _array(copy, "u") if any(np.dtype(e["dtype"]).kind == "u" for e in
                                  json.loads((copy / "manifest.json").read_text())["arrays"].values()) else _array(copy, "i")
-    y = np.load(copy / c)
+    y = _arrays.load(copy, c)
     y.flat[0] = y.flat[0] ^ 1
-    np.save(copy / c, y)
+    _arrays.save(copy, c, y)
     code, out = run_compare(small_run, copy, capsys)
     assert code == 1
     fails = [line for line in out if line.startswith("FAIL: ")]
@@ -119,7 +120,7 @@ def test_a_missing_array_fails(small_run, copy, capsys):
     m = json.loads((copy / "manifest.json").read_text())
     rel = sorted(m["arrays"])[0]
     del m["arrays"][rel]
-    (copy / rel).unlink()
+    _arrays.delete(copy, rel)
     (copy / "manifest.json").write_text(json.dumps(m))
     code, out = run_compare(small_run, copy, capsys)
     assert code == 1 and f"FAIL: {rel}: array only in {small_run}" in out

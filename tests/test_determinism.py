@@ -23,6 +23,7 @@ import torch
 
 from testbed import audit as audit_mod
 from testbed.run import main as run_main
+from tests import _arrays
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,6 +56,10 @@ def test_two_processes_give_identical_bytes(two_runs, reliability):
     assert ma["arrays"] == mb["arrays"]
     assert (a / "results.json").read_bytes() == (b / "results.json").read_bytes()
     for rel in ma["arrays"]:
+        assert _arrays.read(a, rel) == _arrays.read(b, rel), rel
+    containers = sorted(p.relative_to(a).as_posix() for p in (a / "arrays").rglob("*.npz"))
+    assert containers and containers == sorted(p.relative_to(b).as_posix() for p in (b / "arrays").rglob("*.npz"))
+    for rel in containers:  # fixed member dates and order: the zips themselves are byte-identical on one machine
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     # and what is allowed to differ is only descriptive
     # (sources too: other work may edit the checkout between the two runs)

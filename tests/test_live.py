@@ -22,6 +22,7 @@ from testbed.audit import audit
 from testbed.policies import preset
 from testbed.run import main as run_main
 from testbed.sources import capture
+from tests import _arrays
 from tests._helpers import forge_results
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
@@ -165,11 +166,10 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 
 def _rehash(run: Path, rel: str) -> None:
     m = json.loads((run / "manifest.json").read_text())
-    data = (run / rel).read_bytes()
     if rel in m["arrays"]:
-        m["arrays"][rel]["sha256"] = hashlib.sha256(data).hexdigest()
+        m["arrays"][rel]["sha256"] = _arrays.sha(run, rel)
     else:
-        m["files"][rel] = hashlib.sha256(data).hexdigest()
+        m["files"][rel] = hashlib.sha256((run / rel).read_bytes()).hexdigest()
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
@@ -186,9 +186,9 @@ def _row(res, arm, case="seg000"):
 
 
 def _forge_array(run: Path, rel: str, edit) -> None:
-    x = np.load(run / rel).copy()
+    x = _arrays.load(run, rel).copy()
     edit(x)
-    np.save(run / rel, x, allow_pickle=False)
+    _arrays.save(run, rel, x)
     _rehash(run, rel)
 
 
@@ -229,7 +229,7 @@ def test_forgeries_of_live_rows_fail(live_run, tmp_path, what):
         for rel in victim["arrays"].values():
             if not any(rel in json.dumps(r) for r in res["rows"]) and rel in m["arrays"]:
                 del m["arrays"][rel]
-                (run / rel).unlink()
+                _arrays.delete(run, rel)
         (run / "manifest.json").write_text(json.dumps(m, indent=1))
         _write_rows(run, res)
         expect = "seg001 arm int4 is missing"
@@ -261,7 +261,7 @@ def test_gap_consistently_rewritten_logprobs(live_run, tmp_path):
     res = _rows(run)
     row = _row(res, "int4")
     _forge_array(run, row["arrays"]["logprob"], lambda x: x.__setitem__(slice(None), x * 0.5))
-    lp = np.load(run / row["arrays"]["logprob"]).astype(np.float64)
+    lp = _arrays.load(run, row["arrays"]["logprob"]).astype(np.float64)
     row["nll"] = -float(lp.mean())
     row["perplexity"] = float(np.exp(row["nll"]))
     _write_rows(run, res)  # report.html and report.md redrawn too

@@ -22,6 +22,7 @@ from testbed.context import RunContext
 from testbed.evidence import ArrayStore
 from testbed.protocol import ProtocolError, load_protocol, validate_protocol
 from testbed.quant.rotation import SignedHadamard
+from tests import _arrays
 from tests._helpers import finished_run as run_once, forge_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,11 +41,10 @@ def _rows(run):
 def _forge(copy: Path, rel: str) -> None:
     """Re-hash a changed file or array in the manifest, so only the re-derivation can notice."""
     man = json.loads((copy / "manifest.json").read_text())
-    digest = hashlib.sha256((copy / rel).read_bytes()).hexdigest()
     if rel in man["files"]:
-        man["files"][rel] = digest
+        man["files"][rel] = hashlib.sha256((copy / rel).read_bytes()).hexdigest()
     else:
-        man["arrays"][rel]["sha256"] = digest
+        man["arrays"][rel]["sha256"] = _arrays.sha(copy, rel)
     (copy / "manifest.json").write_text(json.dumps(man))
 
 
@@ -117,9 +117,9 @@ def test_audit_catches_one_changed_element_code(finished_run, tmp_path):
     shutil.copytree(finished_run, copy)
     row = next(r for r in _rows(copy) if r["path"] == "qk" and r["rotation"] == "signed_hadamard")
     rel = row["arrays"]["k"]["codes"]
-    arr = np.load(copy / rel)
+    arr = _arrays.load(copy, rel)
     arr[0, 3, 5] ^= 0x01                                     # one ulp of one E4M3 code
-    np.save(copy / rel, arr)
+    _arrays.save(copy, rel, arr)
     _forge(copy, rel)
     ok, failures, _ = audit(copy)
     assert not ok
@@ -132,9 +132,9 @@ def test_audit_catches_a_changed_scale_and_a_changed_number(finished_run, tmp_pa
     rows = _rows(copy)
     prow = next(r for r in rows if r["path"] == "p")
     rel = prow["arrays"]["p"]["scales"]
-    arr = np.load(copy / rel)
+    arr = _arrays.load(copy, rel)
     arr[0, 0, 0] += 1
-    np.save(copy / rel, arr)
+    _arrays.save(copy, rel, arr)
     _forge(copy, rel)
     res = json.loads((copy / "results.json").read_text())
     i = next(i for i, r in enumerate(res["rows"]) if r["path"] == "qk" and r["rotation"] == "none")
@@ -176,9 +176,9 @@ def test_p_path_on_a_causal_case_with_a_ragged_key_axis(tmp_path):
     prow = next(r for r in rows if r["path"] == "p")
     p_ref = probabilities(case.q, case.k, case.query_positions, case.causal).numpy()
     codes, scales = encode_mx(p_ref.astype(np.float32), "e4m3", 32)      # the audit's own encoder
-    stored = np.load(tmp_path / prow["arrays"]["p"]["codes"])
+    stored = _arrays.load(tmp_path, prow["arrays"]["p"]["codes"])
     assert stored.shape == (4, 6, 128) and np.array_equal(stored, codes)
-    assert np.array_equal(np.load(tmp_path / prow["arrays"]["p"]["scales"]), scales)
+    assert np.array_equal(_arrays.load(tmp_path, prow["arrays"]["p"]["scales"]), scales)
     # zero rate only over keys the query can see: masked keys are 0 in both and never counted
     visible = np.arange(100)[None, :] <= case.query_positions.numpy()[:, None]
     table = np.array([float(x) for x in torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()])

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import io
 import json
 import os
 import pickle
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +33,17 @@ import pytest
 import testbed.audit as audit_mod
 from testbed.audit import audit
 from testbed.run import main as run_main
+from tests import _arrays
 from tests._helpers import forge_report_md, forge_results
 from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROTOCOL = REPO / "protocols" / "residual_window.json"
 # the first case of the study: the evidence store is content-addressed within a study, and its
-# arrays are the ones saved first, so each lives under this case's own folder
+# arrays are the ones saved first, so each is a member of this case's own container
 CASE = "clean-s7-n128"
-A = f"arrays/residual_window/{CASE}"
+A = f"arrays/residual_window/{CASE}"  # its arrays: A/NAME.npy, members NAME.npy of A.npz
+ZIP = f"{A}.npz"
 
 # -- a record of every file the process opens while an audit runs (to prove nothing outside is read)
 _OPENED: list | None = None
@@ -114,11 +118,10 @@ def sha(path: Path) -> str:
 def rehash(run_dir: Path, rel: str) -> None:
     """What a consistent forger does after editing ``rel``: record its new sha256 everywhere."""
     m = manifest(run_dir)
-    digest = sha(run_dir / rel)
     if rel in m["arrays"]:
-        m["arrays"][rel]["sha256"] = digest
+        m["arrays"][rel]["sha256"] = _arrays.sha(run_dir, rel)
     else:
-        m["files"][rel] = digest
+        m["files"][rel] = digest = sha(run_dir / rel)
         for e in m["protocols"]:
             if e["copy"] == rel:
                 e["sha256"] = digest
@@ -138,23 +141,6 @@ def write_results(run_dir: Path, res: dict, forge: bool) -> None:
 
 def row_index(res: dict, case: str = CASE, arm: str = "R=16") -> int:
     return next(i for i, r in enumerate(res["rows"]) if r["case"] == case and r["arm"] == arm)
-
-
-def flip_bit(path: Path, kind: str) -> None:
-    """Flip one bit of element 0 of a .npy: its sign bit ("sign"; bit 0 for integers) or its lowest
-    mantissa bit ("lsb")."""
-    arr = np.load(path, allow_pickle=False)
-    with open(path, "rb") as f:
-        np.lib.format.read_magic(f)
-        np.lib.format.read_array_header_1_0(f)
-        start = f.tell()
-    data = bytearray(path.read_bytes())
-    item = arr.dtype.itemsize
-    if arr.dtype.kind == "f" and kind == "sign":
-        data[start + item - 1] ^= 0x80  # little-endian: the sign bit is the top bit of the last byte
-    else:
-        data[start] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def assert_fails(reliability, category, case, run_dir, names, expect, **kw):
@@ -199,9 +185,10 @@ def role(rel: str) -> str:
 @contextlib.contextmanager
 def restored(run_dir: Path, rel: str):
     """Tamper with ``rel`` (and the manifest, and results.csv) inside the block; all are put back afterwards."""
-    keep = {p: (run_dir / p).read_bytes() for p in dict.fromkeys((rel, "manifest.json", "results.csv"))}
+    file = _arrays.container_of(rel)[0] if rel.startswith("arrays/") else rel
+    keep = {p: (run_dir / p).read_bytes() for p in dict.fromkeys((file, "manifest.json", "results.csv"))}
     try:
-        yield run_dir / rel
+        yield
     finally:
         for p, data in keep.items():
             (run_dir / p).write_bytes(data)
@@ -210,8 +197,8 @@ def restored(run_dir: Path, rel: str):
 def test_naive_bit_flip_in_every_array_of_a_case(run, reliability):
     missed = []
     for rel in case_arrays(run):
-        with restored(run, rel) as path:
-            flip_bit(path, "lsb")
+        with restored(run, rel):
+            _arrays.flip_bit(run, rel, "lsb")
             ok, failures = check(run)
         hit = [f for f in failures if rel in f]
         reliability("tamper: naive", f"lowest bit of element 0 flipped in {role(rel)}.npy", "FAIL naming the array (sha256)",
@@ -224,8 +211,7 @@ def test_naive_bit_flip_in_every_array_of_a_case(run, reliability):
 
 def test_naive_npy_header_edit(run, reliability):
     rel = f"{A}/k.npy"
-    data = (run / rel).read_bytes().replace(b"'<f4'", b"'>f4'", 1)
-    (run / rel).write_bytes(data)
+    _arrays.write(run, rel, _arrays.read(run, rel).replace(b"'<f4'", b"'>f4'", 1))
     assert_fails(reliability, "tamper: naive", "dtype in a .npy header changed (<f4 -> >f4)", run, [rel],
                  "FAIL naming the array")
 
@@ -256,17 +242,33 @@ def test_naive_whitespace_only_edit_of_results(run, reliability):
                  "FAIL naming the file (sha256)")
 
 
-@pytest.mark.parametrize("rel", [f"{A}/k.npy", "results.json", "timings.json", "report.md",
+@pytest.mark.parametrize("rel", [ZIP, "results.json", "timings.json", "report.md",
                                  "protocols/residual_window.json", "manifest.json"])
 def test_deleted_file(run, rel, reliability):
     (run / rel).unlink()
-    assert_fails(reliability, "tamper: files", f"{rel} deleted", run, [rel], "FAIL naming the missing file")
+    failures = assert_fails(reliability, "tamper: files", f"{rel} deleted", run, [rel], "FAIL naming the missing file")
+    if rel == ZIP:  # and every array it held, each once
+        names = [r for r in manifest(run)["arrays"] if r.startswith(A + "/")]
+        assert all(sum(f.startswith(f"FAIL: {r}:") for f in failures) == 1 for r in names)
 
 
-@pytest.mark.parametrize("what", ["notes.txt", "arrays/residual_window/extra.npy", ".hidden", "arrays/.DS_Store"])
+def test_deleted_member(run, reliability):
+    rel = f"{A}/k.npy"
+    _arrays.delete(run, rel)
+    assert_fails(reliability, "tamper: files", f"{rel} deleted from {ZIP}", run, [rel], "FAIL naming the missing array")
+
+
+@pytest.mark.parametrize("what", ["notes.txt", "arrays/residual_window/extra.npy", f"{A}/k.npy", ".hidden",
+                                  "arrays/.DS_Store", f"{A}/extra.npy (member)"])
 def test_added_file(run, what, reliability):
+    if what.endswith(" (member)"):
+        what = what.removesuffix(" (member)")
+        _arrays.save(run, what, np.zeros(3, np.float32))
+        assert_fails(reliability, "tamper: files", f"member added: {what}", run, [what], "FAIL naming the added member")
+        return
     path = run / what
-    if what.endswith(".npy"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if what.endswith(".npy"):  # a loose file, also one where the array's path would be if unpacked
         np.save(path, np.zeros(3, np.float32))
     else:
         path.write_text("added")
@@ -277,7 +279,10 @@ def test_added_file(run, what, reliability):
                                      ("results.json", "results.json.bak"),
                                      (f"{A}/q.npy", f"{A}/q_.npy")])
 def test_renamed_file(run, src, dst, reliability):
-    (run / src).rename(run / dst)
+    if src.startswith("arrays/"):
+        _arrays.rename(run, src, dst)
+    else:
+        (run / src).rename(run / dst)
     failures = assert_fails(reliability, "tamper: files", f"renamed {src} -> {dst}", run, [src],
                             "FAIL naming both names")
     assert any(dst in f for f in failures)
@@ -286,13 +291,64 @@ def test_renamed_file(run, src, dst, reliability):
 def test_swapped_arrays(run, reliability):
     """Two arrays of equal shape and dtype swapped, with the manifest hashes swapped as well."""
     a, b = f"{A}/R=16.recent.k.npy", f"{A}/R=16.recent.v.npy"
-    da, db = (run / a).read_bytes(), (run / b).read_bytes()
-    (run / a).write_bytes(db)
-    (run / b).write_bytes(da)
+    da, db = _arrays.read(run, a), _arrays.read(run, b)
+    _arrays.write(run, a, db)
+    _arrays.write(run, b, da)
     rehash(run, a)
     rehash(run, b)
     assert_fails(reliability, "tamper: consistent forger", "recent.k and recent.v swapped, hashes updated", run,
                  ["results.json row"], "FAIL naming the rows that use them")
+
+
+# -- the per-case containers (zip files) -------------------------------------------------------
+
+def test_container_that_is_not_a_zip(run, reliability):
+    (run / ZIP).write_bytes(b"PK\x03\x04 not really a zip")
+    failures = assert_fails(reliability, "tamper: containers", f"{ZIP} replaced by bytes that are no zip", run, [ZIP],
+                            "FAIL naming the container and each of its arrays")
+    assert any(f.startswith(f"FAIL: {A}/k.npy:") for f in failures)
+
+
+def test_container_member_stored_twice(run, reliability):
+    """Two members of one name: which one a reader takes depends on the reader, so the audit refuses both."""
+    rel = f"{A}/k.npy"
+    data = _arrays.read(run, rel)
+    with zipfile.ZipFile(run / ZIP, "a") as zf, pytest.warns(UserWarning, match="Duplicate name"):
+        zf.writestr("k.npy", data)  # the same bytes again: every hash still matches
+    assert_fails(reliability, "tamper: containers", "a member stored twice under one name (same bytes)", run, [ZIP],
+                 "FAIL naming the container")
+
+
+def test_container_member_declaring_a_huge_size_is_not_decompressed(run, reliability):
+    """A zip bomb: a member that inflates to 64 MiB (k.npy holds 16 KiB). Its declared size is compared with what the
+    manifest's nbytes allows before any byte is decompressed."""
+    rel = f"{A}/k.npy"
+    bomb = b"\x93NUMPY" + bytes(1 << 26)
+    _arrays.write(run, rel, bomb)  # deflates to about 64 KB
+    m = manifest(run)
+    m["arrays"][rel]["sha256"] = hashlib.sha256(bomb).hexdigest()
+    write_manifest(run, m)
+    failures = assert_fails(reliability, "tamper: unsafe arrays", "a member that inflates to 64 MiB, hash recorded", run,
+                            [rel], "FAIL naming the array, not decompressed")
+    assert any("not decompressed" in f for f in failures if rel in f)
+
+
+def test_container_crc_mismatch(run, reliability):
+    """One byte of a stored (not deflated) member's data flipped in the zip itself: zipfile's CRC check."""
+    rel = f"{A}/k.npy"
+    data = _arrays.read(run, rel)
+    with zipfile.ZipFile(run / ZIP) as zf:
+        members = [(i.filename, zf.read(i)) for i in zf.infolist()]
+    with zipfile.ZipFile(run / ZIP, "w") as zf:
+        for name, d in members:
+            zf.writestr(name, d, compress_type=zipfile.ZIP_STORED)
+    raw = bytearray((run / ZIP).read_bytes())
+    at = raw.index(data) + len(data) - 1
+    raw[at] ^= 0x01
+    (run / ZIP).write_bytes(bytes(raw))
+    failures = assert_fails(reliability, "tamper: containers", "a byte of a member flipped inside the zip (CRC wrong)",
+                            run, [rel], "FAIL naming the array")
+    assert any("cannot be read" in f or "sha256" in f for f in failures if rel in f)
 
 
 # -- the manifest itself ---------------------------------------------------------------------
@@ -379,13 +435,13 @@ def test_entries_pointing_outside_are_refused_unread(run, outside, how, reliabil
         m["files"][rel] = digest
     elif how == "symlink to outside file":
         rel = f"{A}/k.npy"
-        (run / rel).unlink()
-        (run / rel).symlink_to(outside)
+        (run / ZIP).unlink()
+        (run / ZIP).symlink_to(outside)
         m["arrays"][rel] = entry
     elif how == "symlinked folder":
         rel = f"{A}/R=16.recent.k.npy"
-        folder = run / A
-        moved = outside.parent / CASE
+        folder = run / "arrays" / "residual_window"
+        moved = outside.parent / "residual_window"
         shutil.move(folder, moved)
         folder.symlink_to(moved)
     elif how == "dot segment":
@@ -426,22 +482,21 @@ class _Payload:
 def test_pickle_payloads_refused_unread(run, tmp_path, how, reliability):
     marker = tmp_path / "pwned"
     rel = f"{A}/k.npy"
-    path = run / rel
     if how == "object-dtype .npy":
         arr = np.empty(1, dtype=object)
         arr[0] = _Payload(marker)
-        with open(path, "wb") as f:
-            np.save(f, arr, allow_pickle=True)  # writing only; nothing in this repo ever loads a pickle
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=True)  # writing only; nothing in this repo ever loads a pickle
+        _arrays.write(run, rel, buf.getvalue())
         entry = {"dtype": "|O", "shape": [1], "nbytes": 8}
     elif how == "raw pickle named .npy":
-        path.write_bytes(pickle.dumps(_Payload(marker)))
+        _arrays.write(run, rel, pickle.dumps(_Payload(marker)))
         entry = {}
     else:
-        data = path.read_bytes().replace(b"(1, 128, 32)", b"(9, 128, 32)", 1)
-        path.write_bytes(data)
+        _arrays.write(run, rel, _arrays.read(run, rel).replace(b"(1, 128, 32)", b"(9, 128, 32)", 1))
         entry = {"shape": [9, 128, 32], "nbytes": 9 * 128 * 32 * 4}
     m = manifest(run)
-    m["arrays"][rel].update(entry, sha256=sha(path))
+    m["arrays"][rel].update(entry, sha256=_arrays.sha(run, rel))
     write_manifest(run, m)
     failures = assert_fails(reliability, "tamper: unsafe arrays", f"{how}, manifest consistent", run, [rel],
                             "FAIL naming the file, refused before loading")
@@ -573,13 +628,13 @@ def test_forged_bit_flip_in_every_array_of_a_case(run, reliability):
     array, its sha256 re-computed: only the audit's re-derivation can catch this."""
     missed = set()
     for rel in case_arrays(run):
-        with restored(run, rel) as path:
-            flip_bit(path, "sign")
+        with restored(run, rel):
+            _arrays.flip_bit(run, rel, "sign")
             rehash(run, rel)
             ok, failures = check(run)
         hit = [f for f in failures if "results.json row" in f or rel in f]
         why = UNREAD.get(role(rel))
-        desc = f"{'sign bit' if np.load(path, allow_pickle=False).dtype.kind == 'f' else 'bit 0'} of {role(rel)}.npy flipped, sha256 updated"
+        desc = f"{'sign bit' if _arrays.load(run, rel).dtype.kind == 'f' else 'bit 0'} of {role(rel)}.npy flipped, sha256 updated"
         if why:
             reliability("gap", desc, f"not caught: {why}", hit[0] if hit else "audit PASSED")
         else:
@@ -594,10 +649,10 @@ def test_forged_lowest_bit_in_every_float_array(run, reliability):
     re-derived number by more than the tolerance (rtol 1e-6, atol 1e-9): recorded, not required."""
     seen = 0
     for rel in case_arrays(run):
-        if np.load(run / rel, allow_pickle=False).dtype.kind != "f":
+        if _arrays.load(run, rel).dtype.kind != "f":
             continue
-        with restored(run, rel) as path:
-            flip_bit(path, "lsb")
+        with restored(run, rel):
+            _arrays.flip_bit(run, rel, "lsb")
             rehash(run, rel)
             ok, failures = check(run)
         assert all(f.startswith("FAIL: ") for f in failures)
@@ -612,9 +667,9 @@ def test_forged_flip_in_padding_codes(run, reliability):
     """Padding codes are never decoded (no number moves), but the audit re-encodes the span, its
     padding included, and compares every stored byte (formerly a known gap)."""
     rel = f"{A}/R=16.key.codes.npy"  # 112 quantized tokens padded to 128: the last 16 rows are padding
-    data = bytearray((run / rel).read_bytes())
+    data = bytearray(_arrays.read(run, rel))
     data[-1] ^= 0x01
-    (run / rel).write_bytes(bytes(data))
+    _arrays.write(run, rel, bytes(data))
     rehash(run, rel)
     assert_fails(reliability, "tamper: consistent forger", "a padding code of R=16/key.codes.npy flipped, sha256 updated",
                  run, ["key.codes: stored payload differs from the audit's re-encoding"], "FAIL naming key.codes")
@@ -818,7 +873,7 @@ def test_row_removed_with_its_arrays(run, reliability):
     m = manifest(run)
     still_used = {p for r in res["rows"] for p in r["arrays"]["packed"].values()}
     for rel in set(row["arrays"]["packed"].values()) - still_used:  # the forger keeps shared arrays
-        (run / rel).unlink()
+        _arrays.delete(run, rel)
         del m["arrays"][rel]
     write_manifest(run, m)
     write_results(run, res, forge=True)  # report.html and report.md redrawn too
