@@ -377,6 +377,44 @@ def test_live_evidence_layer_forgeries_fail(live_finished, tmp_path, what):
         assert f"at element {at} " in line, line
 
 
+@pytest.mark.capture
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["index", "index_and_scores", "score", "query", "sink_k"])
+def test_live_chosen_sink_forgeries_fail(live_finished, tmp_path, what):
+    """The sink a policy chose from attention: its indices, its scores, the queries the scores come
+    from and the sink's K are each re-derived; an edit of any of them, re-hashed, fails the row."""
+    run = _copy(live_finished, tmp_path)
+    ev = _evidence(run, "int2_sinkmass4")
+    idx = _arrays.load(run, ev["sink.index"]).copy()
+    score = _arrays.load(run, ev["sink.score"]).copy()
+    other = next(j for j in range(score.shape[1]) if j not in idx[1])
+    if what == "index":  # another token named in head 1's sink, nothing else changed
+        idx[1, -1] = other
+        _save(run, ev["sink.index"], np.sort(idx, axis=-1))
+        expect = "sink.index is not the top-S"
+    elif what == "index_and_scores":  # and the scores rewritten so that the rule picks it
+        score[1, other] = score[1].max() + 1.0
+        idx[1] = np.sort(np.argsort(-score[1], kind="stable")[:idx.shape[1]])
+        _save(run, ev["sink.index"], idx)
+        _save(run, ev["sink.score"], score)
+        expect = "sink.score differs at (1, "
+    elif what == "score":
+        score[0, 1] *= 1.01
+        _save(run, ev["sink.score"], score)
+        expect = "sink.score differs at (0, 1)"
+    elif what == "query":  # the recorded queries scaled: the shares they give are not the stored ones
+        _save(run, ev["input.q"], _arrays.load(run, ev["input.q"]) * 1.5)
+        expect = "sink.score differs"
+    else:  # the sink's first key of head 0 replaced by the first token's, the sink no longer the chosen one
+        k = _arrays.load(run, ev["sink.k"]).copy()
+        k[0, 0] = _arrays.load(run, ev["input.k"])[0, other]
+        _save(run, ev["sink.k"], k)
+        expect = "sink.k"
+    ok, failures, _ = audit(run, check_sources=False)
+    assert not ok
+    assert any("arm=int2_sinkmass4" in f and expect in f for f in failures), failures[:5]
+
+
 # -- the audit's encoder equals the run's, byte for byte ------------------------------------------------
 
 @st.composite

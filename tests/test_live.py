@@ -141,8 +141,8 @@ def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
     proto["name"] = "live_tiny"
     proto["default"] = False
     proto["live"].update({"segments": 2, "prefill": 32, "steps": 40, "batch": 2, "window": 16, "group": 16,
-                          "evict_window": 16, "policies": ["float32", "int4", "int2_sink4", "int2_ktoken", "mxfp4",
-                                                           "streaming"],
+                          "evict_window": 16, "policies": ["float32", "int4", "int2_sink4", "int2_sinkmass4", "int2_ktoken",
+                                                           "mxfp4", "streaming"],
                           "peers": [{"backend": "quanto", "bits": 4}] if peers else []})
     path = tmp_path / "live_tiny.json"
     path.write_text(json.dumps(proto))

@@ -29,6 +29,18 @@ def attention_block():
     cache_mod._ACTIVE[0] -= 1
     cache_mod._PENDING.clear()
     cache_mod._DIRECT.clear()
+    cache_mod._SELECT.clear()
+
+
+def _update(layer, k, v, seed=1):
+    """``layer.update`` as a model's attention layer makes it: a prefill whose sink is chosen from
+    attention gets the attention call's queries (random, 3 query heads per KV head) right after."""
+    keys, values = layer.update(k, v)
+    if cache_mod._SELECT.pop(layer.layer_idx, None) is not None:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(k.shape[0], 3 * k.shape[1], k.shape[2], k.shape[3], generator=g)
+        layer.choose_sink_from(q, keys, k.shape[-1] ** -0.5)
+    return keys, values
 
 
 def test_a_mask_or_direct_read_outside_policy_attention_is_refused_at_once():
@@ -93,7 +105,7 @@ def test_stored_bytes_match_the_closed_form_at_every_step(pol):
     k, v = _kv(120)
     n = 0
     for c in (7, 1, 1, 16, 3, 30, 1, 1, 1, 59):
-        layer.update(k[..., n:n + c, :], v[..., n:n + c, :])
+        _update(layer, k[..., n:n + c, :], v[..., n:n + c, :])
         cache_mod._PENDING.clear()  # no attention call here to consume an eviction mask
         n += c
         assert layer.stored_bytes() == _bytes_formula(pol, n) == pol.layer_bytes(n, H, D), (pol.name, n)
@@ -400,3 +412,89 @@ def test_a_wrong_fold_or_index_in_the_direct_kernel_is_caught(bits):
     for what, outs in broken.items():
         assert not any(_close(out, want) for out in outs), what
     assert not _close(short[0] / short[2][..., None], full[0] / full[2][..., None]), "one token too few"
+
+
+# -- a sink chosen from attention (sink_select "mass") ---------------------------------------------
+
+def _explicit_shares(q: np.ndarray, k: np.ndarray, c: int) -> np.ndarray:
+    """Each of the first c keys' mean attention share over the causal queries that see it and the KV
+    head's query heads, one query at a time (q [B, Hq, t, D], k [B, Hkv, t, D])."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    out = np.zeros((b, hkv, c))
+    for bi in range(b):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            for i in range(t):
+                s = np.array([q[bi, h, i] @ k[bi, kv, j] for j in range(i + 1)], dtype=np.float64) / math.sqrt(d)
+                w = np.exp(s - s.max())
+                w /= w.sum()
+                for j in range(min(c, i + 1)):
+                    out[bi, kv, j] += w[j] / ((t - j) * (hq // hkv))
+    return out
+
+
+def test_sink_scores_equal_an_explicit_loop_and_the_audit():
+    from testbed.audit_checks.live_quality import sink_scores as audit_scores
+
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 6, 21, 8, generator=g) * 2, torch.randn(2, 2, 21, 8, generator=g)
+    want = _explicit_shares(q.double().numpy(), k.double().numpy(), 13)
+    got = cache_mod.sink_scores(q, k, 8 ** -0.5, 13, block=5)  # blocks of queries that do not divide t
+    assert np.allclose(got.numpy(), want, rtol=1e-5, atol=1e-7)
+    for bi in range(2):
+        assert np.allclose(audit_scores(q[bi].numpy(), k[bi].numpy())[:, :13], want[bi], rtol=1e-10, atol=1e-12)
+
+
+def test_choose_sink_takes_the_largest_ties_to_the_lower_index_in_order():
+    scores = torch.tensor([[[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]], [[5.0, 0.0, 0.0, 0.0, 0.0, 6.0]]])
+    assert cache_mod.choose_sink(scores, 2).tolist() == [[[1, 2]], [[0, 5]]]
+    assert cache_mod.choose_sink(scores, 4).tolist() == [[[1, 2, 4, 5]], [[0, 1, 2, 5]]]
+
+
+def test_a_chosen_sink_holds_the_most_attended_tokens_at_the_first_sinks_bytes():
+    """A prefill whose queries all look at token 9 in KV head 0 and at token 3 in KV head 2: the
+    chosen sink holds those tokens' K/V bit for bit, every other token follows in order through
+    window and middle, and the bytes equal the first-S sink's at every step."""
+    pol = preset("int2_sinkmass4", window=16, group=16, sink=4)
+    first = PolicyLayer(preset("int2_sink4", window=16, group=16, sink=4), layer_idx=1)
+    layer = PolicyLayer(pol, layer_idx=0)
+    k, v = _kv(100, batch=1)
+    q = torch.zeros(1, 9, 64, D)
+    q[0, 0:3, :, :] = 0.5 * k[0, 0, 9]   # query heads 0-2 serve KV head 0
+    q[0, 6:9, :, :] = 0.5 * k[0, 2, 3]   # 6-8 serve KV head 2
+    keys, _ = layer.update(k[..., :64, :], v[..., :64, :])
+    assert cache_mod._SELECT.pop(0) is layer and layer.stored_bytes() == cache_mod.HEADER_BYTES  # nothing committed yet
+    layer.choose_sink_from(q, keys, D ** -0.5)
+    first.update(k[..., :64, :], v[..., :64, :])
+    idx = layer.sink_index[0]
+    assert 9 in idx[0].tolist() and 3 in idx[2].tolist() and idx.shape == (3, 4)
+    assert all(i < 48 for i in idx.flatten().tolist())  # only tokens that leave the window are candidates
+    for h in range(3):
+        assert torch.equal(layer.sink_k[0, h], k[0, h, idx[h]]) and torch.equal(layer.sink_v[0, h], v[0, h, idx[h]])
+        rest = [i for i in range(64) if i not in idx[h].tolist()]
+        assert torch.equal(layer.tail_k[0, h], k[0, h, rest[-layer.tail_k.shape[-2]:]])
+        kq = pol.quantizers()[0]
+        packed = layer.mid_k.packed()
+        want = kq.quantize(k[:, h:h + 1, rest[:packed.shape[-2]]].contiguous())
+        assert torch.equal(packed.tensors["codes"][:, h:h + 1], want.tensors["codes"])
+    for i in range(64, 100):
+        layer.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+        first.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
+        assert layer.stored_bytes() == first.stored_bytes() == pol.layer_bytes(i + 1, H, D)
+
+
+def test_a_prefill_whose_sink_was_never_chosen_is_an_error_at_the_next_update():
+    layer = PolicyLayer(preset("int4_sinkmass4", window=16, group=16, sink=4), layer_idx=0)
+    k, v = _kv(70)
+    layer.update(k[..., :64, :], v[..., :64, :])
+    cache_mod._SELECT.clear()  # the attention call never came
+    with pytest.raises(RuntimeError, match="sink was never chosen"):
+        layer.update(k[..., 64:65, :], v[..., 64:65, :])
+
+
+def test_a_chosen_sink_needs_a_sink_and_a_quantized_middle():
+    for kw in ({"middle": "int2", "sink": 0, "window": 16}, {"middle": "drop", "sink": 4, "window": 16},
+               {"middle": "float32", "sink": 4}):
+        with pytest.raises(ValueError, match="sink_select"):
+            Policy("x", sink_select="mass", **kw)

@@ -16,6 +16,10 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
 - for the one evidence layer of the first segment: the packed middle re-encoded from the recorded
   float32 K/V with the audit's integer and MX encoders (``common.encode_tensor``), byte for byte,
   the float32 sink and window equal to the inputs, and no other stored array; for an evicting policy, that it kept exactly the first S and newest W;
+  for a sink chosen from attention (``*_sinkmass*``), its scores recomputed in float64 from the
+  recorded prefill queries and keys, the chosen tokens the top S of the stored scores (ties to the
+  lower index) among the candidates, the sink those tokens' inputs and the middle and window the
+  rest, per KV head;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -36,13 +40,16 @@ __all__ = ["check", "MODELS", "POLICY_TABLE"]
 
 # Known models' cache dimensions (the audit's own table; a live row of any other model fails).
 MODELS = {"SmolLM2-135M-Instruct.Q4_1": {"layers": 30, "kv_heads": 3, "head_dim": 64}}
-# name -> (middle, sink from protocol?, window key, key axis): the audit's own statement of the presets
+# name -> (middle, sink from protocol?, window key, key axis[, sink selection]): the audit's own
+# statement of the presets
 POLICY_TABLE = {
     "float32": ("float32", False, None, "channel"),
     "int4": ("int4", False, "window", "channel"),
     "int2": ("int2", False, "window", "channel"),
     "int4_sink4": ("int4", True, "window", "channel"),
     "int2_sink4": ("int2", True, "window", "channel"),
+    "int4_sinkmass4": ("int4", True, "window", "channel", "mass"),
+    "int2_sinkmass4": ("int2", True, "window", "channel", "mass"),
     "int2_ktoken": ("int2", False, "window", "token"),
     "mxfp8": ("mxfp8", False, "window", "channel"),
     "mxfp4": ("mxfp4", False, "window", "channel"),
@@ -54,10 +61,53 @@ KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
 
 
 def _policy(name: str, live: dict) -> dict:
-    middle, has_sink, wkey, axis = POLICY_TABLE[name]
+    middle, has_sink, wkey, axis, *select = POLICY_TABLE[name]
     return {"middle": middle, "sink": live.get("sink", 4) if has_sink else 0,
             "window": 0 if wkey is None else live.get(wkey, 128 if wkey == "window" else 256),
-            "group": live.get("group", 32), "feature_group": 32, "key_axis": axis}
+            "group": live.get("group", 32), "feature_group": 32, "key_axis": axis,
+            "sink_select": select[0] if select else "first"}
+
+
+def sink_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``[H_kv, t]`` in float64: each prefill key's mean share of attention over the causal queries
+    that see it and the KV head's query heads (``q [H_q, t, D]``, ``k [H_kv, t, D]``, scale D^-1/2)."""
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    q64 = q.astype(np.float64).reshape(hkv, g, t, d)
+    k64 = k.astype(np.float64)
+    s = np.einsum("hgqd,hkd->hgqk", q64, k64) / math.sqrt(d)
+    s = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(axis=-1, keepdims=True)
+    return w.sum(axis=(1, 2)) / ((t - np.arange(t)) * g)
+
+
+def _chosen_sink(row, ctx, pol: dict, live: dict, a: dict):
+    """The sink a ``"mass"`` policy chose at the prefill, checked: ``[H, S]`` token indices."""
+    P, S = live["prefill"], pol["sink"]
+    c = min(P, max(S, P - pol["window"]))
+    q, score, index = a.get("input.q"), a.get("sink.score"), a.get("sink.index")
+    x = a["input.k"]
+    h = x.shape[0]
+    if q is None or score is None or index is None:
+        raise ValueError("a sink chosen from attention needs input.q, sink.score and sink.index in its evidence")
+    if q.ndim != 3 or q.shape[1] != P or q.shape[0] % h or score.shape != (h, c) or index.shape != (h, min(S, P)):
+        raise ValueError(f"input.q {list(q.shape)}, sink.score {list(score.shape)}, sink.index {list(index.shape)} "
+                         f"do not fit a prefill of {P}, {c} candidates, sink {S}, {h} KV heads")
+    mine = sink_scores(q, x[:, :P])[:, :c]
+    tol = TOLERANCES["float32_softmax"]
+    ctx.numbers += mine.size
+    bad = np.abs(score.astype(np.float64) - mine) > tol["atol"] + tol["rtol"] * np.abs(mine)
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        ctx.fail(row, f"sink.score differs at {i}: stored {float(score[i]):.8g}, the audit's float64 share {mine[i]:.8g}")
+    want = np.sort(np.argsort(-score.astype(np.float64), axis=-1, kind="stable")[:, :min(S, P)], axis=-1)
+    ctx.numbers += want.size
+    if not np.array_equal(index.astype(np.int64), want):
+        ctx.fail(row, "sink.index is not the top-S of sink.score (ties to the lower index) in ascending order")
+    return want
 
 
 def _spans(pol: dict, n: int) -> tuple[int, int, int]:
@@ -154,6 +204,7 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     ev = row.get("evidence")
     if not isinstance(ev, dict) or not isinstance(ev.get("arrays"), dict):
         raise ValueError("quantized policy row of the first batch has no evidence arrays")
+    chosen = None
     if ev.get("layer") != live.get("evidence_layer", 0):
         ctx.fail(row, f"evidence layer {ev.get('layer')!r} is not the protocol's {live.get('evidence_layer', 0)}")
     a = {k: ctx.load(v) for k, v in ev["arrays"].items()}
@@ -178,15 +229,24 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         x = a[f"input.{name}"]
         if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
             raise ValueError(f"input.{name} is {x.dtype} {list(x.shape)}, expected float32 [H, {n}, D]")
+        if pol["sink_select"] == "mass":  # the chosen tokens, then every other token in order, per head
+            if chosen is None:
+                chosen = _chosen_sink(row, ctx, pol, live, a)
+            rest = np.ones(x.shape[:2], dtype=bool)
+            np.put_along_axis(rest, chosen, False, axis=1)
+            sink_part = np.take_along_axis(x, chosen[..., None], axis=1)
+            x = np.concatenate([sink_part, x[rest].reshape(x.shape[0], n - chosen.shape[1], x.shape[2])], axis=1)
         want[f"sink.{name}"], want[f"float.{name}"] = x[:, :s], x[:, s + p:]
         if p:
             want.update({f"{label}.{arr}": w for arr, w in encode_tensor(x[:, s:s + p], _middle_config(pol, name)).items()
                          if arr != "header"})
-    stored = {k: v for k, v in a.items() if not k.startswith("input.")}
+    stored = {k: v for k, v in a.items() if not k.startswith("input.") and k not in ("sink.index", "sink.score")}
     ctx.numbers += len(want)
     for line in payload_differences(stored, want, f"the recorded float32 inputs (packed tokens [{s}, {s + p}))"):
         ctx.fail(row, line)
-    total = sum(int(v.nbytes) for k, v in a.items() if not k.startswith("input."))
+    # the chosen sink's indices and scores are the audit's evidence, not the cache's bytes: attention
+    # needs no positions of held keys (post-RoPE, all in the past)
+    total = sum(int(v.nbytes) for k, v in stored.items())
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
 
 
@@ -265,7 +325,7 @@ def check(row: dict, ctx) -> None:
         pol = _policy(arm, live)
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
-        for key in ("middle", "sink", "window", "group", "feature_group", "key_axis"):
+        for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol[key])
     elif kind == "reference":
         want_b = [n * dims["layers"] * 2 * dims["kv_heads"] * dims["head_dim"] * 4 for n in want_ctx]

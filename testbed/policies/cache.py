@@ -21,6 +21,12 @@ the attention function :data:`ATTN_NAME`, registered through transformers' ``Att
 and wrapping SDPA (:func:`policy_attention` switches a model to it for a block). An update that
 needs the mask (or the direct path) outside such a block is refused at once, and a mask that no
 attention call consumed is an error at the layer's next update.
+
+A sink chosen from attention (``Policy.sink_select == "mass"``) is chosen by the same attention
+function: the prefill's update returns its keys and leaves the commit to the attention call right
+after it, which computes the prefill's attention shares (:func:`sink_scores`, on top of the SDPA
+call the model makes anyway), picks the sink per sequence and KV head (:func:`choose_sink`) and
+commits the prefill with those tokens in the float32 sink.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..quant import Packed
 from ..quant.base import make_header
 from . import packed_attention as pa
-from .policy import HEADER_BYTES, Policy
+from .policy import HEADER_BYTES, Policy, sink_candidates
 
-__all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer", "ATTN_NAME", "policy_attention"]
+__all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer", "ATTN_NAME", "policy_attention", "sink_scores", "choose_sink"]
 
 ATTN_NAME = "testbed_policy"
 # layer index -> (the layer, the boolean mask its last update left for the attention call after it)
@@ -43,6 +49,8 @@ _PENDING: dict[int, tuple] = {}
 # layer index -> (the layer, new tokens): its update returned only the float32 keys; attention reads
 # the packed middle from its codes (testbed.policies.packed_attention)
 _DIRECT: dict[int, tuple] = {}
+# layer index -> the layer whose prefill waits for the attention call to choose its sink
+_SELECT: dict[int, object] = {}
 # how many policy_attention blocks are open: an update that needs the mask or the direct path
 # outside one is refused before attention can run with transformers' own (wrong) mask
 _ACTIVE = [0]
@@ -57,6 +65,12 @@ def _require_active(what: str, layer_idx) -> None:
 def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    select = _SELECT.pop(getattr(module, "layer_idx", None), None)
+    if select is not None:
+        out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                             dropout=dropout, **kwargs)
+        select.choose_sink_from(query, key, float(query.shape[-1] ** -0.5 if scaling is None else scaling))
+        return out
     direct = _DIRECT.pop(getattr(module, "layer_idx", None), None)
     if direct is not None:
         layer, new, packed = direct  # the middle as it was when update returned (a flush may follow it)
@@ -86,6 +100,7 @@ def policy_attention(model):
     model.set_attn_implementation(ATTN_NAME)
     _PENDING.clear()
     _DIRECT.clear()
+    _SELECT.clear()
     _ACTIVE[0] += 1
     try:
         yield model
@@ -93,7 +108,36 @@ def policy_attention(model):
         _ACTIVE[0] -= 1
         _PENDING.clear()
         _DIRECT.clear()
+        _SELECT.clear()
         model.set_attn_implementation(previous)
+
+
+def sink_scores(query: torch.Tensor, key: torch.Tensor, scale: float, candidates: int, block: int = 256) -> torch.Tensor:
+    """``[B, H_kv, candidates]``: for each of the first ``candidates`` keys of a causal prefill, the
+    mean share of attention it receives over the queries that see it (query positions >= its own)
+    and the KV head's query heads. ``query [B, H_q, t, D]``, ``key [B, H_kv, t, D]`` (the prefill's
+    own keys, in order); float32, queries in blocks of ``block`` (memory ``B H_q block t``)."""
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    q = query.float().reshape(b, hkv, g, t, d)
+    k = key.float()
+    total = torch.zeros(b, hkv, candidates, dtype=torch.float32, device=query.device)
+    kpos = torch.arange(t, device=query.device)
+    for a in range(0, t, block):
+        z = min(t, a + block)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
+        s = s.masked_fill(kpos[None, :] > torch.arange(a, z, device=query.device)[:, None], float("-inf"))
+        total += torch.softmax(s, dim=-1)[..., :candidates].sum(dim=(2, 3))
+    seen_by = (t - torch.arange(candidates, device=query.device)).to(torch.float32) * g
+    return total / seen_by
+
+
+def choose_sink(scores: torch.Tensor, sink: int) -> torch.Tensor:
+    """``[..., min(sink, C)]`` int64: the indices of the ``sink`` largest scores along the last axis,
+    ties to the lower index, in ascending order."""
+    order = torch.sort(-scores, dim=-1, stable=True).indices[..., :sink]
+    return order.sort(dim=-1).values
 
 
 class GrowBuffer:
@@ -189,6 +233,10 @@ class PolicyLayer(DynamicLayer):
         qs = policy.quantizers()
         self.mid_k = _PackedSpan(qs[0], "k") if qs else None
         self.mid_v = _PackedSpan(qs[1], "v") if qs else None
+        self._prefill = None  # (k, v) of a prefill waiting for its sink to be chosen by attention
+        self.sink_index = self.sink_score = self.recorded_q = None
+        if policy.sink_select == "mass" and layer_idx is None:
+            raise ValueError("a sink chosen from attention needs the layer's index")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -208,6 +256,9 @@ class PolicyLayer(DynamicLayer):
         elif stale is not None:
             raise RuntimeError(f"layer {self.layer_idx}: the eviction mask of the previous update was never applied; "
                                f"run the model inside testbed.policies.cache.policy_attention(model)")
+        if self._prefill is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the prefill's sink was never chosen (its attention call did not "
+                               "run through testbed.policies.cache.policy_attention(model))")
         t = key_states.shape[-2]
         if self.policy.evicts and t > 1 and self.seen > 0:  # the prefill attends itself causally, as for
             self._leave_mask(t)                               # every policy; the policy applies after it
@@ -230,8 +281,27 @@ class PolicyLayer(DynamicLayer):
         parts_v += [self.tail_v, v_new]
         keys = torch.cat(parts_k, dim=-2).to(key_states.dtype)
         values = torch.cat(parts_v, dim=-2).to(value_states.dtype)
-        self._commit(k_new, v_new)
+        if self.policy.sink_select == "mass" and self.seen == 0:
+            _require_active("a sink chosen from attention", self.layer_idx)
+            self._prefill = (k_new, v_new)
+            _SELECT[self.layer_idx] = self  # the attention call chooses the sink, then commits
+        else:
+            self._commit(k_new, v_new)
         return keys, values
+
+    def choose_sink_from(self, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
+        """Called by the attention function with the prefill's queries and keys: choose the sink
+        (:func:`sink_scores`, :func:`choose_sink`) and commit the prefill."""
+        k_new, v_new = self._prefill
+        self._prefill = None
+        p, t = self.policy, k_new.shape[-2]
+        c = sink_candidates(t, p.sink, p.window)
+        scores = sink_scores(query, key, scale, c)
+        index = choose_sink(scores, p.sink)
+        if self.record:
+            self.recorded_q = query[0].detach().float().clone()
+        self.sink_index, self.sink_score = index, scores
+        self._commit(k_new, v_new, index)
 
     def _leave_mask(self, t: int) -> None:
         """The mask that gives each of ``t`` new tokens exactly what one token per forward sees."""
@@ -282,19 +352,28 @@ class PolicyLayer(DynamicLayer):
         raise NotImplementedError("PolicyLayer does not support batch selection")
 
     # -- the policy ------------------------------------------------------------------------------
-    def _commit(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def _commit(self, k_new: torch.Tensor, v_new: torch.Tensor, index: torch.Tensor | None = None) -> None:
         p = self.policy
         t = k_new.shape[-2]
-        # fill the sink first
-        room = max(0, p.sink - self.sink_k.shape[-2])
-        take = min(room, t)
+        if index is not None:  # a chosen sink ([B, H, S'] token indices of this prefill): it, then the rest in order
+            b, h, _, d = k_new.shape
+            at = index[..., None].expand(-1, -1, -1, d)
+            rest = torch.ones(b, h, t, dtype=torch.bool, device=k_new.device)
+            rest.scatter_(-1, index, False)
+            left = t - index.shape[-1]
+            self.sink_k, self.sink_v = torch.gather(k_new, 2, at), torch.gather(v_new, 2, at)
+            k_new, v_new = k_new[rest].view(b, h, left, d), v_new[rest].view(b, h, left, d)
+            t, take = left, 0
+        else:  # fill the sink first
+            room = max(0, p.sink - self.sink_k.shape[-2])
+            take = min(room, t)
         if take:
             self.sink_k = torch.cat([self.sink_k, k_new[..., :take, :]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, v_new[..., :take, :]], dim=-2)
         if take < t:
             self.tail_k = torch.cat([self.tail_k, k_new[..., take:, :]], dim=-2)
             self.tail_v = torch.cat([self.tail_v, v_new[..., take:, :]], dim=-2)
-        self.seen += t
+        self.seen += t + (0 if index is None else index.shape[-1])
         n_tail = self.tail_k.shape[-2]
         if p.evicts and n_tail > p.window:
             self.tail_k = self.tail_k[..., n_tail - p.window:, :].contiguous()
@@ -325,9 +404,14 @@ class PolicyLayer(DynamicLayer):
             for label, span in (("key", self.mid_k), ("value", self.mid_v)):
                 for name, buf in span.buffers.items():
                     out[f"{label}.{name}"] = buf.view()[0]
+        if self.sink_index is not None:  # the chosen sink: which prefill tokens, from which scores
+            out["sink.index"] = self.sink_index[0].to(torch.int32)
+            out["sink.score"] = self.sink_score[0]
         if self.record:
             out["input.k"] = torch.cat(self.recorded_k, dim=-2)
             out["input.v"] = torch.cat(self.recorded_v, dim=-2)
+            if self.recorded_q is not None:
+                out["input.q"] = self.recorded_q
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 

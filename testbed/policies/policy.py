@@ -16,6 +16,15 @@ Cache"). Between R and R + G - 1 tokens are therefore float32 behind the sink. A
 keeps exactly the newest R tokens (StreamingLLM: Xiao et al., 2024, "Efficient Streaming Language
 Models with Attention Sinks"; keys keep the positions they were rotated with).
 
+Which tokens the sink holds (``sink_select``): ``"first"``, the first S (StreamingLLM's and KIVI's
+sink); or ``"mass"``, chosen online at the prefill, per layer, KV head and sequence, from the
+attention the prefill's own queries paid: among the prefill tokens that will leave the float32
+window (the first ``max(S, P - R)``), the S with the largest mean share of attention over the
+queries that see them (and over the KV head's query heads). Nothing of the future is used. The
+chosen tokens keep their post-RoPE keys, so they attend as the tokens they are; the rest of the
+prefill goes on to the window and the middle in order. Bytes are the same as the first-S sink's:
+S float32 tokens either way.
+
 A policy also says where its stored state next changes (:meth:`Policy.next_change`): between two
 such points every new token attends the same stored history plus float32 tokens, so a study can
 feed those tokens as one forward call and get exactly what one token per forward would give.
@@ -32,12 +41,19 @@ from dataclasses import asdict, dataclass, replace
 
 from ..quant import MX, IntGrouped, Quantizer
 
-__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "preset", "HEADER_BYTES"]
+__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "preset", "sink_candidates", "HEADER_BYTES"]
 
 HEADER_BYTES = 16
 # Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
 MIDDLE_SCHEMES = ("float32", "drop", "int2", "int4", "int8", "mxfp8", "mxfp4")
 _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
+SINK_SELECT = ("first", "mass")
+
+
+def sink_candidates(prefill: int, sink: int, window: int) -> int:
+    """How many of the prefill's first tokens a ``"mass"`` sink is chosen from: those that will
+    leave the float32 window, and at least S."""
+    return min(prefill, max(sink, prefill - window))
 
 
 @dataclass(frozen=True)
@@ -47,7 +63,8 @@ class Policy:
     ``key_axis``: ``"channel"`` (K per channel over groups of ``group`` tokens, KIVI) or
     ``"token"`` (K per token over groups of ``feature_group`` features, the axis KIVI reports to
     fail at 2 bits); V is always per token over groups of ``feature_group`` features;
-    ``group``: G tokens moved from the window to a quantized middle at a time."""
+    ``group``: G tokens moved from the window to a quantized middle at a time; ``sink_select``:
+    ``"first"`` or ``"mass"`` (the module's docstring)."""
 
     name: str
     middle: str = "float32"
@@ -56,6 +73,7 @@ class Policy:
     group: int = 32
     feature_group: int = 32
     key_axis: str = "channel"
+    sink_select: str = "first"
     description: str = ""
 
     def __post_init__(self):
@@ -71,6 +89,10 @@ class Policy:
                 raise ValueError(f"policy {self.name}: {label} must be a power of two >= 2, got {v!r}")
         if self.key_axis not in ("channel", "token"):
             raise ValueError(f"policy {self.name}: key_axis must be 'channel' or 'token', got {self.key_axis!r}")
+        if self.sink_select not in SINK_SELECT:
+            raise ValueError(f"policy {self.name}: sink_select must be one of {list(SINK_SELECT)}, got {self.sink_select!r}")
+        if self.sink_select != "first" and (self.sink == 0 or not self.quantized):
+            raise ValueError(f"policy {self.name}: sink_select {self.sink_select!r} needs a sink and a quantized middle")
         if self.middle == "drop" and self.window == 0:
             raise ValueError(f"policy {self.name}: a dropped middle needs a window of at least one token")
 
@@ -175,6 +197,11 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
         Policy("int2", "int2", 0, window, group, description=f"KIVI-style 2 bits, R={window}, G={group}"),
         Policy("int4_sink4", "int4", sink, window, group, description=f"int4 with the first {sink} tokens float32"),
         Policy("int2_sink4", "int2", sink, window, group, description=f"int2 with the first {sink} tokens float32"),
+        Policy("int4_sinkmass4", "int4", sink, window, group, sink_select="mass",
+               description=f"int4 with {sink} float32 sink tokens chosen online at the prefill (per layer and KV head: "
+               "the most attended by the prefill's queries); the bytes of int4_sink4"),
+        Policy("int2_sinkmass4", "int2", sink, window, group, sink_select="mass",
+               description=f"int2 with {sink} float32 sink tokens chosen online at the prefill; the bytes of int2_sink4"),
         Policy("int2_ktoken", "int2", 0, window, group, key_axis="token",
                description="control: 2-bit K per token (the axis KIVI says fails), V per token"),
         Policy("mxfp8", "mxfp8", 0, window, group, description=f"MXFP8 E4M3 (block 32) K and V, R={window}"),
