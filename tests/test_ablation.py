@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.ablation import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate, ablate_case,
+from testbed.ablation import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate_case,
                               control_block, kept_mask, make_ablation)
 from testbed.case import Case, Region
 from testbed.metrics import score_tiles

@@ -21,7 +21,6 @@ Stored arrays (all append-friendly along the token axis):
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import kernels

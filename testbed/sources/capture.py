@@ -297,7 +297,7 @@ class Observer:
     # -- gates -------------------------------------------------------------------------------
     def call_counts(self, forwards: int, layers: int) -> dict:
         """Observer calls against the expectation of one call per (forward, layer)."""
-        cells = sum(1 for f in range(forwards) for l in range(layers) if self.calls.get((f, l), 0) == 1)
+        cells = sum(1 for f in range(forwards) for layer in range(layers) if self.calls.get((f, layer), 0) == 1)
         return {"forwards": self.forward_count, "calls": sum(self.calls.values()), "cells_with_one_call": cells}
 
 
