@@ -22,7 +22,7 @@ from testbed.audit_checks.common import softmax_attention
 from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import REPO, forge_report_md, forge_results
-from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
+from tests._reliability import record_audit_verdicts
 
 SMALL = {
     "residual_window": {"seeds": [7, 19], "lengths": [128]},

@@ -20,7 +20,6 @@ from testbed.audit import audit
 from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import forge_results
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.capture
 

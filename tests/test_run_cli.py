@@ -22,7 +22,6 @@ from tests._helpers import default_sigint
 from testbed.audit import audit
 from testbed.run import main as run_main, partial_dir, sweep_stale_partials
 from tests._helpers import synthetic_protocol as synthetic
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 180  # seconds to wait for a progress line / an exit; generous for a loaded 2-core machine
