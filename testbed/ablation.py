@@ -310,7 +310,7 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         for name, sel in region_atoms.items():
             rmass[name][heads, qs] = w_full[sel].sum(dim=0)
         o_ref = full if ref is None else ref[heads, qs].to(f64)
-        for i, name in enumerate(names):
+        for i, _name in enumerate(names):
             keep_atoms = ~drop_atoms[i]
             shift, zz, nn = _merge(m, z, n, keep_atoms)
             ok = zz > 0

@@ -150,7 +150,7 @@ def test_score_tiles_stay_within_budget_and_cover_everything():
     q = torch.randn(6, 50, 4)
     k = torch.randn(3, 40, 4)
     seen = torch.zeros(6, 50, dtype=torch.int64)
-    for j, heads, qs, s, vis in score_tiles(q, k, torch.arange(50) % 40, True, max_scores=2 * 40 * 7):
+    for j, heads, qs, s, _vis in score_tiles(q, k, torch.arange(50) % 40, True, max_scores=2 * 40 * 7):
         assert s.numel() <= 2 * 40 * 7
         assert heads == slice(2 * j, 2 * j + 2)
         seen[heads, qs] += 1
