@@ -275,7 +275,8 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     names = list(spans)
     na = len(names)
     atoms = _atoms(keys, layout, spans)
-    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names], dtype=torch.bool).reshape(na, len(atoms))
+    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names],
+                              dtype=torch.bool).reshape(na, len(atoms))
     region_atoms = {r.name: torch.tensor([_inside(at, [(r.start, r.stop)]) for at in atoms], dtype=torch.bool)
                     for r in layout}
     hist = history_span(layout)

@@ -294,7 +294,8 @@ def test_protocol_validation_names_the_key():
     with pytest.raises(ProtocolError, match="float32 arm is required"):
         an.validate({"kv_arms": [{"name": "q", "key": {"kind": "int_grouped"}, "value": {"kind": "int_grouped"}}]}, "p")
     with pytest.raises(ProtocolError, match=r"p\.kv_arms\[1\]\.key"):
-        an.validate({"kv_arms": [{"name": "float32"}, {"name": "q", "key": {"kind": "nope"}, "value": {"kind": "int_grouped"}}]}, "p")
+        an.validate({"kv_arms": [{"name": "float32"},
+                                 {"name": "q", "key": {"kind": "nope"}, "value": {"kind": "int_grouped"}}]}, "p")
     assert set(an.validate({}, "p")["ablations"]) == set(ABLATION_NAMES)
 
 

@@ -183,7 +183,8 @@ def test_reference_encoder_equals_native_float8_cast(element):
     grid = vals[torch.isfinite(vals)].unique()
     mids = (grid[1:] + grid[:-1]) / 2                       # every tie, both signs
     g = torch.Generator().manual_seed(1)
-    rnd = torch.randn(20000, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-30, 30, (20000,), generator=g).double())
+    rnd = (torch.randn(20000, generator=g, dtype=torch.float64)
+           * torch.exp2(torch.randint(-30, 30, (20000,), generator=g).double()))
     y = torch.cat([grid, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), rnd, torch.tensor([fmt.max * 1.1, -1e9, -0.0])])
     y = y.to(torch.float32).to(torch.float64)               # inputs the quantizer can see: float32 values
     assert torch.equal(encode_elements(y, fmt), encode_elements_reference(y, fmt))
