@@ -89,10 +89,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    arms = {"definition": lambda q, l: pa.packed_part_reference(q, l, 0.125),
-            "kernel": lambda q, l: pa.packed_part(q, l, 0.125, kernel=True)}
+    arms = {"definition": lambda q, layer: pa.packed_part_reference(q, layer, 0.125),
+            "kernel": lambda q, layer: pa.packed_part(q, layer, 0.125, kernel=True)}
     if not args.no_torch:
-        arms["torch fold"] = lambda q, l: torch_fold(q, l, 0.125)
+        arms["torch fold"] = lambda q, layer: torch_fold(q, layer, 0.125)
     print(f"# bench_packed_attention: batch {args.batch}, 3 KV heads x 64, {args.threads} threads, median of "
           f"{args.repeats} calls (ms per layer)\n")
     print("| middle | packed tokens | new tokens | " + " | ".join(arms) + " | " +

@@ -140,8 +140,6 @@ def main(argv=None) -> int:
     for name, ts in times.items():
         data = 2 * gb if "(K+V)" in name else gb
         rate[name] = data / statistics.median(ts)
-    copy = rate["memory copy"]
-
     def copy_peer(name):  # the K/V ops against a copy of the same two arrays
         return "memory copy (K+V)" if "(K+V)" in name and "memory copy (K+V)" in rate else "memory copy"
 

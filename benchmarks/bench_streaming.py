@@ -273,8 +273,8 @@ def main() -> None:
         "record": {"heads": meta["q"][0], "kv_heads": meta["k"][0], "queries": meta["q"][1], "keys": meta["k"][1],
                    "head_dim": meta["q"][2], "tokens_per_frame": meta["tokens_per_frame"], "layout": meta["layout"],
                    "scores_per_path": meta["q"][0] * meta["q"][1] * meta["k"][1]},
-        "config": {"small": args.small, "threads": args.threads, "repeats": n, "rotations": args.rotations, "max_scores": args.max_scores,
-                   "gomp_spincount": args.gomp_spincount,
+        "config": {"small": args.small, "threads": args.threads, "repeats": n, "rotations": args.rotations,
+                   "max_scores": args.max_scores, "gomp_spincount": args.gomp_spincount,
                    "dtype": "float32", "tiles": res["tiles"], "build_seconds": build_s},
         "environment": {"python": platform.python_version(), "platform": platform.platform(),
                         "cpu_count": os.cpu_count(), "load_avg": res["load_avg"]},
@@ -306,7 +306,8 @@ def main() -> None:
 
     print(f"record: {r['heads']} heads ({r['kv_heads']} KV) x {r['queries']} queries x {r['keys']} keys, D={r['head_dim']}"
           f" ({r['scores_per_path'] / 1e6:.0f} M scores per path); float32, {args.threads} threads, {res['tiles']} tiles,"
-          f" Q/K rotations: {args.rotations}" + (f", GOMP_SPINCOUNT={args.gomp_spincount}" if args.gomp_spincount is not None else ""))
+          f" Q/K rotations: {args.rotations}"
+          + (f", GOMP_SPINCOUNT={args.gomp_spincount}" if args.gomp_spincount is not None else ""))
     print(f"load average during the run: {', '.join(f'{la[0]:.2f}' for la in res['load_avg'])}")
     print(f"{'':24s}{'best':>9s}{'median':>9s}{'worst':>9s}   (wall s; CPU s best)")
     for name, w, c in (("bare QK^T + P.V", bw, bc), ("fused analysis", fw, fc)):

@@ -275,7 +275,8 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     names = list(spans)
     na = len(names)
     atoms = _atoms(keys, layout, spans)
-    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names], dtype=torch.bool).reshape(na, len(atoms))
+    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names],
+                              dtype=torch.bool).reshape(na, len(atoms))
     region_atoms = {r.name: torch.tensor([_inside(at, [(r.start, r.stop)]) for at in atoms], dtype=torch.bool)
                     for r in layout}
     hist = history_span(layout)
@@ -310,7 +311,7 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         for name, sel in region_atoms.items():
             rmass[name][heads, qs] = w_full[sel].sum(dim=0)
         o_ref = full if ref is None else ref[heads, qs].to(f64)
-        for i, name in enumerate(names):
+        for i, _name in enumerate(names):
             keep_atoms = ~drop_atoms[i]
             shift, zz, nn = _merge(m, z, n, keep_atoms)
             ok = zz > 0

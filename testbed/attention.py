@@ -68,7 +68,8 @@ def attention(q, k, v, query_positions, causal, *, dtype=torch.float64, chunk: i
     return out
 
 
-def attention_case(case: Case, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, dtype=torch.float64, chunk=DEFAULT_CHUNK) -> torch.Tensor:
+def attention_case(case: Case, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, dtype=torch.float64,
+                   chunk=DEFAULT_CHUNK) -> torch.Tensor:
     """Attention of a Case, optionally with replaced (e.g. dequantized) K and V."""
     return attention(case.q, case.k if k is None else k, case.v if v is None else v,
                      case.query_positions, case.causal, dtype=dtype, chunk=chunk)

@@ -545,7 +545,8 @@ class Audit:
         current = source_hashes()
         for rel in sorted(set(recorded) | set(current)):
             if rel not in current:
-                self.fail(f"source {rel}", "recorded in the manifest but absent from this checkout (use --no-sources for a run made by another version)")
+                self.fail(f"source {rel}", "recorded in the manifest but absent from this checkout "
+                                           "(use --no-sources for a run made by another version)")
             elif rel not in recorded:
                 self.fail(f"source {rel}", "in this checkout but not recorded: the run predates it (regenerate, or --no-sources)")
             elif recorded[rel] != current[rel]:

@@ -98,7 +98,8 @@ class Case:
             raise ValueError(f"{self.id}: causal must be True or False, got {self.causal!r}")
         if not isinstance(self.meta, dict):
             raise ValueError(f"{self.id}: meta must be a dict, got {type(self.meta).__name__}")
-        if self.tokens_per_frame is not None and (not isinstance(self.tokens_per_frame, int) or isinstance(self.tokens_per_frame, bool)):
+        if self.tokens_per_frame is not None and (not isinstance(self.tokens_per_frame, int)
+                                                  or isinstance(self.tokens_per_frame, bool)):
             raise ValueError(f"{self.id}: tokens_per_frame must be an integer or None, got {self.tokens_per_frame!r}")
         validate_tensor(self.q, f"{self.id}.q", rank=3)
         validate_tensor(self.k, f"{self.id}.k", rank=3)
@@ -128,7 +129,8 @@ class Case:
                     isinstance(b, int) and not isinstance(b, bool) for b in (r.start, r.stop)):
                 raise ValueError(f"{self.id}: layout entries must be Region(name: str, start: int, stop: int), got {r!r}")
             if r.start != pos or r.stop < r.start:
-                raise ValueError(f"{self.id}: layout is not contiguous at region {r.name!r} ({r.start}..{r.stop}, expected start {pos})")
+                raise ValueError(f"{self.id}: layout is not contiguous at region {r.name!r} "
+                                 f"({r.start}..{r.stop}, expected start {pos})")
             if r.name in names:
                 raise ValueError(f"{self.id}: region {r.name!r} appears twice in the layout")
             names.add(r.name)

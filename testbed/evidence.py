@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ArrayStore", "RecordingStore", "replay", "npy_bytes", "container_of", "load_array", "sha256_file", "sha256_bytes", "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
+__all__ = ["ArrayStore", "RecordingStore", "replay", "npy_bytes", "container_of", "load_array", "sha256_file", "sha256_bytes",
+           "write_json", "source_hashes", "environment", "REPO_ROOT", "SOURCE_GLOBS"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")

@@ -515,7 +515,8 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
                                     "segments worse", "mean KL", "top-1 agree", "bytes / token", "÷ float16",
                                     "ms / scored token"], tablefmt="github")
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
-             "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all 30 layers at the end of a segment, ÷ the tokens it has "
+             "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all 30 layers "
+             "at the end of a segment, ÷ the tokens it has "
              f"seen; float16 K+V would be {f16:,} B/token). Δ is the perplexity over all segments against the "
              "DynamicCache reference (exp of the mean per-segment NLL difference, minus 1); its interval is a "
              f"bootstrap over segments of that mean difference, given from {MIN_CI_SEGMENTS} segments on; "

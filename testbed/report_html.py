@@ -124,7 +124,8 @@ def _support(study, rows, load):
     for dist in dict.fromkeys(_dist(r) for r in cases):
         sel = [r for r in cases if _dist(r) == dist]
         vals = [np.asarray(load(r["arrays"]["rows"])[r["row_fields"].index("support")], np.float64).ravel() for r in sel]
-        lines.append({"distribution": dist, "cases": [r["case"] for r in sel], "support_sorted": np.sort(np.concatenate(vals)).tolist()})
+        lines.append({"distribution": dist, "cases": [r["case"] for r in sel],
+                      "support_sorted": np.sort(np.concatenate(vals)).tolist()})
     return {"lines": lines} if lines else None
 
 
@@ -305,7 +306,8 @@ def _draw_mx(plt, d):
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
     for s in d["series"]:
         x = np.asarray(s["tv_sorted"])
-        axes[0].step(x, np.arange(1, x.size + 1) / x.size, where="post", label=f"{s['path']} path, rotation {s['rotation']}, {s['scale_rule']}")
+        axes[0].step(x, np.arange(1, x.size + 1) / x.size, where="post",
+                     label=f"{s['path']} path, rotation {s['rotation']}, {s['scale_rule']}")
     _log(axes[0], "x")
     axes[0].set_xlabel("TV distance per row")
     axes[0].set_ylabel("share of rows <= x")

@@ -109,8 +109,14 @@ if numba is not None:
         m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = x[0]
         n8 = n // 8 * 8
         for j in range(0, n8, 8):
-            m0 = max(m0, x[j]); m1 = max(m1, x[j + 1]); m2 = max(m2, x[j + 2]); m3 = max(m3, x[j + 3])
-            m4 = max(m4, x[j + 4]); m5 = max(m5, x[j + 5]); m6 = max(m6, x[j + 6]); m7 = max(m7, x[j + 7])
+            m0 = max(m0, x[j])
+            m1 = max(m1, x[j + 1])
+            m2 = max(m2, x[j + 2])
+            m3 = max(m3, x[j + 3])
+            m4 = max(m4, x[j + 4])
+            m5 = max(m5, x[j + 5])
+            m6 = max(m6, x[j + 6])
+            m7 = max(m7, x[j + 7])
         m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
         for j in range(n8, n):
             m = max(m, x[j])
@@ -273,7 +279,10 @@ if numba is not None:
         m0 = m1 = m2 = m3 = xi[0]
         n4 = xi.shape[0] // 4 * 4
         for j in range(0, n4, 4):
-            m0 = min(m0, xi[j]); m1 = min(m1, xi[j + 1]); m2 = min(m2, xi[j + 2]); m3 = min(m3, xi[j + 3])
+            m0 = min(m0, xi[j])
+            m1 = min(m1, xi[j + 1])
+            m2 = min(m2, xi[j + 2])
+            m3 = min(m3, xi[j + 3])
         m = min(min(m0, m1), min(m2, m3))
         for j in range(n4, xi.shape[0]):
             m = min(m, xi[j])
@@ -482,9 +491,14 @@ if numba is not None:
                 o = k * block
                 m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = e[o]
                 for u in range(0, block, 8):
-                    m0 = max(m0, e[o + u]); m1 = max(m1, e[o + u + 1]); m2 = max(m2, e[o + u + 2])
-                    m3 = max(m3, e[o + u + 3]); m4 = max(m4, e[o + u + 4]); m5 = max(m5, e[o + u + 5])
-                    m6 = max(m6, e[o + u + 6]); m7 = max(m7, e[o + u + 7])
+                    m0 = max(m0, e[o + u])
+                    m1 = max(m1, e[o + u + 1])
+                    m2 = max(m2, e[o + u + 2])
+                    m3 = max(m3, e[o + u + 3])
+                    m4 = max(m4, e[o + u + 4])
+                    m5 = max(m5, e[o + u + 5])
+                    m6 = max(m6, e[o + u + 6])
+                    m7 = max(m7, e[o + u + 7])
                 bm[k] = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
         else:
             for k in range(nbk):

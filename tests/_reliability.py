@@ -1,7 +1,8 @@
 """Recording what the reliability suites try, for the generated "Reliability" table.
 
 Each test of tests/test_tamper.py, test_run_cli.py, test_determinism.py, test_fuzz_inputs.py and
-test_resource_guard.py takes the ``reliability`` fixture and calls it once per thing it tries::
+test_resource_guard.py takes the ``reliability`` fixture (offered to every test module by
+tests/conftest.py) and calls it once per thing it tries::
 
     reliability("tamper", "flip one bit in arrays/.../q.npy", expect="audit FAIL naming the file",
                 observed=first_fail_line)

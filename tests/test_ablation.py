@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.ablation import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate, ablate_case,
+from testbed.ablation import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate_case,
                               control_block, kept_mask, make_ablation)
 from testbed.case import Case, Region
 from testbed.metrics import score_tiles
@@ -150,7 +150,7 @@ def test_score_tiles_stay_within_budget_and_cover_everything():
     q = torch.randn(6, 50, 4)
     k = torch.randn(3, 40, 4)
     seen = torch.zeros(6, 50, dtype=torch.int64)
-    for j, heads, qs, s, vis in score_tiles(q, k, torch.arange(50) % 40, True, max_scores=2 * 40 * 7):
+    for j, heads, qs, s, _vis in score_tiles(q, k, torch.arange(50) % 40, True, max_scores=2 * 40 * 7):
         assert s.numel() <= 2 * 40 * 7
         assert heads == slice(2 * j, 2 * j + 2)
         seen[heads, qs] += 1
@@ -294,7 +294,8 @@ def test_protocol_validation_names_the_key():
     with pytest.raises(ProtocolError, match="float32 arm is required"):
         an.validate({"kv_arms": [{"name": "q", "key": {"kind": "int_grouped"}, "value": {"kind": "int_grouped"}}]}, "p")
     with pytest.raises(ProtocolError, match=r"p\.kv_arms\[1\]\.key"):
-        an.validate({"kv_arms": [{"name": "float32"}, {"name": "q", "key": {"kind": "nope"}, "value": {"kind": "int_grouped"}}]}, "p")
+        an.validate({"kv_arms": [{"name": "float32"},
+                                 {"name": "q", "key": {"kind": "nope"}, "value": {"kind": "int_grouped"}}]}, "p")
     assert set(an.validate({}, "p")["ablations"]) == set(ABLATION_NAMES)
 
 

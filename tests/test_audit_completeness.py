@@ -15,7 +15,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from testbed.audit import audit
@@ -23,7 +22,7 @@ from testbed.audit_checks.common import softmax_attention
 from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import REPO, forge_report_md, forge_results
-from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
+from tests._reliability import record_audit_verdicts
 
 SMALL = {
     "residual_window": {"seeds": [7, 19], "lengths": [128]},
@@ -164,8 +163,8 @@ def test_near_duplicate_row_with_another_arm_name(run):
     forge(run, res)
     fails = failures(run)
     n = len(res["rows"]) - 1
-    assert fails == [f"FAIL: results.json row {n} ablation ablation video-s1-c3 arm=int4_copy ablation=none: not a row the protocol "
-                     "produces for this case (arm=int4_copy ablation=none is not one of its rows)"]
+    assert fails == [f"FAIL: results.json row {n} ablation ablation video-s1-c3 arm=int4_copy ablation=none: "
+                     "not a row the protocol produces for this case (arm=int4_copy ablation=none is not one of its rows)"]
 
 
 def test_near_duplicate_row_with_one_unread_label_changed(run):
@@ -278,7 +277,8 @@ def test_malformed_labels_are_fail_lines_not_a_crash(run):
     fails = failures(run)
     assert fails and all(f.startswith("FAIL: ") and "\n" not in f for f in fails)
     assert not any("could not complete" in f or "cannot expand" in f for f in fails)
-    assert "FAIL: results.json ablation/llm-s1 ablation arm=int4 ablation=drop_sink: missing: the protocol produces this row" in fails
+    assert ("FAIL: results.json ablation/llm-s1 ablation arm=int4 ablation=drop_sink: "
+            "missing: the protocol produces this row") in fails
     assert any(f.startswith("FAIL: manifest.json excluded[0]: ['cap', 'x']") for f in fails)
 
 
@@ -353,7 +353,8 @@ def test_capture_prompt_excluded_with_a_forged_reason(capture_run, tmp_path):
     fails = failures(run)
     assert "FAIL: manifest.json excluded[1]: 'cap/again' (stage 'tokenize': 'prompt has 80 tokens, the protocol needs 64') " \
            "is not an exclusion the protocols allow" in fails
-    assert "FAIL: results.json cases.cap.again-L00-c01: missing: the protocol produces this case (and it is not excluded)" in fails
+    assert ("FAIL: results.json cases.cap.again-L00-c01: "
+            "missing: the protocol produces this case (and it is not excluded)") in fails
 
 
 def test_capture_whose_model_did_not_load(tmp_path, monkeypatch):

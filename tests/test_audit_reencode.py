@@ -31,7 +31,7 @@ from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import REPO
 from tests.test_tamper import rehash, results, small_protocol, write_results
-from tests._reliability import record_audit_verdicts, reliability  # noqa: F401  (fixture)
+from tests._reliability import record_audit_verdicts
 
 CASE = "clean-s7-n128"
 PAYLOAD_LINE = "stored payload differs from the audit's re-encoding of"

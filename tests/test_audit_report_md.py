@@ -24,7 +24,6 @@ import pytest
 from testbed.audit import Audit, audit, load_json
 from testbed.audit_checks import report_md
 from tests._helpers import REPO
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 EVIDENCE = REPO / "evidence"
 SMALL_FILES = ("manifest.json", "results.json", "report.md", "timings.json")

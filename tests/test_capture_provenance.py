@@ -20,7 +20,6 @@ from testbed.audit import audit
 from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import forge_results
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.capture
 
@@ -124,14 +123,16 @@ def test_token_ids_replaced_with_the_array_rehashed(run, reliability):
     ids = _arrays.load(run, rel)
     ids[10] = (ids[10] + 1) % 49152
     _rewrite_array(run, rel, ids)
-    _only(failures(run), "token_ids hash", "not the capture manifest's", rec=(reliability, "one token id changed, the array's sha256 re-computed"))
+    _only(failures(run), "token_ids hash", "not the capture manifest's",
+          rec=(reliability, "one token id changed, the array's sha256 re-computed"))
 
 
 def test_token_ids_dropped_from_a_case(run, reliability):
     res = _json(run, "results.json")
     del res["cases"][STUDY]["ferry-L29-c01"]["arrays"]["token_ids"]
     forge_results(run, res, redraw=False)
-    _only(failures(run), "ferry-L29-c01", "token_ids: not stored", rec=(reliability, "a case's token_ids dropped from results.json"))
+    _only(failures(run), "ferry-L29-c01", "token_ids: not stored",
+          rec=(reliability, "a case's token_ids dropped from results.json"))
 
 
 def test_gate_met_but_not_the_protocols(run, reliability):
@@ -139,7 +140,8 @@ def test_gate_met_but_not_the_protocols(run, reliability):
     def edit(m):
         m["gates"][f"{STUDY}.ferry.forwards"] = {"expected": 3, "actual": 3}
     _edit_manifest(run, edit)
-    _only(failures(run), "gates.cap.ferry.forwards", "the protocol and model give 2", rec=(reliability, "a gate rewritten as met at a count the protocol does not give"))
+    _only(failures(run), "gates.cap.ferry.forwards", "the protocol and model give 2",
+          rec=(reliability, "a gate rewritten as met at a count the protocol does not give"))
 
 
 def test_a_gate_deleted(run, reliability):
@@ -166,7 +168,8 @@ def test_model_dimensions_forged_with_their_counts(run, reliability):
         r["expected_observer_calls"] = r["actual_observer_calls"] = 2 * 24
     _rehash_file(run, REL, m)
     fails = failures(run)
-    _only(fails, "config.transformer_layers is 24, expected 30", rec=(reliability, "the model's layer count and the counts that follow from it forged"))
+    _only(fails, "config.transformer_layers is 24, expected 30",
+          rec=(reliability, "the model's layer count and the counts that follow from it forged"))
     _only(fails, "actual_observer_calls is 48, expected 60")
 
 

@@ -24,7 +24,6 @@ import torch
 from testbed import audit as audit_mod
 from testbed.run import main as run_main
 from tests import _arrays
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = REPO / "protocols" / "residual_window.json"

@@ -33,7 +33,6 @@ from testbed.case import Case, Region
 from testbed.protocol import ProtocolError, validate_protocol
 from testbed.quant import IntGrouped, ResidualWindow
 from testbed.run import main as run_main
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])

@@ -396,7 +396,10 @@ def test_a_wrong_fold_or_index_in_the_direct_kernel_is_caught(bits):
 
     per = 8 // bits
     mask = (1 << bits) - 1
-    swap = lambda c: ((c & mask) << bits) | ((c >> bits) & mask) | (c & ~((1 << 2 * bits) - 1) & 0xFF)
+
+    def swap(c):
+        return ((c & mask) << bits) | ((c >> bits) & mask) | (c & ~((1 << 2 * bits) - 1) & 0xFF)
+
     broken = {
         "K zero of the next group": wrong(layer.mid_k, "zero", lambda z: z.roll(-1, dims=-2)),
         "K scale of the next group": wrong(layer.mid_k, "scale", lambda s: s.roll(-1, dims=-2)),

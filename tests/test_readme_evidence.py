@@ -217,7 +217,8 @@ def check_readme(text: str, ev) -> None:
 
     qk, qkh, pp = ("qk", "none", "floor", "mxfp8_e4m3_b32"), ("qk", "signed_hadamard", "floor", "mxfp8_e4m3_b32_hadamard"), \
         ("p", "none", "floor", "mxfp8_e4m3_b32")
-    qkr, qkhr = ("qk", "none", "rceil", "mxfp8_e4m3_b32_rceil"), ("qk", "signed_hadamard", "rceil", "mxfp8_e4m3_b32_rceil_hadamard")
+    qkr = ("qk", "none", "rceil", "mxfp8_e4m3_b32_rceil")
+    qkhr = ("qk", "signed_hadamard", "rceil", "mxfp8_e4m3_b32_rceil_hadamard")
     assert {cell_text(ev, "mx_paths", "mx_paths", "MX paths", k, "rows") for k in (qk, qkh, pp)} == {"1152"}
     assert {cell_text(ev, "smollm2", "mx_paths", "MX paths", k, "rows") for k in (qk, qkh, pp)} == {"576"}
     clamp = sorted(value(ev, "smollm2", "mx_paths", "MX paths", k, "blocks clamped") for k in (qk, qkh))

@@ -22,7 +22,6 @@ import pytest
 from testbed.audit import audit
 from testbed.audit_checks.report_html import CSP, parse_report, png_size
 from tests._helpers import REPO, figure_run
-from tests._reliability import reliability  # noqa: F401  (fixture)
 from tests.test_tamper import assert_fails, check, manifest, rehash, write_manifest
 
 REL = "report.html"

@@ -14,7 +14,6 @@ from testbed import resources
 from testbed.protocol import estimate_protocol, validate_protocol
 from testbed.run import main as run_main
 from tests._helpers import synthetic_protocol as synthetic
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from testbed.audit import audit

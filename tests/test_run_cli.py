@@ -22,7 +22,6 @@ from tests._helpers import default_sigint
 from testbed.audit import audit
 from testbed.run import main as run_main, partial_dir, sweep_stale_partials
 from tests._helpers import synthetic_protocol as synthetic
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 180  # seconds to wait for a progress line / an exit; generous for a loaded 2-core machine
@@ -150,7 +149,8 @@ def test_existing_or_reserved_out_refused_untouched(tmp_path, kind, capsys, reli
     before = sorted(p.name for p in tmp_path.rglob("*"))
     rc = run_main(["--quiet", "--out", str(out), "--protocol", str(proto)])
     err = capsys.readouterr().err.strip().splitlines()
-    reliability("bad input: CLI", f"--out is an existing {kind}" if kind != "partial name" else "--out named like a partial folder",
+    reliability("bad input: CLI",
+                f"--out is an existing {kind}" if kind != "partial name" else "--out named like a partial folder",
                 "exit 2, one line, untouched", f"exit {rc}: {err[-1] if err else ''}")
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out")
     assert sorted(p.name for p in tmp_path.rglob("*")) == before

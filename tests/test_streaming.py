@@ -77,7 +77,7 @@ def test_observation_matches_observe(runs, dtype, atol):
 
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.float64, 1e-12, 1e-10), (torch.float32, 2e-6, 1e-4)])
 def test_ablations_match_ablate(runs, dtype, atol, rtol):
-    for case, ref, got in runs:
+    for _case, ref, got in runs:
         a, b = ref["abl"], got[dtype].ablation
         assert sorted(b.names) == sorted(a.names)
         for name in a.names:

@@ -35,7 +35,6 @@ from testbed.audit import audit
 from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import forge_report_md, forge_results
-from tests._reliability import reliability  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROTOCOL = REPO / "protocols" / "residual_window.json"

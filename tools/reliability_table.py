@@ -197,7 +197,8 @@ def render(recs: list[dict], status: dict[str, str]) -> tuple[str, bool]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-run", action="store_true", help="render from the last run's files in --dir")
-    ap.add_argument("--dir", default=str(REPO / "target" / "reliability"), help="records and junit.xml (default target/reliability)")
+    ap.add_argument("--dir", default=str(REPO / "target" / "reliability"),
+                    help="records and junit.xml (default target/reliability)")
     ap.add_argument("--out", default=str(REPO / "docs" / "reliability.md"), help="markdown to write")
     ap.add_argument("--readme", help="also replace the marker-delimited block in this file (e.g. README.md)")
     ap.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")

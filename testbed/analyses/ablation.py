@@ -190,8 +190,9 @@ def evaluate(case, params, ctx) -> list[dict]:
             packed_paths = ctx.store.save_packed(f"{ctx.study}/{case.id}/ablation/{arm}", packed)
             payload = packed.nbytes
             quant = packer.config()
+        # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023)
         res = ctx.timed(case.id, arm, "ablate", 0,
-                        lambda: ablate_case(case, spans, k, v, ref=ref, max_scores=params["max_scores"]))
+                        lambda: ablate_case(case, spans, k, v, ref=ref, max_scores=params["max_scores"]))  # noqa: B023
         if packer is None:
             ref = res.output
         region = {f"{r}_mass": (_mean(res.region_mass[r]) if r in res.region_mass else None) for r in REGION_FIELDS}

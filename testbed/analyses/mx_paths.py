@@ -180,16 +180,17 @@ def evaluate(case, params, ctx) -> list[dict]:
                      "payload_bytes": pp.nbytes, "float32_bytes": 4 * p_ref.numel(),
                      "quant": mx.config(), "arrays": {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", pp)}})
 
+    # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023)
     for repeat in range(ctx.timing_repeats):
         for (rot, rule), mx in ctx.shuffled(list(quantizers.items())):
             tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
-            packed = ctx.timed(case.id, tag, "quantize_k", repeat, lambda: mx.quantize(case.k))
-            ctx.timed(case.id, tag, "decode_k", repeat, lambda: mx.decode_rotated(packed))
+            packed = ctx.timed(case.id, tag, "quantize_k", repeat, lambda: mx.quantize(case.k))  # noqa: B023
+            ctx.timed(case.id, tag, "decode_k", repeat, lambda: mx.decode_rotated(packed))  # noqa: B023
         for rule, mxp in p_quantizers.items():
             tag = "p" + ("" if rule == "floor" else f"_{rule}")
             p32 = p_ref.to(torch.float32)
-            packed = ctx.timed(case.id, tag, "quantize_p", repeat, lambda: mxp.quantize(p32))
-            ctx.timed(case.id, tag, "decode_p", repeat, lambda: mxp.dequantize(packed))
+            packed = ctx.timed(case.id, tag, "quantize_p", repeat, lambda: mxp.quantize(p32))  # noqa: B023
+            ctx.timed(case.id, tag, "decode_p", repeat, lambda: mxp.dequantize(packed))  # noqa: B023
     return rows
 
 

@@ -247,9 +247,9 @@ def report(rows, params) -> str:
             acc[(r.get("distribution", r["case"]), r["head"])].append(r)
         tab = []
         for (dist, hh), rs in acc.items():
-            tab.append([dist, hh, rs[0].get("concentration"), len(rs), _spread(rs, "support_median"), _pct(_pooled(rs, "top10_mean")),
-                        _pct(_pooled(rs, "sink_mass")), _pct(_pooled(rs, "current_mass")), _pct(_pooled(rs, "history_mass")),
-                        _pct(_pooled(rs, "jaccard_query"), 1)])
+            tab.append([dist, hh, rs[0].get("concentration"), len(rs), _spread(rs, "support_median"),
+                        _pct(_pooled(rs, "top10_mean")), _pct(_pooled(rs, "sink_mass")), _pct(_pooled(rs, "current_mass")),
+                        _pct(_pooled(rs, "history_mass")), _pct(_pooled(rs, "jaccard_query"), 1)])
         out.append(tabulate(tab, headers=["distribution", "head", "concentration", "cases", "median support [range over cases]",
                                           "mean top10%", "sink", "current", "history", "Jaccard queries"], tablefmt="github"))
     layers = [r for r in rows if r["scope"] == "case" and r.get("layer") is not None]
@@ -259,7 +259,8 @@ def report(rows, params) -> str:
         for r in layers:
             acc[(r.get("distribution", r["case"]), r["layer"])].append(r)
         tab = [[dist, layer, len(rs), _pct(_pooled(rs, "sink_mass")), _pct(_pooled(rs, "recent_mass")),
-                _pct(_pooled(rs, "current_mass")), _pct(_pooled(rs, "history_mass")), _pct(_med([r["support_median"] for r in rs]))]
+                _pct(_pooled(rs, "current_mass")), _pct(_pooled(rs, "history_mass")),
+                _pct(_med([r["support_median"] for r in rs]))]
                for (dist, layer), rs in sorted(acc.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
         out.append(tabulate(tab, headers=["distribution", "layer", "cases", "sink", "recent", "current", "history",
                                           "median support"], tablefmt="github"))
@@ -274,8 +275,8 @@ def report(rows, params) -> str:
             hist = [r["by_query_block"]["history_mass"][i] for r in sel]
             hm = None if None in hist else sum(x * r["by_query_block"]["rows"][i] for x, r in zip(hist, sel)) / n
             tab.append([dist, i, n, _pct(hm), _pct(_med([r["by_query_block"]["support_median"][i] for r in sel]))])
-    out.append(tabulate(tab, headers=["distribution", "query block", "rows", "history mass", "median support (median over cases)"],
-                        tablefmt="github"))
+    out.append(tabulate(tab, headers=["distribution", "query block", "rows", "history mass",
+                                      "median support (median over cases)"], tablefmt="github"))
     for dist in dict.fromkeys(r.get("distribution", r["case"]) for r in cases):
         sel = [r for r in cases if r.get("distribution", r["case"]) == dist]
         if any(r["heatmap"] is None for r in sel):

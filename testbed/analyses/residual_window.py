@@ -108,12 +108,13 @@ def evaluate(case, params, ctx) -> list[dict]:
             # outputs are not stored: the audit recomputes them from q and the packed K/V
             "arrays": {"packed": packed_paths},
         })
+    # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023)
     for repeat in range(ctx.timing_repeats):
         for arm, packer in ctx.shuffled(plan):
             if packer is None:
                 continue
-            packed = ctx.timed(case.id, arm, "pack", repeat, lambda: packer.pack(case.k, case.v))
-            ctx.timed(case.id, arm, "unpack", repeat, lambda: packer.unpack(packed))
+            packed = ctx.timed(case.id, arm, "pack", repeat, lambda: packer.pack(case.k, case.v))  # noqa: B023
+            ctx.timed(case.id, arm, "unpack", repeat, lambda: packer.unpack(packed))  # noqa: B023
     return rows
 
 

@@ -15,11 +15,11 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   segment), bytes per token, context, forwards, scored tokens;
 - for the one evidence layer of the first segment: the packed middle re-encoded from the recorded
   float32 K/V with the audit's integer and MX encoders (``common.encode_tensor``), byte for byte,
-  the float32 sink and window equal to the inputs, and no other stored array; for an evicting policy, that it kept exactly the first S and newest W;
-  for a sink chosen from attention (``*_sinkmass*``), its scores recomputed in float64 from the
-  recorded prefill queries and keys, the chosen tokens the top S of the stored scores (ties to the
-  lower index) among the candidates, the sink those tokens' inputs and the middle and window the
-  rest, per KV head;
+  the float32 sink and window equal to the inputs, and no other stored array; for an evicting
+  policy, that it kept exactly the first S and newest W; for a sink chosen from attention
+  (``*_sinkmass*``), its scores recomputed in float64 from the recorded prefill queries and keys,
+  the chosen tokens the top S of the stored scores (ties to the lower index) among the candidates,
+  the sink those tokens' inputs and the middle and window the rest, per KV head;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 

@@ -137,7 +137,8 @@ def derive(case, frame: int, coverage: float, case_id: str = "") -> dict:
     jb = _jaccard(bsets[:, 1:], bsets[:, :-1]) if len(blocks) > 1 else np.zeros((h, 0))
     hist_uniform = None
     if "history" in regions:
-        hv = np.minimum(qp + 1, regions["history"][1]).astype(np.float64) if case["causal"] else np.full(tq, float(regions["history"][1]))
+        hv = (np.minimum(qp + 1, regions["history"][1]).astype(np.float64) if case["causal"]
+              else np.full(tq, float(regions["history"][1])))
         hist_uniform = np.broadcast_to(hv / nvis, (h, tq))
     return {"rows": rows, "heat": heat, "jq": jq, "jb": jb, "size": size, "blocks": blocks, "qbi": qbi,
             "null_pair": null_pair, "null_shuffled": null_shuf,

@@ -803,7 +803,7 @@ def _match_headings(ctx, where: str, parts: list, want: list, what: str) -> list
     if [n for n in names if n in want] != [n for n in want if n in names] and len(set(names)) == len(names):
         ctx.fail(where, f"{what}s out of order: the run's protocols call for {want}")
     first = {}
-    for title, line, blocks in parts:
+    for title, _line, blocks in parts:
         first.setdefault(title, blocks)
     return [(first[n], n) for n in want if n in first]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences, rel_l2, softmax_attention
+from .common import (cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences, rel_l2,
+                     softmax_attention)
 
 
 def check(row: dict, ctx) -> None:

@@ -21,7 +21,6 @@ Stored arrays (all append-friendly along the token axis):
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import kernels
@@ -116,7 +115,8 @@ class IntGrouped(Quantizer):
         s = scale16.to(torch.float32).unsqueeze(red)
         z = zero16.to(torch.float32).unsqueeze(red)
         live = s > 0
-        codes = torch.where(live, torch.round((grouped - z) / torch.where(live, s, torch.ones_like(s))), torch.zeros_like(grouped))
+        codes = torch.where(live, torch.round((grouped - z) / torch.where(live, s, torch.ones_like(s))),
+                            torch.zeros_like(grouped))
         codes = codes.clamp_(0, self.qmax).to(torch.uint8)
         if self.axis == "channel":
             codes = codes.reshape(*codes.shape[:-3], -1, d)

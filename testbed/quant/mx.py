@@ -24,8 +24,8 @@ smallest power of two that needs no clamping, so the scale is FLOOR's or one abo
 saturates. :func:`saturated_blocks` counts the blocks that clamp. torchao's CPU path takes the
 ceil of a float32 ``log2``, which lands one scale lower when ``d`` is a hair above a power of two;
 this module takes the exact value (``tests/quant/test_mx.py`` checks every other block bit for
-bit against torchao and that each difference is such a block). Inputs are first rounded to float32 (the precision of the kernels' inputs); the codes
-are those of the float32 value.
+bit against torchao and that each difference is such a block). Inputs are first rounded to float32
+(the precision of the kernels' inputs); the codes are those of the float32 value.
 
 Divergence from torchao, on purpose: for a non-zero block whose scale code is 0 (amax below
 2**-118 for E4M3) torchao divides by float32's smallest normal 2**-126 instead of 2**-127 (its

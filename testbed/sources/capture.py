@@ -297,7 +297,7 @@ class Observer:
     # -- gates -------------------------------------------------------------------------------
     def call_counts(self, forwards: int, layers: int) -> dict:
         """Observer calls against the expectation of one call per (forward, layer)."""
-        cells = sum(1 for f in range(forwards) for l in range(layers) if self.calls.get((f, l), 0) == 1)
+        cells = sum(1 for f in range(forwards) for layer in range(layers) if self.calls.get((f, layer), 0) == 1)
         return {"forwards": self.forward_count, "calls": sum(self.calls.values()), "cells_with_one_call": cells}
 
 
@@ -561,7 +561,8 @@ def estimate_bytes(params: dict) -> int:
     cache = 2 * dims["layers"] * dims["kv_heads"] * params["tokens"] * dims["head_dim"] * 4
     work = 16 * dims["heads"] * params["chunk"] * params["tokens"] * 4 + (64 << 20)
     queries = params["queries"] or params["chunk"]
-    per_prompt = len(params["layers"]) * len(params["record_chunks"]) * (heads * queries + 2 * kv * params["tokens"]) * dims["head_dim"] * 4
+    per_prompt = (len(params["layers"]) * len(params["record_chunks"]) * (heads * queries + 2 * kv * params["tokens"])
+                  * dims["head_dim"] * 4)
     return model + cache + work + per_prompt + attention_chain_bytes(heads, kv, queries, params["tokens"], dims["head_dim"])
 
 
@@ -738,8 +739,9 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
             # Reports group by "distribution": here the layer (depth is the axis of interest), so
             # the prompts are the independent units inside each group.
             meta = {"source": "capture", "distribution": f"L{rec.layer:02d}", "model": params["model"], "prompt": pid,
-                    "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0, "layout_kind": "llm_stream",
-                    "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size, "token_ids_sha256": ids_sha}
+                    "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0,
+                    "layout_kind": "llm_stream", "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size,
+                    "token_ids_sha256": ids_sha}
             yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta, token_ids=token_ids)
     # The total also holds the analyses that ran on each case between yields.
     _timing(ctx, study, "capture_total", time.perf_counter() - t_total)

@@ -56,7 +56,8 @@ def make_case(distribution: str, seed: int, n: int, head_dim: int = 32, queries:
     if focus is not None:
         q[..., 0] = a
         k[:, focus[0]:focus[1], 0] = a
-    layout = (Region("sink", 0, focus_tokens), Region("middle", focus_tokens, n - focus_tokens), Region("recent", n - focus_tokens, n))
+    layout = (Region("sink", 0, focus_tokens), Region("middle", focus_tokens, n - focus_tokens),
+              Region("recent", n - focus_tokens, n))
     return Case(
         id=f"{distribution}-s{seed}-n{n}",
         q=q, k=k, v=v,

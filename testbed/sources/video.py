@@ -109,7 +109,8 @@ def make_video_case(seed: int, chunk: int = 3, *, tokens_per_frame: int = 4, sin
         query_positions=torch.arange(r_end, tk, dtype=torch.int64), causal=False, layout=layout,
         tokens_per_frame=tpf,
         meta={"source": "synthetic_video", "distribution": "video", "layout_kind": "video", "seed": seed,
-              "chunk": chunk, "key_frames": key_frames, "head_concentration": [concentrations[hh % len(concentrations)] for hh in range(heads)],
+              "chunk": chunk, "key_frames": key_frames,
+              "head_concentration": [concentrations[hh % len(concentrations)] for hh in range(heads)],
               "rho": rho, "sink_logit": sink_logit},
     )
 

@@ -18,7 +18,7 @@ from testbed import quant
 from testbed.audit_checks import mx_paths as audit_mx
 from testbed.audit_checks.common import MX_ELEMENTS, decode_mx
 from testbed.quant.mx import (ELEMENTS, MX, MXFP4, MXFP8, element_values, encode_elements,
-                              encode_elements_reference, quantize_blocks, saturated_blocks)
+                              encode_elements_reference, saturated_blocks)
 from testbed.quant.packing import pack_codes, unpack_codes
 from testbed.quant.rotation import SignedHadamard, random_signs, rotation_block, sylvester
 
@@ -183,7 +183,8 @@ def test_reference_encoder_equals_native_float8_cast(element):
     grid = vals[torch.isfinite(vals)].unique()
     mids = (grid[1:] + grid[:-1]) / 2                       # every tie, both signs
     g = torch.Generator().manual_seed(1)
-    rnd = torch.randn(20000, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-30, 30, (20000,), generator=g).double())
+    rnd = (torch.randn(20000, generator=g, dtype=torch.float64)
+           * torch.exp2(torch.randint(-30, 30, (20000,), generator=g).double()))
     y = torch.cat([grid, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), rnd, torch.tensor([fmt.max * 1.1, -1e9, -0.0])])
     y = y.to(torch.float32).to(torch.float64)               # inputs the quantizer can see: float32 values
     assert torch.equal(encode_elements(y, fmt), encode_elements_reference(y, fmt))
