@@ -20,7 +20,13 @@ applicable rather than run on something else):
   fits, else a block elsewhere beside the target, else scattered keys (see `control_block`) —
   so that "the sink matters" can be told apart from "any that many keys matter". Where the
   history outside the region is smaller than the region, there is no valid control and it is
-  not applicable.
+  not applicable;
+- ``mass_control_sink``, ``mass_control_recent`` (any ``mass_control_<region>``): per row (head x
+  query), keys of the history outside the region whose reference attention mass matches the
+  region's within 1 % (see `select_mass_matched`), so that "the sink matters" can be told apart
+  from "removing that much mass matters". The key set differs from row to row; a row with no
+  such set is *unmatched* (NaN, counted, left out of every mean). Run by `mass_control`, a
+  per-row-mask path (the atoms below are shared by all rows).
 
 With dropped mass ``tau = sum_{j dropped} P_j`` the ablated row is ``P' = P / (1 - tau)`` on the
 kept keys, so ``TV(P, P') = tau`` and ``O' - O = tau (mu_kept - mu_dropped)`` where ``mu`` are the
@@ -45,12 +51,15 @@ import torch
 
 from .metrics import history_span, score_tiles
 
-__all__ = ["Full", "DropRegion", "DropHistory", "KeepCurrentOnly", "Control", "make_ablation", "ABLATION_NAMES",
-           "control_block", "kept_mask", "ablate", "ArmResult", "DEFAULT_MAX_SCORES"]
+__all__ = ["Full", "DropRegion", "DropHistory", "KeepCurrentOnly", "Control", "MassControl", "make_ablation",
+           "ABLATION_NAMES", "control_block", "mass_control_order", "select_mass_matched", "mass_control", "MassResult",
+           "kept_mask", "ablate", "ArmResult", "DEFAULT_MAX_SCORES", "MASS_TOLERANCE", "MASS_ATTEMPTS"]
 
 DEFAULT_MAX_SCORES = 1 << 21  # float64 scores per tile (16 MiB); a tile's temporaries are a few times that
-ABLATION_NAMES = ("none", "drop_sink", "control_sink", "drop_recent", "control_recent", "drop_middle",
-                  "drop_history", "keep_current_only")
+MASS_TOLERANCE = 0.01  # a mass-matched control's reference mass is within this relative distance of tau
+MASS_ATTEMPTS = 16     # seeded key orders a row tries, in turn, until one matches
+ABLATION_NAMES = ("none", "drop_sink", "control_sink", "mass_control_sink", "drop_recent", "control_recent",
+                  "mass_control_recent", "drop_middle", "drop_history", "keep_current_only")
 
 
 @dataclass(frozen=True)
@@ -159,9 +168,61 @@ class Control:
         return None if blk is None else blk[0]
 
 
+def mass_control_order(case, target: str, seed: int, attempt: int = 0) -> list[int] | None:
+    """The keys a mass-matched control of region ``target`` may drop, in the seeded order of
+    attempt ``attempt``; None when the region is missing or empty or no such key exists.
+
+    The eligible keys are the size-matched control's pool: the history (keys before ``current``,
+    or all keys without a current region) outside the target. Each of them, in ascending key
+    order, draws ``u = rng.random()`` from
+    ``random.Random(f"mass_control:{seed}:{case.id}:{target}:{attempt}")`` (stdlib ``random()``,
+    whose stream Python keeps fixed for a seed, so the audit can redraw it); the order is
+    increasing ``u`` (ties, never seen, by key index). One order per (case, target, attempt),
+    shared by every row: the rows' sets differ because their masses do.
+    """
+    r = case.region(target)
+    if r is None or r.size == 0:
+        return None
+    h0, h1 = history_span(case.layout) or (0, case.keys)
+    eligible = [t for t in range(h0, h1) if not r.start <= t < r.stop]
+    if not eligible:
+        return None
+    rng = random.Random(f"mass_control:{seed}:{case.id}:{target}:{attempt}")
+    draws = [rng.random() for _ in eligible]
+    return [t for _, t in sorted(zip(draws, eligible))]
+
+
+@dataclass(frozen=True)
+class MassControl:
+    """Per-row mass-matched control of ``target`` (see `mass_control_order`, `select_mass_matched`)."""
+
+    target: str
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"mass_control_{self.target}"
+
+    def target_spans(self, case):
+        r = case.region(self.target)
+        return None if r is None or r.size == 0 else [(r.start, r.stop)]
+
+    def dropped(self, case):
+        raise TypeError(f"{self.name} drops a different key set per row: run it with mass_control, not ablate")
+
+    def orders(self, case) -> list[list[int]] | None:
+        """The `MASS_ATTEMPTS` seeded orders of the eligible keys, or None (not applicable)."""
+        first = mass_control_order(case, self.target, self.seed, 0)
+        if first is None:
+            return None
+        return [first] + [mass_control_order(case, self.target, self.seed, a) for a in range(1, MASS_ATTEMPTS)]
+
+
 def make_ablation(name: str, seed: int = 0):
     """The ablation called ``name``: ``none``, ``drop_history``, ``keep_current_only``,
-    ``drop_<region>`` or ``control_<region>``."""
+    ``drop_<region>``, ``control_<region>`` or ``mass_control_<region>``."""
+    if name.startswith("mass_control_") and len(name) > 13:
+        return MassControl(name[13:], seed)
     if name == "none":
         return Full()
     if name == "drop_history":
@@ -172,7 +233,8 @@ def make_ablation(name: str, seed: int = 0):
         return DropRegion(name[5:])
     if name.startswith("control_") and len(name) > 8:
         return Control(name[8:], seed)
-    raise ValueError(f"unknown ablation {name!r} (none, drop_history, keep_current_only, drop_<region>, control_<region>)")
+    raise ValueError(f"unknown ablation {name!r} (none, drop_history, keep_current_only, drop_<region>, control_<region>, "
+                     "mass_control_<region>)")
 
 
 def kept_mask(keys: int, dropped: list[tuple[int, int]]) -> torch.Tensor:
@@ -356,3 +418,219 @@ def ablate_case(case, spans: dict[str, list[tuple[int, int]]], k=None, v=None, *
 
 
 __all__.append("ablate_case")
+
+
+# ---------------------------------------------------------------------------------------------
+# mass-matched controls: a different key set per row, so a per-row mask instead of shared atoms
+# ---------------------------------------------------------------------------------------------
+
+def select_mass_matched(p: torch.Tensor, target: torch.Tensor, orders: list[list[int]], vis: torch.Tensor | None,
+                        tol: float = MASS_TOLERANCE):
+    """Seeded first-fit selection of a mass-matched control, every row at once.
+
+    ``p [..., c, Tk]``: the rows' reference attention probabilities (float64); ``target [Tk]``
+    bool: the target region; ``orders``: the seeded orders of the eligible keys
+    (`MassControl.orders`, all of one length); ``vis [c, Tk]`` or None: the causal mask. Per row,
+    ``tau`` is its mass on the target, ``lo = (1 - tol) tau``, ``hi = (1 + tol) tau``. One attempt
+    with an order: ``acc = 0``, no key taken; for each key ``t`` of the order, a key the row cannot
+    see is skipped, else it is taken iff ``acc + P_t <= hi`` (then ``acc += P_t``), and the attempt
+    stops, *reached*, once ``acc >= lo``. A row keeps the keys of the first attempt (in the order
+    of ``orders``) that reached; a row none reached, or with ``tau`` 0 or NaN, is *unmatched* and
+    drops nothing.
+
+    The attempts are independent, so they run side by side (one loop over order positions, numpy
+    on ``[attempts, rows]``); rows whose whole eligible visible mass is below ``lo`` cannot match
+    and are left out from the start (a shortcut only, with a 1e-9 relative margin so that it never
+    changes an outcome).
+
+    Returns torch ``(selected [..., c, Tk] bool, False on unmatched rows; tau; acc, the selected
+    keys' mass, 0 on unmatched rows; matched bool)``.
+    """
+    import numpy as np
+
+    shape, tk = p.shape[:-1], p.shape[-1]
+    pn = p.detach().to(torch.float64).reshape(-1, tk).numpy()
+    rows = pn.shape[0]
+    if vis is None:
+        visn = np.ones((rows, tk), dtype=bool)
+    else:
+        visn = vis.expand(*shape, tk).reshape(-1, tk).numpy()
+    order = np.asarray(orders, dtype=np.int64).reshape(len(orders), -1)     # [A, E]
+    tau = pn[:, target.numpy()].sum(axis=1)
+    hi = tau * (1.0 + tol)
+    lo = tau * (1.0 - tol)
+    with np.errstate(invalid="ignore"):
+        hopeless = ~(tau > 0) | (pn[:, order[0]].sum(axis=1) < lo * (1.0 - 1e-9))
+    attempts, e = order.shape
+    acc = np.zeros((attempts, rows))
+    done = np.broadcast_to(hopeless, (attempts, rows)).copy()
+    took = np.zeros((attempts, rows, e), dtype=bool)
+    with np.errstate(invalid="ignore"):
+        for i in range(e):
+            if done.all():
+                break
+            keys_i = order[:, i]
+            nxt = acc + pn[:, keys_i].T
+            take = ~done & (nxt <= hi) & visn[:, keys_i].T
+            acc = np.where(take, nxt, acc)
+            took[:, :, i] = take
+            done |= take & (acc >= lo)
+        hit = (acc >= lo) & ~hopeless
+    matched = hit.any(axis=0)
+    first = np.argmax(hit, axis=0)
+    ar = np.arange(rows)
+    sel = np.zeros((rows, tk), dtype=bool)
+    sel[ar[:, None], order[first]] = took[first, ar] & matched[:, None]
+    achieved = np.where(matched, acc[first, ar], 0.0)
+    return (torch.from_numpy(sel).reshape(*shape, tk), torch.from_numpy(tau).reshape(shape),
+            torch.from_numpy(achieved).reshape(shape), torch.from_numpy(matched).reshape(shape))
+
+
+def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop: torch.Tensor, vj: torch.Tensor):
+    """One masked renormalized softmax per row, dropping ``drop [g, c, Tk]`` (a per-row mask).
+
+    Returns ``(out [g, c, D], ok, tau, tv, mu_dropped [g, c, D], has)``: ``ok`` where the kept
+    visible set is not empty, ``tau`` the dropped mass of ``p``, ``tv = 0.5 sum |p - p'|`` key by
+    key, ``mu_dropped`` the value mean under the dropped keys' own softmax, ``has`` where a visible
+    key is dropped.
+    """
+    visible = torch.ones_like(drop) if vis is None else vis.unsqueeze(0).expand_as(drop)
+    ninf = float("-inf")
+    allowed = visible & ~drop
+    ok = allowed.any(dim=-1)
+    sa = s.masked_fill(~allowed, ninf)
+    mx = torch.where(ok, sa.amax(dim=-1), torch.zeros_like(ok, dtype=s.dtype))
+    ea = torch.exp(sa - mx.unsqueeze(-1))
+    za = ea.sum(dim=-1)
+    pa = ea / torch.where(ok, za, torch.ones_like(za)).unsqueeze(-1)
+    out = torch.matmul(pa, vj)
+    tau = p.masked_fill(~drop, 0.0).sum(dim=-1)
+    tv = 0.5 * (p - pa).abs().sum(dim=-1)
+    dv = visible & drop
+    has = dv.any(dim=-1)
+    sd = s.masked_fill(~dv, ninf)
+    md = torch.where(has, sd.amax(dim=-1), torch.zeros_like(has, dtype=s.dtype))
+    ed = torch.exp(sd - md.unsqueeze(-1))
+    zd = ed.sum(dim=-1)
+    mu_d = torch.matmul(ed, vj) / torch.where(has, zd, torch.ones_like(zd)).unsqueeze(-1)
+    return out, ok, tau, tv, mu_d, has
+
+
+@dataclass
+class MassResult(ArmResult):
+    """`ArmResult` of the mass-matched controls of one K/V arm (names ``mass_control_<region>``),
+    on the matched rows only (per-row fields NaN elsewhere, sums over matched defined rows).
+
+    Extra per-row fields ``[A, H, Tq]``: ``target_mass`` (the reference mass of the target, the
+    tau the selection matches), ``achieved`` (the reference mass of the selected keys; NaN on
+    unmatched rows), ``matched`` (bool), ``keys`` (selected keys per row, 0 when unmatched). The
+    selection always reads the *reference* attention (the float64 softmax of the original K), so
+    a quantized arm drops the same keys per row as the float32 arm; ``dropped_mass`` is the arm's
+    own mass of them. ``target_err2`` / ``target_ref2 [A, H]``: the target region's own ablation
+    on this arm, summed over the same rows, for a like-for-like rel-L2.
+    """
+
+    target_mass: torch.Tensor | None = None
+    achieved: torch.Tensor | None = None
+    matched: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    target_err2: torch.Tensor | None = None
+    target_ref2: torch.Tensor | None = None
+
+    def target_rel_l2(self, name: str) -> float:
+        i = self.index(name)
+        den = float(self.target_ref2[i].sum())
+        return float("nan") if den == 0 else (float(self.target_err2[i].sum()) / den) ** 0.5
+
+
+def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
+                 layout, controls: dict[str, tuple[list[tuple[int, int]], list[list[int]]]], *, k_ref: torch.Tensor | None = None,
+                 ref: torch.Tensor | None = None, max_scores: int = DEFAULT_MAX_SCORES,
+                 tol: float = MASS_TOLERANCE) -> MassResult:
+    """Run the mass-matched controls ``controls`` ({name: (target spans, `MassControl.orders`)}) on
+    one K/V arm, tile by tile (one KV head x a slice of queries, as `ablate`).
+
+    ``k_ref``: the original K the selection reads (None: ``k`` itself, the float32 arm); ``ref``:
+    the output errors are measured against (None: this arm's own full output). Each row of a tile
+    is a direct masked softmax over its own kept keys (no atoms: the dropped set differs per row).
+    """
+    h, tq, d = q.shape
+    keys = k.shape[1]
+    names = list(controls)
+    na = len(names)
+    f64 = torch.float64
+    nan = float("nan")
+    per_row = {key: torch.full((na, h, tq), nan, dtype=f64)
+               for key in ("dropped_mass", "tv", "mean_shift", "target_mass", "achieved")}
+    matched_all = torch.zeros(na, h, tq, dtype=torch.bool)
+    nkeys = torch.zeros(na, h, tq, dtype=torch.int64)
+    undefined = torch.zeros(na, h, dtype=torch.int64)
+    sums = {key: torch.zeros(na, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2",
+                                                           "target_err2", "target_ref2")}
+    output = torch.empty(h, tq, d, dtype=f64)
+    targets = []
+    for name in names:
+        tmask = torch.zeros(keys, dtype=torch.bool)
+        for a, b in controls[name][0]:
+            tmask[a:b] = True
+        targets.append(tmask)
+    ref_tiles = None if k_ref is None else score_tiles(q, k_ref, query_positions, causal, max_scores)
+    for j, heads, qs, s, vis in score_tiles(q, k, query_positions, causal, max_scores):
+        vj = v[j].to(f64)
+        sm = s if vis is None else s.masked_fill(~vis, float("-inf"))
+        p = torch.softmax(sm, dim=-1)
+        full = torch.matmul(p, vj)
+        output[heads, qs] = full
+        if ref_tiles is None:
+            p_ref = p
+        else:
+            s_ref = next(ref_tiles)[3]
+            p_ref = torch.softmax(s_ref if vis is None else s_ref.masked_fill(~vis, float("-inf")), dim=-1)
+        o_ref = full if ref is None else ref[heads, qs].to(f64)
+        fn_row = full.norm(dim=-1)
+        for i, name in enumerate(names):
+            sel, tau, acc, matched = select_mass_matched(p_ref, targets[i], controls[name][1], vis, tol)
+            out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj)
+            t_out, t_ok, *_ = _drop_rows(s, vis, p, targets[i].expand_as(sel), vj)
+            use = matched & ok
+            both = use & t_ok
+            per_row["target_mass"][i, heads, qs] = tau
+            per_row["achieved"][i, heads, qs] = torch.where(matched, acc, torch.full_like(acc, nan))
+            matched_all[i, heads, qs] = matched
+            nkeys[i, heads, qs] = sel.sum(dim=-1)
+            per_row["dropped_mass"][i, heads, qs] = torch.where(use, drop_mass, torch.full_like(drop_mass, nan))
+            per_row["tv"][i, heads, qs] = torch.where(use, row_tv, torch.full_like(row_tv, nan))
+            shift_ok = use & has & (fn_row > 0)
+            ms = (out - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
+            per_row["mean_shift"][i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, nan))
+            undefined[i, heads] += (matched & ~ok).sum(dim=-1)
+            u = use.unsqueeze(-1)
+            o = torch.where(u, out, torch.zeros_like(out))
+            r = torch.where(u, o_ref, torch.zeros_like(o_ref))
+            f = torch.where(u, full, torch.zeros_like(full))
+            sums["err2"][i, heads] += ((o - r) ** 2).sum(dim=(-1, -2))
+            sums["ref2"][i, heads] += (r ** 2).sum(dim=(-1, -2))
+            sums["dot"][i, heads] += (o * r).sum(dim=(-1, -2))
+            sums["out2"][i, heads] += (o ** 2).sum(dim=(-1, -2))
+            sums["own_err2"][i, heads] += ((o - f) ** 2).sum(dim=(-1, -2))
+            sums["own_ref2"][i, heads] += (f ** 2).sum(dim=(-1, -2))
+            bb = both.unsqueeze(-1)
+            to = torch.where(bb, t_out, torch.zeros_like(t_out))
+            tr = torch.where(bb, o_ref, torch.zeros_like(o_ref))
+            sums["target_err2"][i, heads] += ((to - tr) ** 2).sum(dim=(-1, -2))
+            sums["target_ref2"][i, heads] += (tr ** 2).sum(dim=(-1, -2))
+    return MassResult(names, per_row["dropped_mass"], per_row["tv"], undefined, sums["err2"], sums["ref2"], sums["dot"],
+                      sums["out2"], sums["own_err2"], sums["own_ref2"], {}, output, per_row["mean_shift"],
+                      target_mass=per_row["target_mass"], achieved=per_row["achieved"], matched=matched_all, keys=nkeys,
+                      target_err2=sums["target_err2"], target_ref2=sums["target_ref2"])
+
+
+def mass_control_case(case, controls, k=None, v=None, *, ref=None, max_scores: int = DEFAULT_MAX_SCORES) -> MassResult:
+    """`mass_control` on a Case; with replaced (e.g. dequantized) K and V the selection still reads
+    the Case's own K (the reference attention)."""
+    return mass_control(case.q, case.k if k is None else k, case.v if v is None else v, case.query_positions,
+                        case.causal, case.layout, controls, k_ref=None if k is None or k is case.k else case.k, ref=ref,
+                        max_scores=max_scores)
+
+
+__all__.append("mass_control_case")

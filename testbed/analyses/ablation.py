@@ -10,7 +10,11 @@ quantized arm is the quantization error alone, and "drop the sink" sits next to 
 history"), the same against the arm's own full output, per-head relative L2, undefined rows,
 and the region masses of the arm's full attention. Ablations whose regions the Case lacks are
 reported with ``applicable: false``. The report pairs each ablation with its same-size control
-across seeds or prompts (Wilcoxon signed-rank on per-unit values, never on rows).
+across seeds or prompts (Wilcoxon signed-rank on per-unit values, never on rows), and, where the
+protocol asks for ``mass_control_<region>``, with its mass-matched control: per row, keys of the
+history outside the region whose reference mass is within 1 % of the region's (a different set
+per row; rows without one are counted as unmatched and left out, the target's own rel-L2 is
+also given on the matched rows alone).
 
 Follows the "local output ablation" recommended by the Catnip week-10 study (seed 000).
 """
@@ -23,7 +27,8 @@ from collections import defaultdict
 import torch
 from tabulate import tabulate
 
-from ..ablation import ABLATION_NAMES, DEFAULT_MAX_SCORES, ablate_case, control_block, make_ablation
+from ..ablation import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, ablate_case,
+                        control_block, make_ablation, mass_control_case)
 from ..context import case_fields
 from ..metrics import history_span, paired_wilcoxon
 from ..schema import Key, ProtocolError, Spec
@@ -81,9 +86,11 @@ def _check_arm(arm, where):
 
 SPEC = Spec("analysis: ablation", "Causal ablation of the cache (drop the sink, recent window, middle, history; "
             "same-size seeded controls) on float32 and on quantized K/V, each a masked renormalized softmax.", {
-    "ablations": Key(("list", str, 1), "ablations to run: none, drop_<region>, control_<region>, drop_history, "
-                                       "keep_current_only", list(ABLATION_NAMES)),
-    "control_seed": Key(int, "seed that places the same-size control blocks", 0),
+    "ablations": Key(("list", str, 1), "ablations to run: none, drop_<region>, control_<region> (same size), "
+                                       "mass_control_<region> (same reference mass per row, within 1 %), "
+                                       "drop_history, keep_current_only", list(ABLATION_NAMES)),
+    "control_seed": Key(int, "seed that places the same-size control blocks and orders the mass-matched "
+                             "controls' keys", 0),
     "kv_arms": Key(("list", dict, 1), "how the cache is stored", DEFAULT_ARMS, see=ARM),
     "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile (memory bound)", DEFAULT_MAX_SCORES),
 }, rules=("\"none\" is in ablations, and no ablation is listed twice",
@@ -158,9 +165,16 @@ def _arrays(name: str, packed_paths: dict | None) -> dict:
 
 
 def evaluate(case, params, ctx) -> list[dict]:
-    spans, info = {}, {}
+    spans, info, mass = {}, {}, {}
     for name in params["ablations"]:
         abl = make_ablation(name, params["control_seed"])
+        if isinstance(abl, MassControl):
+            orders = abl.orders(case)
+            info[name] = {"applicable": orders is not None}
+            if orders is not None:
+                mass[name] = (abl.target_spans(case), orders)
+                info[name].update(control_of=abl.target, control_seed=params["control_seed"], control_kind="mass_matched")
+            continue
         sp = abl.dropped(case)
         info[name] = {"applicable": sp is not None}
         if sp is None:
@@ -193,6 +207,11 @@ def evaluate(case, params, ctx) -> list[dict]:
         # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023)
         res = ctx.timed(case.id, arm, "ablate", 0,
                         lambda: ablate_case(case, spans, k, v, ref=ref, max_scores=params["max_scores"]))  # noqa: B023
+        mres = None
+        if mass:
+            mres = ctx.timed(case.id, arm, "mass_control", 0,
+                             lambda: mass_control_case(case, mass, k, v, ref=ref,  # noqa: B023
+                                                       max_scores=params["max_scores"]))
         if packer is None:
             ref = res.output
         region = {f"{r}_mass": (_mean(res.region_mass[r]) if r in res.region_mass else None) for r in REGION_FIELDS}
@@ -204,6 +223,12 @@ def evaluate(case, params, ctx) -> list[dict]:
             if name == "none":
                 row["quant"] = quant
             row.update({k2: v2 for k2, v2 in info[name].items() if k2 != "applicable"})
+            if name in mass:
+                row.update(_mass_fields(mres, name, row["rows"]))
+                row.update(region)
+                row["arrays"] = _arrays(name, packed_paths)
+                rows.append(row)
+                continue
             if name not in spans:
                 row.update({"dropped_spans": None, "dropped_keys": None, "dropped_mass": None, "tv": None,
                             "rel_l2": None, "cosine": None, "undefined_rows": None, "rel_l2_per_mass": None,
@@ -231,6 +256,40 @@ def evaluate(case, params, ctx) -> list[dict]:
             })
             rows.append(row)
     return rows
+
+
+def _mass_fields(res, name: str, nrows: int) -> dict:
+    """The numbers of a mass-matched control row: the same damage metrics as any ablation (over
+    the matched rows), and how well the mass was matched."""
+    i = res.index(name)
+    m = res.matched[i]
+    nm = int(m.sum())
+    tm, ach = res.target_mass[i][m], res.achieved[i][m]
+    mism = (ach - tm).abs() / tm
+    return {
+        "dropped_spans": None,  # a different key set per row: re-derived from the case, never stored
+        "dropped_keys": None,
+        "dropped_keys_mean": float(res.keys[i][m].double().mean()) if nm else None,
+        "dropped_mass": _mean(res.dropped_mass[i]),
+        "dropped_mass_median": _median(res.dropped_mass[i]),
+        "tv": _mean(res.tv[i]),
+        "rel_l2": _finite_or_none(res.rel_l2(name)),
+        "cosine": _finite_or_none(res.cosine(name)),
+        "rel_l2_own": _finite_or_none(res.rel_l2(name, own=True)),
+        "rel_l2_per_mass": _per_mass(res.rel_l2(name), _mean(res.dropped_mass[i])),
+        "mean_shift": _mean(res.mean_shift[i]),
+        "rel_l2_heads": [_finite_or_none(x) for x in res.rel_l2_heads(name)],
+        "undefined_rows": int(res.undefined[i].sum()),
+        "mass_tolerance": MASS_TOLERANCE,
+        "mass_attempts": MASS_ATTEMPTS,
+        "matched_rows": nm,
+        "unmatched_rows": nrows - nm,
+        "target_mass": float(tm.mean()) if nm else None,
+        "control_mass": float(ach.mean()) if nm else None,
+        "mass_mismatch_mean": float(mism.mean()) if nm else None,
+        "mass_mismatch_max": float(mism.max()) if nm else None,
+        "target_rel_l2_matched": _finite_or_none(res.target_rel_l2(name)),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +372,47 @@ def paired_controls(rows, arm="float32") -> list[dict]:
     return out
 
 
+def paired_mass_controls(rows, arm="float32") -> list[dict]:
+    """Per distribution: each ablation with a mass-matched control, next to its size-matched one."""
+    out = []
+    dists = list(dict.fromkeys(r.get("distribution", r["case"]) for r in rows))
+    names = list(dict.fromkeys(r["ablation"] for r in rows))
+    for dist in dists:
+        sel = [r for r in rows if r.get("distribution", r["case"]) == dist and r["arm"] == arm and r["applicable"]]
+        for mc in [n for n in names if n.startswith("mass_control_")]:
+            region = mc[len("mass_control_"):]
+            target, size = "drop_" + region, "control_" + region
+            tgt = [r for r in sel if r["ablation"] == target]
+            con = [r for r in sel if r["ablation"] == mc]
+            if not tgt or not con:
+                continue
+            a = _per_unit(tgt, "rel_l2")
+            sz = _per_unit([r for r in sel if r["ablation"] == size], "rel_l2")
+            am = _per_unit(con, "target_rel_l2_matched")
+            b = _per_unit(con, "rel_l2")
+            units = sorted(set(am) & set(b))
+            matched = sum(r["matched_rows"] for r in con)
+            total = sum(r["rows"] for r in con)
+            mism = (sum(r["mass_mismatch_mean"] * r["matched_rows"] for r in con if r["matched_rows"]) / matched
+                    if matched else None)
+            mmax = max((r["mass_mismatch_max"] for r in con if r["matched_rows"]), default=None)
+            line = {"distribution": dist, "ablation": target, "control": mc, "units": len(units),
+                    "rel_l2": _median_list(a.values()), "rel_l2_size": _median_list(sz.values()) if sz else None,
+                    "matched": matched, "rows": total, "mismatch_mean": mism, "mismatch_max": mmax}
+            if not units:
+                line.update(rel_l2_matched=None, rel_l2_mass=None, tau=None, tau_mass=None, ablation_worse=0, p=None)
+            else:
+                test = paired_wilcoxon([am[u] for u in units], [b[u] for u in units])
+                ta = _per_unit(con, "target_mass")
+                tb = _per_unit(con, "dropped_mass")
+                line.update(rel_l2_matched=_median_list(am[u] for u in units),
+                            rel_l2_mass=_median_list(b[u] for u in units),
+                            tau=_median_list(ta.get(u) for u in units), tau_mass=_median_list(tb.get(u) for u in units),
+                            ablation_worse=sum(1 for u in units if am[u] > b[u]), p=test["p"])
+            out.append(line)
+    return out
+
+
 def report(rows, params) -> str:
     out = []
     arms = list(dict.fromkeys(r["arm"] for r in rows))
@@ -359,6 +459,31 @@ def report(rows, params) -> str:
         out.append(tabulate(ptab, headers=["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
                                            "control tau", "rel-L2 / tau", "control rel-L2 / tau", "ablation worse",
                                            "Wilcoxon p", "control keys"], tablefmt="github"))
+    mpairs = paired_mass_controls(rows, arms[0])
+    if mpairs:
+        out.append("\nEach ablation next to its size-matched and its mass-matched control. The mass-matched control "
+                   "drops, per row (head x query), keys of the history outside the target (the size-matched "
+                   f"control's pool) whose reference attention mass is within {100 * MASS_TOLERANCE:g} % of the "
+                   "target's tau on that row: a first-fit pass over the eligible keys in a seeded order (a key is "
+                   "taken while the running mass stays within the band's top, the pass stops once it reaches the "
+                   f"band), up to {MASS_ATTEMPTS} seeded orders, the first that lands in [{1 - MASS_TOLERANCE:g} tau, "
+                   f"{1 + MASS_TOLERANCE:g} tau] kept. It controls how much mass is removed, not where it sits nor "
+                   "how many keys carry it, and its keys differ from row to row (unlike the size-matched block, one "
+                   "per case). A row where no order lands in the band (tau 0, or more mass in the target than "
+                   "outside it, or no subset found) is unmatched: it is left out, and counted. 'rel-L2 (matched "
+                   "rows)' is the target's own ablation on the same matched rows, the like-for-like comparison "
+                   "('ablation worse' and the Wilcoxon test pair it with the mass-matched control per unit); 'tau "
+                   "(matched rows)' is the target's reference mass there, 'mass mismatch' the mean and the largest "
+                   "|achieved - tau| / tau over matched rows.\n")
+        mtab = [[p["distribution"], p["ablation"], _fmt_pct(p["rel_l2"], 3), _fmt_pct(p["rel_l2_size"], 3),
+                 _fmt_pct(p["rel_l2_matched"], 3), _fmt_pct(p["rel_l2_mass"], 3), _fmt_pct(p["tau"]),
+                 _fmt_pct(p["tau_mass"]), f"{p['matched']}/{p['rows']}",
+                 f"{_fmt_pct(p['mismatch_mean'], 3)} / {_fmt_pct(p['mismatch_max'], 3)}",
+                 f"{p['ablation_worse']}/{p['units']}", "n/a" if p["p"] is None else f"{p['p']:.4f}"] for p in mpairs]
+        out.append(tabulate(mtab, headers=["distribution", "ablation", "rel-L2", "size-matched rel-L2",
+                                           "rel-L2 (matched rows)", "mass-matched rel-L2", "tau (matched rows)",
+                                           "mass-matched tau", "matched rows", "mass mismatch mean / max",
+                                           "ablation worse", "Wilcoxon p"], tablefmt="github"))
     if len(arms) > 1:
         out.append("\nQuantization meets ablation: median per-unit rel-L2 against the float64 full attention on the "
                    "original K/V. Row `none` is the quantization of the cached history alone (the current chunk stays "

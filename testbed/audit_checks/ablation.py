@@ -5,6 +5,13 @@ the masked renormalized softmax directly (key by key, one head at a time) in flo
 Independent of ``testbed.ablation``: the dropped spans are derived here from the layout and the
 ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
 as a mask on the scores (no atoms, no merging), and every reported number is recomputed.
+
+Mass-matched controls (``mass_control_<region>``) store no key sets: the audit re-selects every
+row's keys itself from the documented rule (`mass_orders`, `select_mass`: the seeded orders
+redrawn with stdlib ``random.random()`` and sorted with numpy, the first-fit attempts run one
+after another per head, with its own exact pruning of attempts that can no longer reach the band),
+from the float64 softmax of the case's own K; requires every matched row within 1 % of its tau;
+and recomputes every number of the row on the arm's K/V with a per-row mask.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from .common import decode_residual_window, encode_residual_window
 from .residual_window import check_reencoded
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
+MASS_TOLERANCE = 0.01  # the documented band: |achieved - tau| <= 1 % of tau
+MASS_ATTEMPTS = 16     # the documented number of seeded orders a row tries
+MASS_PREFIX = "mass_control_"
 
 
 def _regions(case) -> dict:
@@ -80,6 +90,8 @@ def expected_spans(case, case_id, name, seed):
             return None
         spans = [s for s in ((0, cur[0]), (cur[1], keys)) if s[1] > s[0]]
         return spans or None
+    if name.startswith(MASS_PREFIX):
+        raise ValueError(f"{name!r} drops a different key set per row (see mass_orders)")
     if name.startswith("control_"):
         blk = _control(case, case_id, name[len("control_"):], seed)
         return None if blk is None else blk[0]
@@ -87,6 +99,197 @@ def expected_spans(case, case_id, name, seed):
         r = regions.get(name[len("drop_"):])
         return None if r is None or r[1] == r[0] else [r]
     raise ValueError(f"unknown ablation {name!r}")
+
+
+def mass_orders(case, case_id, target, seed):
+    """The ``MASS_ATTEMPTS`` seeded orders of the keys a mass-matched control of ``target`` may
+    drop (the history outside the target), or None when the target is missing or empty or no key
+    lies outside it. Order ``a``: each eligible key, ascending, draws ``random()`` from
+    ``random.Random(f"mass_control:{seed}:{case_id}:{target}:{a}")``; keys by increasing draw."""
+    regions = _regions(case)
+    keys = case["k"].shape[1]
+    if target not in regions or regions[target][1] == regions[target][0]:
+        return None
+    r0, r1 = regions[target]
+    h0, h1 = _history(case) or (0, keys)
+    eligible = np.asarray([t for t in range(h0, h1) if not r0 <= t < r1], dtype=np.int64)
+    if eligible.size == 0:
+        return None
+    out = []
+    for a in range(MASS_ATTEMPTS):
+        rng = random.Random(f"mass_control:{seed}:{case_id}:{target}:{a}")
+        draws = np.asarray([rng.random() for _ in range(eligible.size)])
+        out.append(eligible[np.argsort(draws, kind="stable")])
+    return out
+
+
+def select_mass(p, vis, target, orders):
+    """One head's mass-matched selection: ``p [Tq, Tk]`` reference probabilities, ``vis [Tq, Tk]``,
+    ``target (start, stop)``. Per row ``tau = sum P[target]``, band ``[(1 - 0.01) tau, (1 + 0.01) tau]``;
+    attempt after attempt (until the row is matched), a first-fit pass over the order: a visible
+    key is taken iff the running sum stays <= the band's top, and the pass stops once the sum
+    reaches its bottom. Rows with tau <= 0 (or NaN) are unmatched. Returns (chosen [Tq, Tk] bool,
+    tau, achieved (0 where unmatched), matched)."""
+    tq, tk = p.shape
+    tau = p[:, target[0]:target[1]].sum(axis=1)
+    lo, hi = tau * (1.0 - MASS_TOLERANCE), tau * (1.0 + MASS_TOLERANCE)
+    chosen = np.zeros((tq, tk), dtype=bool)
+    achieved = np.zeros(tq)
+    matched = np.zeros(tq, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        live0 = tau > 0
+    for order in orders:
+        pending = live0 & ~matched
+        if not pending.any():
+            break
+        pv = np.where(vis[:, order], p[:, order], 0.0)          # [Tq, E], the order's visible masses
+        after = np.cumsum(pv[:, ::-1], axis=1)[:, ::-1]          # mass at this position and after it
+        acc = np.zeros(tq)
+        taken = np.zeros((tq, tk), dtype=bool)
+        active = pending.copy()
+        for i, t in enumerate(order):
+            if not active.any():
+                break
+            # exact pruning: an attempt that cannot reach the band's bottom any more has failed
+            active &= acc + after[:, i] >= lo * (1.0 - 1e-9)
+            step = acc + p[:, t]
+            take = active & vis[:, t] & (step <= hi)
+            acc[take] = step[take]
+            taken[take, t] = True
+            active &= ~(take & (acc >= lo))
+        reached = pending & (acc >= lo)
+        chosen[reached] = taken[reached]
+        achieved[reached] = acc[reached]
+        matched |= reached
+    return chosen, tau, achieved, matched
+
+
+def _select_case(case, target, orders):
+    """The mass-matched selection of every head, from the float64 softmax of the case's own K."""
+    q, k = case["q"], case["k"]
+    h, tq, d = q.shape
+    group = h // k.shape[0]
+    tk = k.shape[1]
+    qp = case["query_positions"]
+    vis = (np.arange(tk)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, tk), dtype=bool)
+    out = {"chosen": np.zeros((h, tq, tk), dtype=bool), "tau": np.zeros((h, tq)), "achieved": np.zeros((h, tq)),
+           "matched": np.zeros((h, tq), dtype=bool)}
+    for hh in range(h):
+        s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
+        s = np.where(vis, s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        c, t, a, m = select_mass(p, vis, target, orders)
+        out["chosen"][hh], out["tau"][hh], out["achieved"][hh], out["matched"][hh] = c, t, a, m
+    return out
+
+
+def _masked(s, allowed, vv):
+    """Softmax of ``s`` over ``allowed`` per row, its output, and where it is defined."""
+    ok = allowed.any(axis=1)
+    sa = np.where(allowed, s, -np.inf)
+    mx = np.where(ok, sa.max(axis=1, initial=-np.inf), 0.0)
+    ea = np.where(allowed, np.exp(sa - mx[:, None]), 0.0)
+    pa = ea / np.where(ok, ea.sum(axis=1), 1.0)[:, None]
+    return pa, pa @ vv, ok
+
+
+def _derive_mass(case, k, v, sel, target, ref):
+    """Per-row-mask ablation of the selected keys (and of the target, on the same rows) on this arm."""
+    q = case["q"]
+    h, tq, d = q.shape
+    tk = k.shape[1]
+    group = h // k.shape[0]
+    qp = case["query_positions"]
+    vis = (np.arange(tk)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, tk), dtype=bool)
+    tmask = np.zeros(tk, dtype=bool)
+    tmask[target[0]:target[1]] = True
+    r = {key: np.full((h, tq), np.nan) for key in ("tau", "tv", "shift")}
+    r.update({key: np.zeros(h) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2", "t_err2", "t_ref2")})
+    r["undefined"] = np.zeros(h, np.int64)
+    for hh in range(h):
+        vv = v[hh // group].astype(np.float64)
+        s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
+        s = np.where(vis, s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        o_full = p @ vv
+        o_ref = o_full if ref is None else ref[hh]
+        drop = sel["chosen"][hh]
+        m = sel["matched"][hh]
+        pa, oa, ok = _masked(s, vis & ~drop, vv)
+        use = m & ok
+        r["undefined"][hh] = int((m & ~ok).sum())
+        r["tau"][hh] = np.where(use, np.where(drop, p, 0.0).sum(axis=1), np.nan)
+        r["tv"][hh] = np.where(use, 0.5 * np.abs(p - pa).sum(axis=1), np.nan)
+        r["err2"][hh] = ((oa - o_ref)[use] ** 2).sum()
+        r["ref2"][hh] = (o_ref[use] ** 2).sum()
+        r["dot"][hh] = (oa[use] * o_ref[use]).sum()
+        r["out2"][hh] = (oa[use] ** 2).sum()
+        r["own_err2"][hh] = ((oa - o_full)[use] ** 2).sum()
+        r["own_ref2"][hh] = (o_full[use] ** 2).sum()
+        dropped = vis & drop
+        has = dropped.any(axis=1)
+        _, mu_d, _ = _masked(s, dropped, vv)                      # the dropped keys' own softmax
+        norm_o = np.linalg.norm(o_full, axis=1)
+        good = use & has & (norm_o > 0)
+        r["shift"][hh] = np.where(good, np.linalg.norm(oa - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
+        _, ot, ok_t = _masked(s, vis & ~tmask[None, :], vv)        # the target itself, on the same rows
+        both = use & ok_t
+        r["t_err2"][hh] = ((ot - o_ref)[both] ** 2).sum()
+        r["t_ref2"][hh] = (o_ref[both] ** 2).sum()
+    return r
+
+
+def _check_mass(row, ctx, case, k, v, ref, orders, seed):
+    name = row["ablation"]
+    target_name = name[len(MASS_PREFIX):]
+    target = _regions(case)[target_name]
+    sel = ctx.cached(("ablation-mass-select", row["study"], row["case"], name, seed),
+                     lambda: _select_case(case, target, orders))
+    ctx.equal(row, "control_of", row.get("control_of"), target_name)
+    ctx.equal(row, "control_kind", row.get("control_kind"), "mass_matched")
+    ctx.equal(row, "mass_tolerance", row.get("mass_tolerance"), MASS_TOLERANCE)
+    ctx.equal(row, "mass_attempts", row.get("mass_attempts"), MASS_ATTEMPTS)
+    ctx.equal(row, "dropped_spans", row.get("dropped_spans"), None)
+    ctx.equal(row, "dropped_keys", row.get("dropped_keys"), None)
+    m = sel["matched"]
+    nm = int(m.sum())
+    tau, ach = sel["tau"][m], sel["achieved"][m]
+    mism = np.abs(ach - tau) / tau
+    # the band, row by row, on the audit's own selection (and the keys never touch the target)
+    if nm and not bool(np.all(mism <= MASS_TOLERANCE * (1 + 1e-12))):
+        ctx.fail(row, f"audit's own selection: {int((mism > MASS_TOLERANCE).sum())} matched rows outside the 1 % band")
+    if bool(sel["chosen"][:, :, target[0]:target[1]].any()):
+        ctx.fail(row, "audit's own selection: a selected key lies in the target")
+    ctx.equal(row, "matched_rows", row.get("matched_rows"), nm)
+    ctx.equal(row, "unmatched_rows", row.get("unmatched_rows"), int(m.size) - nm)
+    reported_max = row.get("mass_mismatch_max")
+    if isinstance(reported_max, (int, float)) and not isinstance(reported_max, bool) \
+            and reported_max > MASS_TOLERANCE * (1 + 1e-9):
+        ctx.fail(row, f"mass_mismatch_max: reported {reported_max!r}, outside the documented 1 % band")
+    ctx.close(row, "dropped_keys_mean", row.get("dropped_keys_mean"),
+              float(sel["chosen"][m].sum(axis=1).mean()) if nm else None)
+    ctx.close(row, "target_mass", row.get("target_mass"), float(tau.mean()) if nm else None)
+    ctx.close(row, "control_mass", row.get("control_mass"), float(ach.mean()) if nm else None)
+    ctx.close(row, "mass_mismatch_mean", row.get("mass_mismatch_mean"), float(mism.mean()) if nm else None)
+    ctx.close(row, "mass_mismatch_max", row.get("mass_mismatch_max"), float(mism.max()) if nm else None)
+    d = ctx.cached(("ablation-mass", row["study"], row["case"], row["arm"], name, seed),
+                   lambda: _derive_mass(case, k, v, sel, target, ref))
+    ctx.equal(row, "undefined_rows", row.get("undefined_rows"), int(d["undefined"].sum()))
+    ctx.close(row, "dropped_mass", row.get("dropped_mass"), _finite_mean(d["tau"]))
+    ctx.close(row, "dropped_mass_median", row.get("dropped_mass_median"), _finite_median(d["tau"]))
+    ctx.close(row, "tv", row.get("tv"), _finite_mean(d["tv"]))
+    rel, tmean = _ratio(d["err2"].sum(), d["ref2"].sum()), _finite_mean(d["tau"])
+    ctx.close(row, "rel_l2", row.get("rel_l2"), rel)
+    ctx.close(row, "rel_l2_own", row.get("rel_l2_own"), _ratio(d["own_err2"].sum(), d["own_ref2"].sum()))
+    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tmean else rel / tmean)
+    ctx.close(row, "mean_shift", row.get("mean_shift"), _finite_mean(d["shift"]))
+    den = float(np.sqrt(d["out2"].sum() * d["ref2"].sum()))
+    ctx.close(row, "cosine", row.get("cosine"), None if den == 0 else float(d["dot"].sum()) / den)
+    heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
+    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r) for e, r in zip(d["err2"], d["ref2"])])
+    ctx.close(row, "target_rel_l2_matched", row.get("target_rel_l2_matched"), _ratio(d["t_err2"].sum(), d["t_ref2"].sum()))
 
 
 def _kv(row, ctx, case):
@@ -214,10 +417,17 @@ def _siblings(ctx, row):
 def check(row: dict, ctx) -> None:
     case = ctx.case(row)
     seed = row.get("control_seed", 0)
-    spans = expected_spans(case, row["case"], row["ablation"], seed)
+    mass = row["ablation"].startswith(MASS_PREFIX)
+    if mass:
+        orders = mass_orders(case, row["case"], row["ablation"][len(MASS_PREFIX):], seed)
+        spans = None
+        applicable = orders is not None
+    else:
+        spans = expected_spans(case, row["case"], row["ablation"], seed)
+        applicable = spans is not None
     ctx.numbers += 1
-    if row["applicable"] is not (spans is not None):
-        ctx.fail(row, f"applicable: reported {row['applicable']!r}, audit derives {spans is not None!r}")
+    if row["applicable"] is not applicable:
+        ctx.fail(row, f"applicable: reported {row['applicable']!r}, audit derives {applicable!r}")
         return
     k, v = _kv(row, ctx, case)
     ref = None
@@ -228,6 +438,8 @@ def check(row: dict, ctx) -> None:
     def derive_arm():
         names = {}
         for r in _siblings(ctx, row):
+            if str(r.get("ablation")).startswith(MASS_PREFIX):
+                continue  # per-row key sets: derived by _check_mass
             sp = expected_spans(case, r["case"], r["ablation"], r.get("control_seed", 0))
             if sp is not None:
                 names[r["ablation"]] = sp
@@ -236,6 +448,9 @@ def check(row: dict, ctx) -> None:
     derived, masses, _ = ctx.cached(("ablation-arm", row["study"], row["case"], row["arm"]), derive_arm)
     for name in REGION_FIELDS:
         ctx.close(row, f"{name}_mass", row.get(f"{name}_mass"), float(masses[name].mean()) if name in masses else None)
+    if mass and applicable:
+        _check_mass(row, ctx, case, k, v, ref, orders, seed)
+        return
     if spans is None:
         for key in ("dropped_spans", "dropped_mass", "tv", "rel_l2", "cosine"):
             ctx.equal(row, key, row.get(key), None)

@@ -55,8 +55,8 @@ SOURCE_DEFAULTS = {
 }
 ANALYSIS_DEFAULTS = {
     "residual_window": {"early_window": 16, "float32_arm": True, "recent_mass_window": 16},
-    "ablation": {"ablations": ["none", "drop_sink", "control_sink", "drop_recent", "control_recent", "drop_middle",
-                               "drop_history", "keep_current_only"],
+    "ablation": {"ablations": ["none", "drop_sink", "control_sink", "mass_control_sink", "drop_recent", "control_recent",
+                               "mass_control_recent", "drop_middle", "drop_history", "keep_current_only"],
                  "control_seed": 0,
                  "kv_arms": [{"name": "float32"},
                              {"name": "int4", "key": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "channel"},
@@ -278,6 +278,17 @@ def _ablation_rows(ctx, study: str, case_id: str, p: dict) -> dict:
                 continue  # no cached history to quantize
             quant = {"kind": "residual_window", "key": arm["key"], "value": arm["value"], "recent": w, "sink": 0}
         for abl in p["ablations"]:
+            if abl.startswith(ablation_check.MASS_PREFIX):
+                target = abl[len(ablation_check.MASS_PREFIX):]
+                ok = ablation_check.mass_orders(case, case_id, target, seed) is not None
+                want = {"applicable": ok, "quant": ABSENT}
+                if ok:
+                    want.update(control_seed=seed, control_of=target, control_kind="mass_matched",
+                                mass_tolerance=ablation_check.MASS_TOLERANCE, mass_attempts=ablation_check.MASS_ATTEMPTS)
+                else:
+                    want.update(control_seed=ABSENT, control_of=ABSENT, control_kind=ABSENT)
+                out[(name, abl)] = want
+                continue
             spans = ablation_check.expected_spans(case, case_id, abl, seed)
             want = {"applicable": spans is not None, "quant": quant if abl == "none" else ABSENT}
             if abl.startswith("control_") and spans is not None:

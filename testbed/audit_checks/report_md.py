@@ -448,6 +448,44 @@ def _ablation(rows, params) -> list:
                 T("ablation vs control", ["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
                                           "control tau", "rel-L2 / tau", "control rel-L2 / tau", "ablation worse",
                                           "Wilcoxon p", "control keys"], 2, pairs)]
+    mass = []
+    for dist in dists:
+        sel = [r for r in rows if _label(r) == dist and r["arm"] == first and r["applicable"]]
+        for mc in [n for n in names if n.startswith("mass_control_")]:
+            region = mc[len("mass_control_"):]
+            tgt = [r for r in sel if r["ablation"] == "drop_" + region]
+            con = [r for r in sel if r["ablation"] == mc]
+            if not tgt or not con:
+                continue
+            size = _per_unit([r for r in sel if r["ablation"] == "control_" + region], "rel_l2")
+            whole = _per_unit(tgt, "rel_l2")
+            a, b = _per_unit(con, "target_rel_l2_matched"), _per_unit(con, "rel_l2")
+            units = sorted(set(a) & set(b))
+            n_match = sum(r["matched_rows"] for r in con)
+            n_rows = sum(r["rows"] for r in con)
+            with_rows = [r for r in con if r["matched_rows"]]
+            mean = (sum(r["mass_mismatch_mean"] * r["matched_rows"] for r in with_rows) / n_match) if n_match else None
+            worst = max((r["mass_mismatch_max"] for r in with_rows), default=None)
+            line = [text(dist), text("drop_" + region), pct(_median(list(whole.values())), 3),
+                    pct(_median(list(size.values())), 3) if size else ("n/a",)]
+            if units:
+                ta, tb = _per_unit(con, "target_mass"), _per_unit(con, "dropped_mass")
+                p, exact = wilcoxon_p([a[u] for u in units], [b[u] for u in units])
+                line += [pct(_median([a[u] for u in units]), 3), pct(_median([b[u] for u in units]), 3),
+                         pct(_median([ta.get(u) for u in units])), pct(_median([tb.get(u) for u in units]))]
+            else:
+                p, exact = None, True
+                line += [("n/a",), ("n/a",), ("n/a",), ("n/a",)]
+            line += [text(f"{n_match}/{n_rows}"), pct(mean, 3) + (" / ",) + pct(worst, 3),
+                     text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), fixed(p, 4, exact=exact)]
+            mass.append(line)
+    if mass:
+        out += [P("mass controls", "Each ablation next to its size-matched and its mass-matched control"),
+                T("ablation vs mass-matched control", ["distribution", "ablation", "rel-L2", "size-matched rel-L2",
+                                                       "rel-L2 (matched rows)", "mass-matched rel-L2",
+                                                       "tau (matched rows)", "mass-matched tau", "matched rows",
+                                                       "mass mismatch mean / max", "ablation worse", "Wilcoxon p"],
+                  2, mass)]
     if len(arms) > 1:
         out.append(P("quantization", "Quantization meets ablation"))
         for dist in dists:
