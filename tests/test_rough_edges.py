@@ -13,6 +13,7 @@ import pytest
 from testbed.audit import audit
 from testbed.protocol import PROTOCOL_DIR, estimate_protocol, load_protocol
 from testbed.run import main as run_main
+from tests import _arrays
 from tests._helpers import REPO, copy_run, synthetic_run
 
 EXAMPLE = REPO / "examples" / "capture_any_model.py"
@@ -39,7 +40,7 @@ def _used_array(run: Path) -> str:
 
 def test_a_missing_array_is_reported_once_and_its_rows_in_one_line(run_copy):
     rel = _used_array(run_copy)
-    (run_copy / rel).unlink()
+    _arrays.delete(run_copy, rel)
     ok, failures, _ = audit(run_copy, check_sources=False)
     assert not ok
     naming = [f for f in failures if f.startswith(f"FAIL: {rel}:")]
@@ -51,9 +52,9 @@ def test_a_missing_array_is_reported_once_and_its_rows_in_one_line(run_copy):
 
 def test_a_flipped_byte_is_one_cause_and_one_summary(run_copy):
     rel = _used_array(run_copy)
-    data = bytearray((run_copy / rel).read_bytes())
+    data = bytearray(_arrays.read(run_copy, rel))
     data[-1] ^= 0x01
-    (run_copy / rel).write_bytes(bytes(data))
+    _arrays.write(run_copy, rel, bytes(data))
     ok, failures, _ = audit(run_copy, check_sources=False)
     assert not ok
     assert failures[0] == f"FAIL: {rel}: sha256 differs from the manifest"
