@@ -324,19 +324,8 @@ def test_ablation_quantized_arm_window_shifted_by_one_token_fails(ablation_finis
 # -- the live study's evidence layer (needs the SmolLM2 model) --------------------------------------
 
 @pytest.fixture(scope="module")
-def live_finished(tmp_path_factory):
-    from tests.test_live import _tiny_protocol
-
-    from testbed.sources import capture
-
-    try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
-    tmp = tmp_path_factory.mktemp("reencode_live")
-    out = tmp / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(_tiny_protocol(tmp, peers=False))]) == 0
-    return out
+def live_finished(live_tiny_run):
+    return live_tiny_run  # tests/conftest.py: the tiny live protocol's run, shared with test_live
 
 
 def _evidence(run: Path, arm: str) -> dict:

@@ -112,10 +112,15 @@ def test_every_table_is_checked_cell_by_cell(small):
     tried = 0
     for n, b in enumerate(tables):
         header, body = report_md.parse_table(b["lines"])
-        row_no = b["line"] + 1 + (n % len(body))  # a body row: the header is at b["line"], then |---|
-        cells = lines[row_no].strip()[1:-1].split("|")
-        # the right half of a table holds values only (row keys are its first one to three columns)
-        cols = [c for c in range(max(1, len(cells) // 2), len(cells)) if any(ch.isdigit() for ch in cells[c])]
+        # a body row (the header is at b["line"], then |---|), the n-th or the next that holds a number in the
+        # right half of the table, which holds values only (row keys are its first one to three columns)
+        for k in range(len(body)):
+            row_no = b["line"] + 1 + ((n + k) % len(body))
+            cells = lines[row_no].strip()[1:-1].split("|")
+            cols = [c for c in range(max(1, len(cells) // 2), len(cells)) if any(ch.isdigit() for ch in cells[c])]
+            if cols:
+                break
+        assert cols, f"table at line {b['line']} holds no number to change"
         col = cols[n % len(cols)]
         cells[col] = _bump_last_digit(cells[col])
         mutated = lines[:row_no] + ["|" + "|".join(cells) + "|"] + lines[row_no + 1:]

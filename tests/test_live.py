@@ -20,7 +20,6 @@ import torch
 
 from testbed.audit import audit
 from testbed.policies import preset
-from testbed.run import main as run_main
 from testbed.sources import capture
 from tests import _arrays
 from tests._helpers import forge_results
@@ -150,12 +149,8 @@ def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
 
 
 @pytest.fixture(scope="module")
-def live_run(tmp_path_factory, smollm2):
-    pytest.importorskip("optimum.quanto", reason="the quanto peer needs optimum-quanto: pip install -e '.[bench]'")
-    tmp = tmp_path_factory.mktemp("live")
-    out = tmp / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(_tiny_protocol(tmp))]) == 0
-    return out
+def live_run(live_tiny_run):
+    return live_tiny_run  # tests/conftest.py: one run per session, shared with test_audit_reencode
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -197,7 +192,8 @@ def test_live_run_rows_and_audit(live_run):
     assert ok, failures[:5]
     res = _rows(live_run)
     arms = {r["arm"] for r in res["rows"]}
-    assert arms == {"dynamic_cache", "float32", "int4", "int2_sink4", "int2_ktoken", "mxfp4", "streaming", "quanto_int4"}
+    assert arms == {"dynamic_cache", "float32", "int4", "int2_sink4", "int2_sinkmass4", "int2_ktoken", "mxfp4", "streaming",
+                    "quanto_int4"}
     assert len(res["rows"]) == 2 * len(arms)
     f32, int4, int2k = _row(res, "float32"), _row(res, "int4"), _row(res, "int2_ktoken")
     assert f32["mean_kl"] < 1e-6 and f32["top1_agreement"] == 1.0

@@ -49,6 +49,7 @@ GROUPS = [
     ("Payloads re-encoded: integer codes, scales, zero-points or float32 windows replaced, re-hashed",
      ["tamper: re-encode"]),
     ("Capture provenance: model identity, gates, token ids, case metadata forged, re-hashed", ["tamper: capture"]),
+    ("Per-case array zips: not a zip, a member stored twice, a byte flipped inside (CRC)", ["tamper: containers"]),
     ("Manifest unreadable, of another schema, or with malformed entries", ["tamper: manifest"]),
     ("Manifest paths leaving the run (../, absolute, symlinks, NUL, ...)", ["tamper: paths"]),
     ("Arrays that would need pickle (object dtype, raw pickle, lying header)", ["tamper: unsafe arrays"]),
@@ -64,7 +65,7 @@ GROUPS = [
 ]
 OK_WORD = {"tamper: naive": "caught", "tamper: files": "caught", "tamper: consistent forger": "caught",
            "tamper: completeness": "caught", "tamper: re-encode": "caught", "tamper: capture": "caught",
-           "tamper: manifest": "caught", "tamper: paths": "refused, nothing outside opened",
+           "tamper: manifest": "caught", "tamper: containers": "caught", "tamper: paths": "refused, nothing outside opened",
            "tamper: unsafe arrays": "refused unread", "tamper: fuzz": "held", "tamper": "passed", "kill": "held",
            "bad input: CLI": "refused", "bad input: protocol": "held", "bad input: tensors": "held",
            "determinism": "held", "resource guard": "held"}
