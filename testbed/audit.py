@@ -9,7 +9,8 @@ metrics. It checks, in order:
 3. every file's SHA-256, and every array's SHA-256, nbytes, dtype and shape; an array
    ``arrays/S/C/NAME.npy`` is member ``NAME.npy`` of the zip ``arrays/S/C.npz``, whose members must
    be exactly the manifest's arrays of that case (read with the stdlib's zipfile, stored or
-   deflated only, sizes bounded by the manifest before decompressing); ``.npy`` headers are read
+   deflated only, sizes bounded by the manifest before decompressing, and no byte outside its
+   members: entries back to back from byte 0, no comment, no zip64); ``.npy`` headers are read
    first and object dtypes refused, arrays are loaded with ``allow_pickle=False``;
 4. the frozen protocol copies against their recorded hashes;
 5. the source hashes (LF-normalized) against this checkout, unless ``--no-sources``;
@@ -42,6 +43,7 @@ problem and exits 1 (exit 2 for a missing folder or bad arguments).
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import hashlib
 import io
@@ -50,6 +52,7 @@ import math
 import os
 import re
 import stat
+import struct
 import sys
 import zipfile
 import zlib
@@ -182,16 +185,17 @@ class Containers:
                 path = _safe_relpath(self.root, container)
                 try:
                     zf = zipfile.ZipFile(path)
-                except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-                    raise AuditError(f"{container}: not a readable zip ({str(e)[:200]})") from None
+                except Exception as e:  # noqa: BLE001 - any malformed zip is a FAIL line (NotImplementedError too)
+                    raise AuditError(f"{container}: not a readable zip ({type(e).__name__}: {str(e)[:200]})") from None
                 names = [i.filename for i in zf.infolist()]
-                dup = sorted({n for n in names if names.count(n) > 1})
+                dup = sorted(n for n, c in collections.Counter(names).items() if c > 1)
                 if dup:
                     raise AuditError(f"{container}: member {dup[0]!r} stored twice (which one is the array?)")
                 bad = [i.filename for i in zf.infolist() if i.flag_bits & 0x1 or i.compress_type not in
                        (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)]
                 if bad:
                     raise AuditError(f"{container}: member {bad[0]!r} is encrypted or not stored/deflated; refused")
+                _check_zip_layout(path, zf, container)
                 got = zf
             except AuditError as e:
                 got = e
@@ -241,6 +245,32 @@ class Containers:
             if isinstance(zf, zipfile.ZipFile):
                 zf.close()
         self._open.clear()
+
+
+def _check_zip_layout(path: Path, zf: zipfile.ZipFile, container: str) -> None:
+    """The zip holds its members and nothing else: local entries back to back from byte 0, the
+    central directory right after them, no comment, no data descriptors and no zip64 (what
+    `ArrayStore` writes). Its bytes are not hashed (they depend on the zlib that deflated them), so
+    this is what keeps bytes no member accounts for out of a run."""
+    infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
+    if zf.comment:
+        raise AuditError(f"{container}: the zip carries a comment ({len(zf.comment)} bytes); refused")
+    at, central = 0, 0
+    with open(path, "rb") as f:
+        for info in infos:
+            if info.flag_bits & 0x08 or max(info.file_size, info.compress_size, info.header_offset) >= 0xFFFFFFFF:
+                raise AuditError(f"{container}: member {info.filename!r} uses a data descriptor or zip64; refused")
+            f.seek(info.header_offset)
+            head = f.read(30)
+            if info.header_offset != at or len(head) < 30 or head[:4] != b"PK\x03\x04":
+                raise AuditError(f"{container}: bytes before member {info.filename!r} that no member accounts for")
+            n, m = struct.unpack("<HH", head[26:30])
+            at += 30 + n + m + info.compress_size
+            central += 46 + len(info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")) + \
+                len(info.extra) + len(info.comment)
+        size = os.fstat(f.fileno()).st_size
+    if size != at + central + 22:
+        raise AuditError(f"{container}: {size - at - central - 22} bytes that no member accounts for")
 
 
 def _load_npy(data: bytes, rel: str, entry: dict) -> np.ndarray:
@@ -419,7 +449,7 @@ class Audit:
         # each array's container (arrays/S/C.npz) is a file of the run; its members are the arrays
         cases: dict[str, set] = {}
         for rel in arrays:
-            if isinstance(rel, str) and rel.startswith("arrays/") and rel.endswith(".npy") and rel.count("/") >= 3:
+            if isinstance(rel, str) and rel.startswith("arrays/") and rel.endswith(".npy") and rel.count("/") == 3:
                 container, member = container_of(rel)
                 cases.setdefault(container, set()).add(member)
         expected = set(arrays) - {r for r in arrays if isinstance(r, str) and container_of(r)[0] in cases}
@@ -461,13 +491,16 @@ class Audit:
         for rel, entry in sorted(arrays.items()):
             bar.step()
             try:
-                if not (isinstance(rel, str) and rel.endswith(".npy") and rel.count("/") >= 3):
+                if not (isinstance(rel, str) and rel.startswith("arrays/") and rel.endswith(".npy")
+                        and rel.count("/") == 3):
                     _safe_relpath(root, rel)  # a path outside the run is named as such
                     raise AuditError("arrays must be .npy members arrays/STUDY/CASE/NAME.npy of arrays/STUDY/CASE.npz")
                 container, member = container_of(rel)
                 if container in absent:
                     raise AuditError(f"missing (its container {container} is not a file of the run)")
                 _safe_relpath(root, container)
+                if any(part in ("..", ".", "") for part in rel.split("/")):
+                    raise AuditError(f"path {rel!r} has an empty, '.' or '..' component; refused")
                 if not _MEMBER.fullmatch(member):
                     raise AuditError(f"member name {member!r} refused")
                 self.arrays[rel] = store.load(rel, entry)

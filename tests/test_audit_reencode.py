@@ -368,7 +368,7 @@ def test_live_evidence_layer_forgeries_fail(live_finished, tmp_path, what):
 
 @pytest.mark.capture
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["index", "index_and_scores", "score", "query", "sink_k"])
+@pytest.mark.parametrize("what", ["index", "index_and_scores", "score", "query", "sink_k", "nan_scores"])
 def test_live_chosen_sink_forgeries_fail(live_finished, tmp_path, what):
     """The sink a policy chose from attention: its indices, its scores, the queries the scores come
     from and the sink's K are each re-derived; an edit of any of them, re-hashed, fails the row."""
@@ -394,6 +394,12 @@ def test_live_chosen_sink_forgeries_fail(live_finished, tmp_path, what):
     elif what == "query":  # the recorded queries scaled: the shares they give are not the stored ones
         _save(run, ev["input.q"], _arrays.load(run, ev["input.q"]) * 1.5)
         expect = "sink.score differs"
+    elif what == "nan_scores":  # the true choice's scores made NaN (they compare as neither equal nor unequal)
+        score[1, idx[1]] = np.nan
+        idx[1] = np.sort(np.argsort(-score[1], kind="stable")[:idx.shape[1]])
+        _save(run, ev["sink.score"], score)
+        _save(run, ev["sink.index"], idx)
+        expect = "must be finite"
     else:  # the sink's first key of head 0 replaced by the first token's, the sink no longer the chosen one
         k = _arrays.load(run, ev["sink.k"]).copy()
         k[0, 0] = _arrays.load(run, ev["input.k"])[0, other]

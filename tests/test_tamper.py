@@ -332,6 +332,26 @@ def test_container_member_declaring_a_huge_size_is_not_decompressed(run, reliabi
     assert any("not decompressed" in f for f in failures if rel in f)
 
 
+@pytest.mark.parametrize("how", ["a zip comment", "bytes prepended", "bytes appended", "zip version 7.0"])
+def test_container_bytes_no_member_accounts_for(run, how, reliability):
+    """The zips' own bytes are not hashed (zlib-dependent): bytes outside every member, where a
+    forger could hide data, fail; so does a zip that zipfile cannot even open."""
+    raw = (run / ZIP).read_bytes()
+    if how == "a zip comment":
+        with zipfile.ZipFile(run / ZIP, "a") as zf:
+            zf.comment = b"hidden" * 200
+    elif how == "bytes prepended":
+        (run / ZIP).write_bytes(b"\0" * 4096 + raw)
+    elif how == "bytes appended":
+        (run / ZIP).write_bytes(raw + b"hidden")
+    else:  # the central directory's "version needed to extract" of the first member
+        at = raw.index(b"PK\x01\x02")
+        data = bytearray(raw)
+        data[at + 6] = 70
+        (run / ZIP).write_bytes(bytes(data))
+    assert_fails(reliability, "tamper: containers", f"{ZIP}: {how}", run, [ZIP], "FAIL naming the container")
+
+
 def test_container_crc_mismatch(run, reliability):
     """One byte of a stored (not deflated) member's data flipped in the zip itself: zipfile's CRC check."""
     rel = f"{A}/k.npy"

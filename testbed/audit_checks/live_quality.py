@@ -96,10 +96,12 @@ def _chosen_sink(row, ctx, pol: dict, live: dict, a: dict):
     if q.ndim != 3 or q.shape[1] != P or q.shape[0] % h or score.shape != (h, c) or index.shape != (h, min(S, P)):
         raise ValueError(f"input.q {list(q.shape)}, sink.score {list(score.shape)}, sink.index {list(index.shape)} "
                          f"do not fit a prefill of {P}, {c} candidates, sink {S}, {h} KV heads")
+    if not (np.all(np.isfinite(q)) and np.all(np.isfinite(score))):
+        raise ValueError("input.q and sink.score must be finite")
     mine = sink_scores(q, x[:, :P])[:, :c]
     tol = TOLERANCES["float32_softmax"]
     ctx.numbers += mine.size
-    bad = np.abs(score.astype(np.float64) - mine) > tol["atol"] + tol["rtol"] * np.abs(mine)
+    bad = ~(np.abs(score.astype(np.float64) - mine) <= tol["atol"] + tol["rtol"] * np.abs(mine))
     if bad.any():
         i = tuple(int(v) for v in np.argwhere(bad)[0])
         ctx.fail(row, f"sink.score differs at {i}: stored {float(score[i]):.8g}, the audit's float64 share {mine[i]:.8g}")
