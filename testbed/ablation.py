@@ -324,6 +324,22 @@ def _merge(m, z, n, sel):
     return shift, zz, nn
 
 
+def _add_error_sums(sums: dict, i: int, heads, ok: torch.Tensor, out, o_ref, full) -> torch.Tensor:
+    """Add one tile's rows where ``ok`` to ablation ``i``'s per-head sums (``err2``, ``ref2``, ``dot``,
+    ``out2``, ``own_err2``, ``own_ref2``; see `ArmResult`); returns ``out`` with the other rows zeroed."""
+    okd = ok.unsqueeze(-1)
+    o = torch.where(okd, out, torch.zeros_like(out))
+    r = torch.where(okd, o_ref, torch.zeros_like(o_ref))
+    f = torch.where(okd, full, torch.zeros_like(full))
+    sums["err2"][i, heads] += ((o - r) ** 2).sum(dim=(-1, -2))
+    sums["ref2"][i, heads] += (r ** 2).sum(dim=(-1, -2))
+    sums["dot"][i, heads] += (o * r).sum(dim=(-1, -2))
+    sums["out2"][i, heads] += (o ** 2).sum(dim=(-1, -2))
+    sums["own_err2"][i, heads] += ((o - f) ** 2).sum(dim=(-1, -2))
+    sums["own_ref2"][i, heads] += (f ** 2).sum(dim=(-1, -2))
+    return o
+
+
 def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
            layout, spans: dict[str, list[tuple[int, int]]], *, ref: torch.Tensor | None = None,
            max_scores: int = DEFAULT_MAX_SCORES) -> ArmResult:
@@ -389,15 +405,7 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
             dropped_mass[i, heads, qs] = torch.where(ok, tau, torch.full_like(tau, float("nan")))
             tv[i, heads, qs] = torch.where(ok, row_tv, torch.full_like(row_tv, float("nan")))
             undefined[i, heads] += (~ok).sum(dim=-1)
-            okd = ok.unsqueeze(-1)
-            o = torch.where(okd, out, torch.zeros_like(out))
-            r = torch.where(okd, o_ref, torch.zeros_like(o_ref))
-            f = torch.where(okd, full, torch.zeros_like(full))
-            sums["err2"][i, heads] += ((o - r) ** 2).sum(dim=(-1, -2))
-            sums["ref2"][i, heads] += (r ** 2).sum(dim=(-1, -2))
-            sums["dot"][i, heads] += (o * r).sum(dim=(-1, -2))
-            sums["out2"][i, heads] += (o ** 2).sum(dim=(-1, -2))
-            sums["own_err2"][i, heads] += ((o - f) ** 2).sum(dim=(-1, -2))
+            o = _add_error_sums(sums, i, heads, ok, out, o_ref, full)
             # mu_dropped from the dropped atoms merged on their own (stable however small tau is)
             _, zd, nd = _merge(m, z, n, drop_atoms[i])
             fn_row = full.norm(dim=-1)
@@ -405,7 +413,6 @@ def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
             mu_d = nd / torch.where(zd > 0, zd, torch.ones_like(zd)).unsqueeze(-1)
             ms = (o - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
             mean_shift[i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, float("nan")))
-            sums["own_ref2"][i, heads] += (f ** 2).sum(dim=(-1, -2))
     return ArmResult(names, dropped_mass, tv, undefined, sums["err2"], sums["ref2"], sums["dot"], sums["out2"],
                      sums["own_err2"], sums["own_ref2"], rmass, output, mean_shift)
 
@@ -604,16 +611,7 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
             ms = (out - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
             per_row["mean_shift"][i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, nan))
             undefined[i, heads] += (matched & ~ok).sum(dim=-1)
-            u = use.unsqueeze(-1)
-            o = torch.where(u, out, torch.zeros_like(out))
-            r = torch.where(u, o_ref, torch.zeros_like(o_ref))
-            f = torch.where(u, full, torch.zeros_like(full))
-            sums["err2"][i, heads] += ((o - r) ** 2).sum(dim=(-1, -2))
-            sums["ref2"][i, heads] += (r ** 2).sum(dim=(-1, -2))
-            sums["dot"][i, heads] += (o * r).sum(dim=(-1, -2))
-            sums["out2"][i, heads] += (o ** 2).sum(dim=(-1, -2))
-            sums["own_err2"][i, heads] += ((o - f) ** 2).sum(dim=(-1, -2))
-            sums["own_ref2"][i, heads] += (f ** 2).sum(dim=(-1, -2))
+            _add_error_sums(sums, i, heads, use, out, o_ref, full)
             bb = both.unsqueeze(-1)
             to = torch.where(bb, t_out, torch.zeros_like(t_out))
             tr = torch.where(bb, o_ref, torch.zeros_like(o_ref))

@@ -448,12 +448,14 @@ class Audit:
         self.manifest = manifest
         # each array's container (arrays/S/C.npz) is a file of the run; its members are the arrays
         cases: dict[str, set] = {}
+        loose = set()  # array entries that name no container: expected as files, and failed below
         for rel in arrays:
-            if isinstance(rel, str) and rel.startswith("arrays/") and rel.endswith(".npy") and rel.count("/") == 3:
+            if rel.startswith("arrays/") and rel.endswith(".npy") and rel.count("/") == 3:
                 container, member = container_of(rel)
                 cases.setdefault(container, set()).add(member)
-        expected = set(arrays) - {r for r in arrays if isinstance(r, str) and container_of(r)[0] in cases}
-        expected |= set(files) | set(cases) | {"manifest.json"}
+            else:
+                loose.add(rel)
+        expected = loose | set(files) | set(cases) | {"manifest.json"}
         present, links = _present_files(root)
         for rel in sorted(links):
             self.fail(rel, "symlink inside the run; refused (not followed)")

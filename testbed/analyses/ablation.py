@@ -237,25 +237,32 @@ def evaluate(case, params, ctx) -> list[dict]:
                 row["arrays"] = _arrays(name, packed_paths)
                 rows.append(row)
                 continue
-            i = res.index(name)
             row.update({
                 "dropped_spans": [list(s) for s in spans[name]],
                 "dropped_keys": sum(b - a for a, b in spans[name]),
-                "dropped_mass": _mean(res.dropped_mass[i]),
-                "dropped_mass_median": _median(res.dropped_mass[i]),
-                "tv": _mean(res.tv[i]),
-                "rel_l2": _finite_or_none(res.rel_l2(name)),
-                "cosine": _finite_or_none(res.cosine(name)),
-                "rel_l2_own": _finite_or_none(res.rel_l2(name, own=True)),
-                "rel_l2_per_mass": _per_mass(res.rel_l2(name), _mean(res.dropped_mass[i])),
-                "mean_shift": _mean(res.mean_shift[i]),
-                "rel_l2_heads": [_finite_or_none(x) for x in res.rel_l2_heads(name)],
-                "undefined_rows": int(res.undefined[i].sum()),
+                **_damage_fields(res, name),
                 **region,
                 "arrays": _arrays(name, packed_paths),
             })
             rows.append(row)
     return rows
+
+
+def _damage_fields(res, name: str) -> dict:
+    """The damage metrics of one ablation (or control) row of an `ArmResult`."""
+    i = res.index(name)
+    return {
+        "dropped_mass": _mean(res.dropped_mass[i]),
+        "dropped_mass_median": _median(res.dropped_mass[i]),
+        "tv": _mean(res.tv[i]),
+        "rel_l2": _finite_or_none(res.rel_l2(name)),
+        "cosine": _finite_or_none(res.cosine(name)),
+        "rel_l2_own": _finite_or_none(res.rel_l2(name, own=True)),
+        "rel_l2_per_mass": _per_mass(res.rel_l2(name), _mean(res.dropped_mass[i])),
+        "mean_shift": _mean(res.mean_shift[i]),
+        "rel_l2_heads": [_finite_or_none(x) for x in res.rel_l2_heads(name)],
+        "undefined_rows": int(res.undefined[i].sum()),
+    }
 
 
 def _mass_fields(res, name: str, nrows: int) -> dict:
@@ -270,16 +277,7 @@ def _mass_fields(res, name: str, nrows: int) -> dict:
         "dropped_spans": None,  # a different key set per row: re-derived from the case, never stored
         "dropped_keys": None,
         "dropped_keys_mean": float(res.keys[i][m].double().mean()) if nm else None,
-        "dropped_mass": _mean(res.dropped_mass[i]),
-        "dropped_mass_median": _median(res.dropped_mass[i]),
-        "tv": _mean(res.tv[i]),
-        "rel_l2": _finite_or_none(res.rel_l2(name)),
-        "cosine": _finite_or_none(res.cosine(name)),
-        "rel_l2_own": _finite_or_none(res.rel_l2(name, own=True)),
-        "rel_l2_per_mass": _per_mass(res.rel_l2(name), _mean(res.dropped_mass[i])),
-        "mean_shift": _mean(res.mean_shift[i]),
-        "rel_l2_heads": [_finite_or_none(x) for x in res.rel_l2_heads(name)],
-        "undefined_rows": int(res.undefined[i].sum()),
+        **_damage_fields(res, name),
         "mass_tolerance": MASS_TOLERANCE,
         "mass_attempts": MASS_ATTEMPTS,
         "matched_rows": nm,

@@ -206,7 +206,6 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     ev = row.get("evidence")
     if not isinstance(ev, dict) or not isinstance(ev.get("arrays"), dict):
         raise ValueError("quantized policy row of the first batch has no evidence arrays")
-    chosen = None
     if ev.get("layer") != live.get("evidence_layer", 0):
         ctx.fail(row, f"evidence layer {ev.get('layer')!r} is not the protocol's {live.get('evidence_layer', 0)}")
     a = {k: ctx.load(v) for k, v in ev["arrays"].items()}
@@ -227,13 +226,12 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
         return
     want = {}
+    chosen = _chosen_sink(row, ctx, pol, live, a) if pol["sink_select"] == "mass" else None
     for name, label in (("k", "key"), ("v", "value")):
         x = a[f"input.{name}"]
         if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
             raise ValueError(f"input.{name} is {x.dtype} {list(x.shape)}, expected float32 [H, {n}, D]")
-        if pol["sink_select"] == "mass":  # the chosen tokens, then every other token in order, per head
-            if chosen is None:
-                chosen = _chosen_sink(row, ctx, pol, live, a)
+        if chosen is not None:  # the chosen tokens, then every other token in order, per head
             rest = np.ones(x.shape[:2], dtype=bool)
             np.put_along_axis(rest, chosen, False, axis=1)
             sink_part = np.take_along_axis(x, chosen[..., None], axis=1)
