@@ -83,7 +83,7 @@ def numerical_zero_rate(p_hat: torch.Tensor, p_ref: torch.Tensor) -> torch.Tenso
 # ``visible_keys [...]``. `observe` drives them over a whole Case one tile of queries at a time.
 # --------------------------------------------------------------------------------------------
 
-__all__ += ["entropy", "effective_support", "top_mass", "strict_zero_rate", "block_masses", "top_blocks",
+__all__ += ["holm", "entropy", "effective_support", "top_mass", "strict_zero_rate", "block_masses", "top_blocks",
             "jaccard", "jaccard_nulls", "history_span", "region_masses", "quantiles", "summary", "paired_wilcoxon",
             "frame_size", "score_tiles", "observe", "Observation", "TOP_PERCENTS"]
 
@@ -219,6 +219,20 @@ def paired_wilcoxon(x, y) -> dict:
         return {"n": len(pairs), "median_diff": med, "statistic": None, "p": None}
     res = stats.wilcoxon([u for u, _ in pairs], [w for _, w in pairs], alternative="two-sided", zero_method="wilcox")
     return {"n": len(pairs), "median_diff": med, "statistic": float(res.statistic), "p": float(res.pvalue)}
+
+
+def holm(ps) -> list:
+    """Holm's step-down adjustment of a family of p-values (None stays None and is not counted in
+    the family): the i-th smallest of m becomes max over j <= i of min(1, (m - j + 1) p_(j)). It
+    controls the family-wise error rate with no assumption about how the tests depend on each other."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    m = len(idx)
+    out = [None] * len(ps)
+    running = 0.0
+    for j, i in enumerate(idx):
+        running = max(running, min(1.0, (m - j) * float(ps[i])))
+        out[i] = running
+    return out
 
 
 def frame_size(case, block_tokens: int) -> int:

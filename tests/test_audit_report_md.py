@@ -97,6 +97,18 @@ def _bump_last_digit(cell: str) -> str:
     return cell[:k] + str((int(cell[k]) + 1) % 10) + cell[k + 1:]
 
 
+@pytest.mark.parametrize("new", ["0.0937", "0.0312"])
+def test_holm_p_changed(small, new, reliability):
+    """The family of the synthetic ablation table holds three tests at p = 2/2^6, so each Holm p is
+    3 x 0.03125 = 0.09375, again exactly on a rounding boundary: 0.0937 fails, and so does printing
+    the unadjusted p in the Holm column."""
+    forge(small, replace_in_row(small, "| llm_causal     | drop_recent | 12.423%", "0.0938", new))
+    fails = md_failures(small)
+    record(reliability, f"a Holm-adjusted p 0.0938 -> {new}", fails)
+    line = only(fails)
+    assert "row (llm_causal, drop_recent) column 'Holm p'" in line and f"printed {new!r}" in line
+
+
 def test_every_table_is_checked_cell_by_cell(small):
     """A mutation per table: in every table of the archived report, one value cell (a different column
     from table to table) gets its last digit changed, and the check FAILs naming that table (by its

@@ -199,3 +199,41 @@ def test_random_pair_null_pairs_non_neighbours_that_see_the_same_blocks():
     lonely = [i for i in range(1, len(vb)) if not [j for j in range(len(vb)) if abs(j - i) > 1 and vb[j] == vb[i]]]
     for i in lonely:
         assert bool(torch.isnan(obs.null_pair[:, i - 1]).all())
+
+
+# -- Holm's step-down adjustment ----------------------------------------------------------------
+
+def test_holm_worked_example():
+    # m = 4 (None is not a test): sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04,
+    # made monotone: 0.02, 0.03, 0.06, 0.06.
+    got = M.holm([0.01, 0.04, 0.03, None, 0.005])
+    assert got[3] is None
+    assert got[0] == pytest.approx(0.03) and got[1] == pytest.approx(0.06)
+    assert got[2] == pytest.approx(0.06) and got[4] == pytest.approx(0.02)
+    assert M.holm([0.6, 0.7]) == [1.0, 1.0]  # capped at 1
+    assert M.holm([]) == [] and M.holm([None]) == [None]
+
+
+def _holm_rejects(ps, alpha):
+    """The textbook sequential procedure: reject the i-th smallest p while p_(i) <= alpha / (m - i + 1)
+    (written as a product, so that a p exactly on a boundary rounds as in the adjusted form)."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    rejected = set()
+    for rank, i in enumerate(order):
+        if ps[i] * (len(ps) - rank) > alpha:
+            break
+        rejected.add(i)
+    return rejected
+
+
+@SETTINGS
+@given(st.lists(st.floats(min_value=1e-6, max_value=1.0), min_size=1, max_size=12),
+       st.sampled_from([0.01, 0.05, 0.1]))
+def test_holm_adjusted_p_rejects_what_the_sequential_procedure_rejects(ps, alpha):
+    from testbed.audit_checks.report_md import holm as audit_holm
+
+    adj = M.holm(ps)
+    assert all(a >= p and a <= 1.0 for a, p in zip(adj, ps))
+    assert {i for i, a in enumerate(adj) if a <= alpha} == _holm_rejects(ps, alpha)
+    # the audit's own implementation gives the same numbers
+    assert audit_holm(ps) == pytest.approx(adj, rel=1e-12)

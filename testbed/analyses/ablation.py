@@ -30,7 +30,7 @@ from tabulate import tabulate
 from ..ablation import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, ablate_case,
                         control_block, make_ablation, mass_control_case)
 from ..context import case_fields
-from ..metrics import history_span, paired_wilcoxon
+from ..metrics import history_span, holm, paired_wilcoxon
 from ..schema import Key, ProtocolError, Spec
 from ..quant import ResidualWindow, from_config
 
@@ -315,6 +315,10 @@ def _fmt_pct(x, digits=2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
 
 
+def _fmt_p(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def _fmt_ratio(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
@@ -367,7 +371,7 @@ def paired_controls(rows, arm="float32") -> list[dict]:
                         "per_mass_control": _median_list(pb.get(u) for u in units),
                         "ablation_worse": wins, "p": test["p"], "median_diff": test["median_diff"],
                         "control_kind": ", ".join(kinds)})
-    return out
+    return _with_holm(out)
 
 
 def paired_mass_controls(rows, arm="float32") -> list[dict]:
@@ -408,7 +412,16 @@ def paired_mass_controls(rows, arm="float32") -> list[dict]:
                             tau=_median_list(ta.get(u) for u in units), tau_mass=_median_list(tb.get(u) for u in units),
                             ablation_worse=sum(1 for u in units if am[u] > b[u]), p=test["p"])
             out.append(line)
-    return out
+    return _with_holm(out)
+
+
+def _with_holm(lines: list[dict]) -> list[dict]:
+    """Each line's ``p_holm``: its p adjusted by Holm over the family of every test of the table
+    (all distributions and ablations of one study and arm), so that the table as a whole keeps a
+    family-wise error rate of alpha."""
+    for line, adj in zip(lines, holm([line["p"] for line in lines])):
+        line["p_holm"] = adj
+    return lines
 
 
 def report(rows, params) -> str:
@@ -447,16 +460,18 @@ def report(rows, params) -> str:
                    "'none valid' = the history outside the target is smaller than the target, so there is no "
                    "comparison). Median per-unit rel-L2, how many units the ablation hurt more than its control, and "
                    "a two-sided Wilcoxon signed-rank test on the per-unit pairs (with n units the smallest possible p "
-                   "is 2/2^n; rows inside a unit are never treated as independent). Since O' - O = tau (mu_kept - "
+                   "is 2/2^n; rows inside a unit are never treated as independent). 'Holm p' is that p adjusted by Holm's "
+                   "step-down method over the family of every test in this table (all its distributions and "
+                   "ablations): the one to read when any row of the table is taken as evidence. Since O' - O = tau (mu_kept - "
                    "mu_dropped), a size-matched control that removes less mass does less damage for that reason "
                    "alone: rel-L2 / tau is the damage per unit of dropped mass, what the region does beyond its mass.\n")
         ptab = [[p["distribution"], p["ablation"], _fmt_pct(p["rel_l2"], 3), p["control"], _fmt_pct(p["rel_l2_control"], 3),
                  _fmt_pct(p["tau"]), _fmt_pct(p["tau_control"]), _fmt_ratio(p["per_mass"]),
                  _fmt_ratio(p["per_mass_control"]), f"{p['ablation_worse']}/{p['units']}",
-                 "n/a" if p["p"] is None else f"{p['p']:.4f}", p["control_kind"]] for p in pairs]
+                 _fmt_p(p["p"]), _fmt_p(p["p_holm"]), p["control_kind"]] for p in pairs]
         out.append(tabulate(ptab, headers=["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
                                            "control tau", "rel-L2 / tau", "control rel-L2 / tau", "ablation worse",
-                                           "Wilcoxon p", "control keys"], tablefmt="github"))
+                                           "Wilcoxon p", "Holm p", "control keys"], tablefmt="github"))
     mpairs = paired_mass_controls(rows, arms[0])
     if mpairs:
         out.append("\nEach ablation next to its size-matched and its mass-matched control. The mass-matched control "
@@ -472,16 +487,17 @@ def report(rows, params) -> str:
                    "rows)' is the target's own ablation on the same matched rows, the like-for-like comparison "
                    "('ablation worse' and the Wilcoxon test pair it with the mass-matched control per unit); 'tau "
                    "(matched rows)' is the target's reference mass there, 'mass mismatch' the mean and the largest "
-                   "|achieved - tau| / tau over matched rows.\n")
+                   "|achieved - tau| / tau over matched rows; 'Holm p' adjusts the Wilcoxon p over every test of this "
+                   "table.\n")
         mtab = [[p["distribution"], p["ablation"], _fmt_pct(p["rel_l2"], 3), _fmt_pct(p["rel_l2_size"], 3),
                  _fmt_pct(p["rel_l2_matched"], 3), _fmt_pct(p["rel_l2_mass"], 3), _fmt_pct(p["tau"]),
                  _fmt_pct(p["tau_mass"]), f"{p['matched']}/{p['rows']}",
                  f"{_fmt_pct(p['mismatch_mean'], 3)} / {_fmt_pct(p['mismatch_max'], 3)}",
-                 f"{p['ablation_worse']}/{p['units']}", "n/a" if p["p"] is None else f"{p['p']:.4f}"] for p in mpairs]
+                 f"{p['ablation_worse']}/{p['units']}", _fmt_p(p["p"]), _fmt_p(p["p_holm"])] for p in mpairs]
         out.append(tabulate(mtab, headers=["distribution", "ablation", "rel-L2", "size-matched rel-L2",
                                            "rel-L2 (matched rows)", "mass-matched rel-L2", "tau (matched rows)",
                                            "mass-matched tau", "matched rows", "mass mismatch mean / max",
-                                           "ablation worse", "Wilcoxon p"], tablefmt="github"))
+                                           "ablation worse", "Wilcoxon p", "Holm p"], tablefmt="github"))
     if len(arms) > 1:
         out.append("\nQuantization meets ablation: median per-unit rel-L2 against the float64 full attention on the "
                    "original K/V. Row `none` is the quantization of the cached history alone (the current chunk stays "

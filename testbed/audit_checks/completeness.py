@@ -155,7 +155,8 @@ def _capture_cases(ctx, study: str, p: dict, accepted: set) -> dict:
             for layer in sorted(p["layers"]):
                 out[f"{pid}-L{layer:02d}-c{chunk:02d}"] = {
                     "meta": {"source": "capture", "model": p["model"], "prompt": pid, "layer": layer, "chunk": chunk,
-                             "step": 0, "layout_kind": "llm_stream", "distribution": f"L{layer:02d}"},
+                             "step": 0, "layout_kind": "llm_stream",
+                             "distribution": f"L{layer:02d}" + (f"-c{chunk:02d}" if len(chunks) > 1 else "")},
                     "shapes": {}}
     return out
 

@@ -397,6 +397,28 @@ def _observation(rows, params) -> list:
     return out
 
 
+def holm(ps) -> list:
+    """Holm's step-down adjustment, the audit's own: of the m p-values that are not None, the i-th
+    smallest becomes the largest of min(1, (m - j + 1) p_(j)) over j <= i; None stays None."""
+    order = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    adjusted = [None] * len(ps)
+    top = 0.0
+    for rank, i in enumerate(order):
+        top = max(top, min(1.0, (len(order) - rank) * ps[i]))
+        adjusted[i] = top
+    return adjusted
+
+
+def _holm_cells(lines: list, col: int) -> None:
+    """Replace the ``(p, exact)`` placeholder at ``col`` of each table line by its Holm-adjusted
+    cell, over the family of every test of the table. Exact (no tolerance) when every p of the
+    family is: integer multiples, min and max of exact values are exact."""
+    ps = [line[col][0] for line in lines]
+    exact = all(line[col][1] for line in lines)
+    for line, adj in zip(lines, holm(ps)):
+        line[col] = fixed(adj, 4, exact=exact)
+
+
 def _ablation(rows, params) -> list:
     arms = _ordered(r["arm"] for r in rows)
     names = _ordered(r["ablation"] for r in rows)
@@ -431,7 +453,8 @@ def _ablation(rows, params) -> list:
             if not units:
                 if a:  # the ablation ran, no valid control: the run says so in a row of its own
                     pairs.append([text(dist), text(target), pct(_median(list(a.values())), 3), text(ctrl), ("n/a",),
-                                  ("n/a",), ("n/a",), ("n/a",), ("n/a",), text("0/0"), ("n/a",), text("none valid")])
+                                  ("n/a",), ("n/a",), ("n/a",), ("n/a",), text("0/0"), ("n/a",), (None, True),
+                                  text("none valid")])
                 continue
             ta, tb = _per_unit(tgt, "dropped_mass"), _per_unit(con, "dropped_mass")
             pa, pb = _per_unit(tgt, "rel_l2_per_mass"), _per_unit(con, "rel_l2_per_mass")
@@ -442,12 +465,13 @@ def _ablation(rows, params) -> list:
                           pct(_median([tb.get(u) for u in units])), fixed(_median([pa.get(u) for u in units]), 3),
                           fixed(_median([pb.get(u) for u in units]), 3),
                           text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), fixed(p, 4, exact=exact),
-                          text(", ".join(kinds))])
+                          (p, exact), text(", ".join(kinds))])
+    _holm_cells(pairs, 11)
     if pairs:
         out += [P("controls", "Each ablation next to its same-size control"),
                 T("ablation vs control", ["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
                                           "control tau", "rel-L2 / tau", "control rel-L2 / tau", "ablation worse",
-                                          "Wilcoxon p", "control keys"], 2, pairs)]
+                                          "Wilcoxon p", "Holm p", "control keys"], 2, pairs)]
     mass = []
     for dist in dists:
         sel = [r for r in rows if _label(r) == dist and r["arm"] == first and r["applicable"]]
@@ -477,15 +501,16 @@ def _ablation(rows, params) -> list:
                 p, exact = None, True
                 line += [("n/a",), ("n/a",), ("n/a",), ("n/a",)]
             line += [text(f"{n_match}/{n_rows}"), pct(mean, 3) + (" / ",) + pct(worst, 3),
-                     text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), fixed(p, 4, exact=exact)]
+                     text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), fixed(p, 4, exact=exact), (p, exact)]
             mass.append(line)
+    _holm_cells(mass, 12)
     if mass:
         out += [P("mass controls", "Each ablation next to its size-matched and its mass-matched control"),
                 T("ablation vs mass-matched control", ["distribution", "ablation", "rel-L2", "size-matched rel-L2",
                                                        "rel-L2 (matched rows)", "mass-matched rel-L2",
                                                        "tau (matched rows)", "mass-matched tau", "matched rows",
-                                                       "mass mismatch mean / max", "ablation worse", "Wilcoxon p"],
-                  2, mass)]
+                                                       "mass mismatch mean / max", "ablation worse", "Wilcoxon p",
+                                                       "Holm p"], 2, mass)]
     if len(arms) > 1:
         out.append(P("quantization", "Quantization meets ablation"))
         for dist in dists:

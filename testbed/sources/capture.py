@@ -736,9 +736,11 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         for rec in records:
             keys = rec.k.shape[1]
             layout = llm_layout(keys, params["chunk"], params["recent_tokens"], params["sink_tokens"])
-            # Reports group by "distribution": here the layer (depth is the axis of interest), so
-            # the prompts are the independent units inside each group.
-            meta = {"source": "capture", "distribution": f"L{rec.layer:02d}", "model": params["model"], "prompt": pid,
+            # Reports group by "distribution": here the layer (depth is the axis of interest), and the
+            # recorded chunk when there are several (a context length of its own), so the prompts are
+            # the independent units inside each group.
+            dist = f"L{rec.layer:02d}" + (f"-c{rec.forward:02d}" if len(record_chunks) > 1 else "")
+            meta = {"source": "capture", "distribution": dist, "model": params["model"], "prompt": pid,
                     "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0,
                     "layout_kind": "llm_stream", "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size,
                     "token_ids_sha256": ids_sha}
