@@ -13,6 +13,7 @@ devices, for small tensors (where the kernel's call overhead dominates), and whe
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -53,6 +54,23 @@ def empty_float32(shape, device="cpu"):
     return torch.from_numpy(np.empty(tuple(shape), np.float32))
 
 
+def _keeps_torch_threads(fn):
+    """Run ``fn`` and give torch back its intra-op thread count. numba's first parallel launch
+    starts its threading layer, which can reset the OpenMP thread count that torch reads: a run
+    pinned to one torch thread would compute every reduction after it with all cores, so its last
+    bits would depend on the machine (the capture manifest caught it as ``torch_threads`` 1 -> 2)."""
+    @functools.wraps(fn)
+    def kept(*args, **kwargs):
+        threads = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+    return kept
+
+
+@_keeps_torch_threads
 def set_threads(n: int) -> None:
     if numba is not None:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
@@ -536,6 +554,7 @@ if numba is not None:
                         orow[d] = np.float32(lut[c] * s)
 
 
+@_keeps_torch_threads
 def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, maxv: float, emax: int,
                 rceil: bool = False):
     """x [R, D] float32 -> (codes uint8 [R, D_pad*bits/8], scales uint8 [R, D_pad/block], any non-finite);
@@ -557,6 +576,7 @@ def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, ma
 _POW2 = np.ldexp(1.0, np.arange(256) - 127)  # value of every E8M0 scale code (255, NaN, never decoded)
 
 
+@_keeps_torch_threads
 def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block: int, bits: int, d: int) -> np.ndarray:
     """Inverse of :func:`mx_quantize`: float32 [R, d]; ``lut`` is the float64 value of every code."""
     out = np.empty((codes.shape[0], d), np.float32)
@@ -564,16 +584,19 @@ def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block:
     return out
 
 
+@_keeps_torch_threads
 def float16_round(a: np.ndarray) -> np.ndarray:
     """float32 array rounded to float16 values (kept as float32) by the kernels' own routine."""
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), False)[0]
 
 
+@_keeps_torch_threads
 def float16_bits(a: np.ndarray) -> np.ndarray:
     """IEEE binary16 bit patterns (uint16) of the float16 nearest each float32, by the kernels' routine."""
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), False)[1]
 
 
+@_keeps_torch_threads
 def float16_round_soft(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The software routine (used where the CPU has no float16 conversion): (values, bit patterns)."""
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), True)
@@ -607,6 +630,7 @@ def _over_slabs(kernel, x, outs, *args):
             kernel(x[b0:b1], *args, *(o[b0:b1] for o in outs))
 
 
+@_keeps_torch_threads
 def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, Tp, ceil(D*bits/8)], scale, zero float16 [B, Tp/g, D],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
@@ -624,6 +648,7 @@ def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     return codes, scale.view(np.float16), zero.view(np.float16), bool(bad.any())
 
 
+@_keeps_torch_threads
 def int_quantize_token(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, T, ceil(Dp*bits/8)], scale, zero float16 [B, T, Dp/g],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
@@ -648,6 +673,7 @@ def int_quantize_token(x: np.ndarray, bits: int, g: int):
 _F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)  # every float16, exactly
 
 
+@_keeps_torch_threads
 def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
     """``scale``/``zero`` are float16 arrays, read by the kernels as bit patterns through a table."""
     if out is None:

@@ -162,3 +162,26 @@ def test_software_float16_kernels_equal_reference(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "checked 18" in out.stdout
+
+
+def test_a_fast_kernel_leaves_torch_thread_count_as_pinned():
+    """numba's first parallel launch starts its threading layer, which reset torch's intra-op
+    thread count (OpenMP) from the run's pinned 1 to the machine's cores: every reduction after it
+    then depended on the core count. Checked in a fresh process, where that first launch happens."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from testbed.quant import kernels\n"
+            "assert kernels.available()\n"
+            "torch.set_num_threads(1)\n"
+            "a = torch.randn(256, 256)\n"
+            "(a @ a).sum()\n"
+            "kernels.set_threads(torch.get_num_threads())\n"
+            "x = torch.randn(4, 512, 64).numpy()\n"
+            "kernels.int_quantize_channel(x, 4, 32)\n"
+            "kernels.mx_quantize(x.reshape(-1, 32), 32, 4, 3, 7, 448.0, 8)\n"
+            "print(torch.get_num_threads())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "1"
