@@ -74,6 +74,7 @@ import torch
 
 from .ablation import ArmResult, ablate, cut_points, history_span, make_ablation
 from .metrics import Observation, TOP_PERCENTS, frame_size, jaccard, strict_zero_rate, top_blocks, top_counts
+from .quant.kernels import parallel_kernel
 from .quant.mx import ELEMENTS, MX
 
 __all__ = ["analyze", "StreamResult", "QKPath", "PPath", "DEFAULT_ABLATIONS", "DEFAULT_MAX_SCORES"]
@@ -609,7 +610,7 @@ if numba is not None:
             _fill_zero(dp[n:])
         return t, s, z / max(pos, 1), _first_eq(ph[:n], best)
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _tile(S, Si, nvis, cuts, wide, gate, ks, bone, amax, asum, mx, inv, ent, arg, far, top,
               X, narms, invh, ptv, parg, DQ, p_path, block, emax, emin, mbits, maxv, rsum, zrate,
               Bs, cnts, gidx, marks, bnds, PH, bms, scss, downss, upss):
@@ -665,7 +666,7 @@ if numba is not None:
 
     _FWHT_ROWS = 16
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _mx_rows(X, signs, hb, block, emax, emin, mbits, maxv, out):
         """out[r] = MX decode(encode(rotate(X[r]))), the values `MX.decode_rotated(MX.quantize(X))`
         returns. ``signs`` empty: no rotation; else ``x -> (x * signs) blockdiag(H_hb) / sqrt(hb)``
@@ -737,7 +738,7 @@ if numba is not None:
                         up = np.int32((127 + sc) << 23).view(np.float32) if sc > -127 else np.float32(2.0 ** -127)
                         _mx_signed_block(vu[a0:b0], o[a0:b0], sc, down, up, emin, mbits, mvf)
 
-    @njit(parallel=True, fastmath=True, cache=True)
+    @parallel_kernel(fastmath=True)
     def _post_tile(NA, zc, inv, OH, invh, drop, kept_vis, out_ref, ref2, err_arm, ab_err2, ab_dot, ab_out2,
                    ab_tau, ab_tv, ab_ok):
         """Per-row outputs and errors from the P.V partial products.

@@ -92,7 +92,7 @@ if njit is not None:
         w = j - f * fg
         return f * fg + (w % per) * fb + w // per
 
-    @njit(parallel=True, fastmath=_FM, cache=True)
+    @kernels.parallel_kernel(fastmath=_FM)
     def _attend(q, kc, ks, kz, vc, vs, vz, f16, n, bits, group, fgroup, scaling, span,  # pragma: no cover
                 fk, fv, tq, new, norm, num, mx, sm):
         # q [B, H, R, D] float32 (the R query rows of each KV head); kc [B, H, Tp, kb] uint8 codes

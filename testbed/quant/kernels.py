@@ -27,7 +27,7 @@ try:  # numba is a declared dependency; keep the testbed usable if a platform la
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     numba = None
 
-__all__ = ["available", "use_fast", "empty_float32", "float16_round", "float16_bits", "int_quantize_channel",
+__all__ = ["available", "use_fast", "empty_float32", "parallel_kernel", "float16_round", "float16_bits", "int_quantize_channel",
            "int_quantize_token",
            "int_dequantize_channel", "int_dequantize_token", "mx_quantize", "mx_dequantize"]
 
@@ -55,10 +55,11 @@ def empty_float32(shape, device="cpu"):
 
 
 def _keeps_torch_threads(fn):
-    """Run ``fn`` and give torch back its intra-op thread count. numba's first parallel launch
-    starts its threading layer, which can reset the OpenMP thread count that torch reads: a run
-    pinned to one torch thread would compute every reduction after it with all cores, so its last
-    bits would depend on the machine (the capture manifest caught it as ``torch_threads`` 1 -> 2)."""
+    """Run ``fn`` and give torch back its intra-op thread count. numba's threading layer (started
+    by ``numba.set_num_threads`` or a parallel launch) can reset the OpenMP thread count that torch
+    reads: a run pinned to one torch thread would compute every reduction after it with all cores,
+    so its last bits would depend on the machine (the capture manifest caught it as
+    ``torch_threads`` 1 -> 2)."""
     @functools.wraps(fn)
     def kept(*args, **kwargs):
         threads = torch.get_num_threads()
@@ -68,6 +69,15 @@ def _keeps_torch_threads(fn):
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
     return kept
+
+
+def parallel_kernel(**options):
+    """``njit(parallel=True, cache=True, **options)`` for a kernel launched from Python, which
+    leaves torch's thread count as it found it: every parallel numba kernel of the package is
+    declared with it."""
+    def declare(fn):
+        return _keeps_torch_threads(njit(parallel=True, cache=True, **options)(fn))
+    return declare
 
 
 @_keeps_torch_threads
@@ -212,7 +222,7 @@ if numba is not None:
         cv = qmax if cv > qmax else cv
         return cv * lv
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _int_q_channel(x, g, bits, codes, scale, zero, bad):
         # x [B, T, D] float32; codes [B, Tp, ceil(D/per)]; scale, zero [B, Tp/g, D] uint16 (float16
         # bit patterns); bad [B * Tp/g]: a non-finite input in the block (a NaN code, see _code) or
@@ -308,7 +318,7 @@ if numba is not None:
         x2 = x3 if x3 > x2 else x2
         return (m2 if m2 < m0 else m0), (x2 if x2 > x0 else x0)
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _int_q_token(x, g, bits, codes, scale, zero, bad):
         # x [R, D] float32 rows; codes [R, ceil(Dp/per)]; scale, zero [R, Dp/g] uint16 (float16 bit
         # patterns); one task = 64 rows; bad[task]: a non-finite input in its rows (a NaN code,
@@ -349,7 +359,7 @@ if numba is not None:
                 _pack_row(c, codes[r], bits)
             bad[task] = nan | over
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _int_dq_channel(codes, scale, zero, f16, g, bits, out):
         # codes are unpacked a row at a time into a float buffer, then one multiply-add per feature;
         # scale and zero are float16 bit patterns, f16 the float32 value of every pattern, looked
@@ -378,7 +388,7 @@ if numba is not None:
                 for d in range(D):
                     orow[d] = c[d] * sf[d] + zf[d]
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _int_dq_token(codes, scale, zero, f16, g, bits, out):
         B, T, D = out.shape
         ng = scale.shape[2]
@@ -450,7 +460,7 @@ if numba is not None:
             code |= 1 << sign_shift
         return code
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _mx_q(x, xi, block, emax, emin, mbits, bias, maxv, maxbits, maxcode, bits, rceil, codes, scales, bad):
         # x [R, D] float32 and its uint32 view xi; codes [R, ceil(D_pad * bits / 8)]; scales [R, D_pad / block]
         R, D = x.shape
@@ -530,7 +540,7 @@ if numba is not None:
                         cr[(d0 + np.uint64(j)) // np.uint64(per)] = byte
             bad[r] = worst >= _INF_BITS
 
-    @njit(parallel=True, cache=True)
+    @parallel_kernel()
     def _mx_dq(codes, scales, lut, pow2, block, bits, out):
         # lut: float64 value of every element code; pow2[s] = 2**(s - 127), the E8M0 scale
         R, D = out.shape
@@ -554,7 +564,6 @@ if numba is not None:
                         orow[d] = np.float32(lut[c] * s)
 
 
-@_keeps_torch_threads
 def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, maxv: float, emax: int,
                 rceil: bool = False):
     """x [R, D] float32 -> (codes uint8 [R, D_pad*bits/8], scales uint8 [R, D_pad/block], any non-finite);
@@ -576,7 +585,6 @@ def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, ma
 _POW2 = np.ldexp(1.0, np.arange(256) - 127)  # value of every E8M0 scale code (255, NaN, never decoded)
 
 
-@_keeps_torch_threads
 def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block: int, bits: int, d: int) -> np.ndarray:
     """Inverse of :func:`mx_quantize`: float32 [R, d]; ``lut`` is the float64 value of every code."""
     out = np.empty((codes.shape[0], d), np.float32)
@@ -584,19 +592,16 @@ def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block:
     return out
 
 
-@_keeps_torch_threads
 def float16_round(a: np.ndarray) -> np.ndarray:
     """float32 array rounded to float16 values (kept as float32) by the kernels' own routine."""
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), False)[0]
 
 
-@_keeps_torch_threads
 def float16_bits(a: np.ndarray) -> np.ndarray:
     """IEEE binary16 bit patterns (uint16) of the float16 nearest each float32, by the kernels' routine."""
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), False)[1]
 
 
-@_keeps_torch_threads
 def float16_round_soft(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The software routine (used where the CPU has no float16 conversion): (values, bit patterns)."""
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), True)
@@ -630,7 +635,6 @@ def _over_slabs(kernel, x, outs, *args):
             kernel(x[b0:b1], *args, *(o[b0:b1] for o in outs))
 
 
-@_keeps_torch_threads
 def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, Tp, ceil(D*bits/8)], scale, zero float16 [B, Tp/g, D],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
@@ -648,7 +652,6 @@ def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     return codes, scale.view(np.float16), zero.view(np.float16), bool(bad.any())
 
 
-@_keeps_torch_threads
 def int_quantize_token(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, T, ceil(Dp*bits/8)], scale, zero float16 [B, T, Dp/g],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
@@ -673,7 +676,6 @@ def int_quantize_token(x: np.ndarray, bits: int, g: int):
 _F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)  # every float16, exactly
 
 
-@_keeps_torch_threads
 def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
     """``scale``/``zero`` are float16 arrays, read by the kernels as bit patterns through a table."""
     if out is None:
