@@ -371,13 +371,23 @@ class Audit:
         key = ("case", row.get("study"), row.get("case"))
         if key not in self._cache:
             rec = self.case_record(row.get("study"), row.get("case"))
+            where = f"case {row.get('study')}/{row.get('case')}"
             case = {name: self.load(path) for name, path in rec["arrays"].items()}
-            _check_case_arrays(case, f"case {row.get('study')}/{row.get('case')}")
+            if "archive" in rec:
+                case["archive"] = _check_archive(case, rec["archive"], rec.get("head_map"), where)
+                case["shapes"] = case["archive"]["shapes"]
+            else:
+                _check_case_arrays(case, where)
+                case["shapes"] = {name: list(case[name].shape) for name in ("q", "k", "v")}
             meta = rec.get("meta", {})
             case.update({"causal": bool(rec["causal"]), "layout": rec["layout"], "meta": meta if isinstance(meta, dict) else {},
                          "tokens_per_frame": rec.get("tokens_per_frame"), "head_map": rec.get("head_map")})
             self._cache[key] = case
-        return self._cache[key]
+        case = self._cache[key]
+        if "archive" in case and row.get("analysis") not in (None, "ablation"):
+            raise AuditError(f"case {row.get('study')}/{row.get('case')} keeps only part of its Q/K/V (archive): "
+                             f"only ablation rows can be re-derived, from its per-row statistics, not {row.get('analysis')} rows")
+        return case
 
     def read_bytes(self, rel: str) -> bytes:
         """The bytes of a file of the run (inside it, no symlink followed)."""
@@ -766,6 +776,44 @@ def _check_case_arrays(case: dict, where: str) -> None:
         raise AuditError(f"{where}: query_positions must be an integer array of shape [{q.shape[1]}]")
     if qp.size and (int(qp.min()) < 0 or int(qp.max()) >= k.shape[1]):
         raise AuditError(f"{where}: query_positions leave [0, {k.shape[1]})")
+
+
+def _check_archive(case: dict, archive, head_map, where: str) -> dict:
+    """A case that keeps only part of its Q/K/V: ``archive`` names the KV heads kept (with their
+    query heads, by ``head_map``) and the full shapes; the arrays present must be exactly those."""
+    if not isinstance(archive, dict) or set(archive) != {"kv_heads", "q_heads", "shapes"}:
+        raise AuditError(f"{where}: archive must be an object with kv_heads, q_heads and shapes")
+    shapes = archive["shapes"]
+    if not isinstance(shapes, dict) or set(shapes) != {"q", "k", "v"} or not all(
+            isinstance(x, list) and len(x) == 3 and all(_integral(n) and n > 0 for n in x) for x in shapes.values()):
+        raise AuditError(f"{where}: archive.shapes must give positive rank-3 shapes of q, k and v")
+    (h, tq, d), (hkv, tk, dk) = shapes["q"], shapes["k"]
+    if shapes["v"] != shapes["k"] or dk != d or h % hkv:
+        raise AuditError(f"{where}: archive.shapes q {shapes['q']}, k {shapes['k']}, v {shapes['v']} do not form a Case")
+    if head_map != [i // (h // hkv) for i in range(h)]:
+        raise AuditError(f"{where}: head_map {head_map!r} is not the GQA map of {h} query heads on {hkv} KV heads")
+    kv = archive["kv_heads"]
+    if not isinstance(kv, list) or not all(_integral(x) for x in kv) or kv != sorted(set(kv)) \
+            or any(not 0 <= x < hkv for x in kv):
+        raise AuditError(f"{where}: archive.kv_heads {kv!r} must be distinct ascending KV heads in [0, {hkv})")
+    q_heads = [i for i, g in enumerate(head_map) if g in kv]
+    if archive["q_heads"] != q_heads:
+        raise AuditError(f"{where}: archive.q_heads {archive['q_heads']!r} are not the query heads {q_heads} of KV heads {kv}")
+    qp = case.get("query_positions")
+    if qp is None or qp.ndim != 1 or qp.dtype.kind not in "iu" or qp.shape[0] != tq or (qp.size and (
+            int(qp.min()) < 0 or int(qp.max()) >= tk)):
+        raise AuditError(f"{where}: query_positions must be an integer array of shape [{tq}] inside [0, {tk})")
+    present = sorted(n for n in ("q", "k", "v") if n in case)
+    if not kv:
+        if present:
+            raise AuditError(f"{where}: archives no KV head but stores {present}")
+    else:
+        _check_case_arrays(case, where)
+        want = {"q": [len(q_heads), tq, d], "k": [len(kv), tk, d], "v": [len(kv), tk, d]}
+        for name, shape in want.items():
+            if list(case[name].shape) != shape:
+                raise AuditError(f"{where}: archived {name} has shape {list(case[name].shape)}, the archive gives {shape}")
+    return {"kv_heads": kv, "q_heads": q_heads, "shapes": shapes}
 
 
 def _tolerances(proto: dict) -> dict:

@@ -78,6 +78,9 @@ class Case:
     sees keys ``0 .. query_positions[i]``. ``layout`` covers ``[0, Tk)`` with contiguous regions.
     ``token_ids`` (optional, 1-D integer) are the input tokens a model read to produce the case
     (a capture); they are stored with the case so the audit can check them against their hash.
+    ``archive_kv_heads``: which arrays the evidence keeps. None (the default) keeps q, k and v; a
+    list keeps only those KV heads with their query heads (possibly none), and the analyses store
+    per-row statistics of every head instead, from which the audit re-derives the case's rows.
     """
 
     id: str
@@ -90,6 +93,7 @@ class Case:
     tokens_per_frame: int | None = None
     meta: dict = field(default_factory=dict)
     token_ids: torch.Tensor | None = None
+    archive_kv_heads: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or "/" in self.id or ".." in self.id or not self.id.isprintable():
@@ -121,6 +125,13 @@ class Case:
         if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point()
                                 or ids.dtype == torch.bool or ids.numel() == 0):
             raise ValueError(f"{self.id}: token_ids must be a non-empty 1-D integer tensor or None")
+        arch = self.archive_kv_heads
+        if arch is not None:
+            if (not isinstance(arch, list) or len(set(arch)) != len(arch)
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < hkv for x in arch)):
+                raise ValueError(f"{self.id}: archive_kv_heads must be a list of distinct KV heads in [0, {hkv}) or None, "
+                                 f"got {arch!r}")
+            self.archive_kv_heads = sorted(arch)
         self.layout = tuple(self.layout)
         pos = 0
         names = set()

@@ -81,7 +81,23 @@ def validate_protocol(raw: Any, where: str = "protocol") -> dict:
             raise ProtocolError(f"{where}.analyses.{key_name(name)}: unknown analysis (known: {', '.join(sorted(ANALYSES))})")
         analyses[name] = ANALYSES[name].validate(params, f"{where}.analyses.{name}")
     proto["analyses"] = analyses
+    _check_archive(proto, where)
     return _common(proto, where)
+
+
+def _check_archive(proto: dict, where: str) -> None:
+    """A source that keeps only part of its arrays (``archive``) needs analyses whose rows the audit
+    can re-derive from per-row statistics: today the ablation analysis on the float32 arm."""
+    if proto["source"].get("archive") is None:
+        return
+    others = sorted(set(proto["analyses"]) - {"ablation"})
+    if others:
+        raise ProtocolError(f"{where}.source.archive: keeps only part of the arrays, which the analyses {others} need "
+                            "(only the ablation analysis stores per-row statistics instead)")
+    arms = [a["name"] for a in proto["analyses"]["ablation"]["kv_arms"]]
+    if arms != ["float32"]:
+        raise ProtocolError(f"{where}.source.archive: keeps only part of the arrays; the ablation's kv_arms must be "
+                            f"the float32 arm alone (a quantized arm's payload is re-encoded from K/V), got {arms}")
 
 
 def _check_name(proto: dict, where: str) -> None:

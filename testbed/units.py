@@ -174,10 +174,21 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
 
 def _save_case(case, ctx: RunContext) -> dict:
     prefix = f"{ctx.study}/{case.id}"
-    arrays = {name: ctx.store.save(f"{prefix}/{name}", getattr(case, name)) for name in ("q", "k", "v", "query_positions")}
+    kept = {"q": case.q, "k": case.k, "v": case.v}
+    archive = None
+    if case.archive_kv_heads is not None:
+        # A partial archive: only the listed KV heads (and their query heads) are kept; the
+        # analyses store per-row statistics of every head (see Case.archive_kv_heads).
+        kvs = case.archive_kv_heads
+        q_heads = [h for h, g in enumerate(case.head_map) if g in kvs]
+        archive = {"kv_heads": list(kvs), "q_heads": q_heads,
+                   "shapes": {name: list(t.shape) for name, t in kept.items()}}
+        kept = {} if not kvs else {"q": case.q[q_heads], "k": case.k[kvs], "v": case.v[kvs]}
+    arrays = {name: ctx.store.save(f"{prefix}/{name}", t) for name, t in kept.items()}
+    arrays["query_positions"] = ctx.store.save(f"{prefix}/query_positions", case.query_positions)
     if case.token_ids is not None:  # one file per prompt: the store is content-addressed within a study
         arrays["token_ids"] = ctx.store.save(f"{prefix}/token_ids", case.token_ids.to(torch.int32))
-    return {
+    out = {
         "id": case.id,
         "causal": case.causal,
         "layout": case.layout_json(),
@@ -186,6 +197,9 @@ def _save_case(case, ctx: RunContext) -> dict:
         "meta": case.meta,
         "arrays": arrays,
     }
+    if archive is not None:
+        out["archive"] = archive
+    return out
 
 
 def _moved(obj, moved: dict):

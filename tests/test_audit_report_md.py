@@ -279,7 +279,7 @@ def test_other_cells(small, what, reliability):
     1.00000), and '0.00%' rewritten as '0.00 %'."""
     edits = {
         "heatmap cell": ("| q0            |  5.3 |  5.9 |", "5.3", "5.4", "table 'heatmap video'", "column 'k0'"),
-        "perplexity": ("| int2_sink4    |", "10.0558", "10.0559", "table 'live quality'", "column 'perplexity'"),
+        "perplexity": ("| int2_sink4     |", "10.0559", "10.0560", "table 'live quality'", "column 'perplexity'"),
         "row-sum median": ("| p      | none ", "0.997036", "0.997037", "table 'MX paths'", "column 'row-sum median'"),
         "support with a bracket": ("| video          |      1 |", "[26.72%-", "[26.71%-", "table 'by head'",
                                    "column 'median support [range over cases]'"),

@@ -28,7 +28,7 @@ import torch
 from tabulate import tabulate
 
 from ..ablation import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, ablate_case,
-                        control_block, make_ablation, mass_control_case)
+                        control_block, make_ablation, mass_control_case, row_statistics)
 from ..context import case_fields
 from ..metrics import history_span, holm, paired_wilcoxon
 from ..schema import Key, ProtocolError, Spec
@@ -155,13 +155,16 @@ def _finite_or_none(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def _arrays(name: str, packed_paths: dict | None) -> dict:
-    """The arm's packed arrays (and quantizer config) are named once, by its ``none`` row (the
-    quantization-only baseline every arm has); the arm's other rows point to that row, which
-    keeps results.json small."""
-    if packed_paths is None:
-        return {}
-    return {"packed": packed_paths} if name == "none" else {"packed_in": "none"}
+def _arrays(name: str, packed_paths: dict | None, stats_paths: dict | None = None) -> dict:
+    """The arm's packed arrays (and quantizer config) and its per-row statistics (a case whose K/V
+    are not all archived) are named once, by its ``none`` row (the quantization-only baseline
+    every arm has); the arm's other rows point to that row, which keeps results.json small."""
+    out = {}
+    if packed_paths is not None:
+        out.update({"packed": packed_paths} if name == "none" else {"packed_in": "none"})
+    if stats_paths is not None:
+        out.update({"stats": stats_paths} if name == "none" else {"stats_in": "none"})
+    return out
 
 
 def evaluate(case, params, ctx) -> list[dict]:
@@ -214,6 +217,14 @@ def evaluate(case, params, ctx) -> list[dict]:
                                                        max_scores=params["max_scores"]))
         if packer is None:
             ref = res.output
+        stats_paths, stats_layout = None, None
+        if case.archive_kv_heads is not None:
+            # the case's K/V are not all archived: the rows' statistics are, for the audit
+            names = [n for n in params["ablations"] if n in spans or n in mass]
+            regions = [r for r in REGION_FIELDS if r in res.region_mass]
+            st = row_statistics(names, res, mres, regions)
+            stats_paths = {key: ctx.store.save(f"{ctx.study}/{case.id}/ablation/{arm}/stats/{key}", t) for key, t in st.items()}
+            stats_layout = {"ablations": names, "regions": regions}  # the fields: testbed.ablation.STAT_FIELDS
         region = {f"{r}_mass": (_mean(res.region_mass[r]) if r in res.region_mass else None) for r in REGION_FIELDS}
         for name in params["ablations"]:
             row = {"study": ctx.study, "analysis": "ablation", **base, "arm": arm, "ablation": name,
@@ -222,11 +233,13 @@ def evaluate(case, params, ctx) -> list[dict]:
                    "rows": case.heads * case.q.shape[1], "heads": case.heads}
             if name == "none":
                 row["quant"] = quant
+                if stats_layout is not None:
+                    row["stats_layout"] = stats_layout
             row.update({k2: v2 for k2, v2 in info[name].items() if k2 != "applicable"})
             if name in mass:
                 row.update(_mass_fields(mres, name, row["rows"]))
                 row.update(region)
-                row["arrays"] = _arrays(name, packed_paths)
+                row["arrays"] = _arrays(name, packed_paths, stats_paths)
                 rows.append(row)
                 continue
             if name not in spans:
@@ -234,7 +247,7 @@ def evaluate(case, params, ctx) -> list[dict]:
                             "rel_l2": None, "cosine": None, "undefined_rows": None, "rel_l2_per_mass": None,
                             "mean_shift": None})
                 row.update(region)
-                row["arrays"] = _arrays(name, packed_paths)
+                row["arrays"] = _arrays(name, packed_paths, stats_paths)
                 rows.append(row)
                 continue
             row.update({
@@ -242,7 +255,7 @@ def evaluate(case, params, ctx) -> list[dict]:
                 "dropped_keys": sum(b - a for a, b in spans[name]),
                 **_damage_fields(res, name),
                 **region,
-                "arrays": _arrays(name, packed_paths),
+                "arrays": _arrays(name, packed_paths, stats_paths),
             })
             rows.append(row)
     return rows
@@ -316,7 +329,9 @@ def _fmt_pct(x, digits=2) -> str:
 
 
 def _fmt_p(x) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
+    """A p-value at four decimals, or in two significant digits below 0.0001 (16 prompts reach
+    3.1e-05: a printed 0.0000 would claim p = 0)."""
+    return "n/a" if x is None else f"{x:.4f}" if x >= 1e-4 else f"{x:.1e}"
 
 
 def _fmt_ratio(x) -> str:

@@ -29,6 +29,11 @@ MASS_ATTEMPTS = 16     # the documented number of seeded orders a row tries
 MASS_PREFIX = "mass_control_"
 
 
+def case_keys(case) -> int:
+    """The case's key count (from its full shapes: a partly archived case keeps some K or none)."""
+    return int(case["shapes"]["k"][1]) if "shapes" in case else int(case["k"].shape[1])
+
+
 def _regions(case) -> dict:
     return {r["name"]: (int(r["start"]), int(r["stop"])) for r in case["layout"]}
 
@@ -43,7 +48,7 @@ def _control(case, case_id, target, seed):
     where one fits, else a block of the history outside the target, else that many single keys
     drawn from it, never a key of the target; None when fewer keys lie outside it."""
     regions = _regions(case)
-    keys = case["k"].shape[1]
+    keys = case_keys(case)
     if target not in regions or regions[target][1] == regions[target][0]:
         return None
     r0, r1 = regions[target]
@@ -78,7 +83,7 @@ def _control(case, case_id, target, seed):
 def expected_spans(case, case_id, name, seed):
     """The dropped spans of ablation ``name`` for this case, or None when not applicable."""
     regions = _regions(case)
-    keys = case["k"].shape[1]
+    keys = case_keys(case)
     if name == "none":
         return []
     if name == "drop_history":
@@ -107,7 +112,7 @@ def mass_orders(case, case_id, target, seed):
     lies outside it. Order ``a``: each eligible key, ascending, draws ``random()`` from
     ``random.Random(f"mass_control:{seed}:{case_id}:{target}:{a}")``; keys by increasing draw."""
     regions = _regions(case)
-    keys = case["k"].shape[1]
+    keys = case_keys(case)
     if target not in regions or regions[target][1] == regions[target][0]:
         return None
     r0, r1 = regions[target]
@@ -295,16 +300,24 @@ def _check_mass(row, ctx, case, k, v, ref, orders, seed):
 def _kv(row, ctx, case):
     """The arm's K and V (history decoded from the packed arrays, current chunk exact), checking
     this row's byte counts and array references."""
-    k, v = case["k"], case["v"]
-    keys = k.shape[1]
+    k, v = case.get("k"), case.get("v")
+    keys = case_keys(case)
     hist = _history(case)
     stop = hist[1] if hist is not None else keys
     if row["arm"] == "float32":
-        if row.get("quant") is not None or row["arrays"]:
-            raise ValueError("the float32 arm has no quantizer and no packed arrays")
-        ctx.equal(row, "baseline_bytes", row["baseline_bytes"], 2 * k.size * 4)
-        ctx.equal(row, "payload_bytes", row["payload_bytes"], 2 * k.size * 4)
-        return k, v
+        stats = "archive" in case
+        want = ({"stats"} if row["ablation"] == "none" else {"stats_in"}) if stats else set()
+        if row.get("quant") is not None or set(row["arrays"]) != want:
+            raise ValueError("the float32 arm has no quantizer and no packed arrays" + (
+                "; its 'none' row names its statistics (arrays.stats), the others point to it (stats_in)" if stats else ""))
+        if stats and row["ablation"] != "none" and row["arrays"]["stats_in"] != "none":
+            raise ValueError("arrays.stats_in must be 'none' (the row naming the arm's statistics)")
+        full = int(np.prod(case["shapes"]["k"]))
+        ctx.equal(row, "baseline_bytes", row["baseline_bytes"], 2 * full * 4)
+        ctx.equal(row, "payload_bytes", row["payload_bytes"], 2 * full * 4)
+        return (None, None) if stats else (k, v)
+    if "archive" in case:
+        raise ValueError("a case that keeps only part of its K/V has only the float32 arm (a payload is re-encoded from K/V)")
     ctx.equal(row, "quantized_tokens", row["quantized_tokens"], stop)
     owner = row
     if row["ablation"] == "none":
@@ -430,6 +443,9 @@ def check(row: dict, ctx) -> None:
         ctx.fail(row, f"applicable: reported {row['applicable']!r}, audit derives {applicable!r}")
         return
     k, v = _kv(row, ctx, case)
+    if "archive" in case:
+        _check_from_stats(row, ctx, case, spans, applicable, seed)
+        return
     ref = None
     if row["arm"] != "float32":
         ref_key = ("ablation-ref", row["study"], row["case"])
@@ -475,3 +491,195 @@ def check(row: dict, ctx) -> None:
     ctx.close(row, "cosine", row["cosine"], None if den == 0 else float(d["dot"].sum()) / den)
     heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
     ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r) for e, r in zip(d["err2"], d["ref2"])])
+
+
+# ---------------------------------------------------------------------------------------------
+# cases that keep only part of their Q/K/V: the rows from the per-row statistics
+# ---------------------------------------------------------------------------------------------
+
+# The documented layout of ``heads [A, H, F]`` (docs/audit.md), written again here.
+STAT_FIELDS = ("undefined", "err2", "ref2", "dot", "out2", "own_err2", "own_ref2", "tau_sum", "tau_rows", "tv_sum",
+               "tv_rows", "shift_sum", "shift_rows", "matched", "target_sum", "achieved_sum", "mismatch_sum",
+               "mismatch_max", "keys_sum", "target_err2", "target_ref2")
+_F = {f: j for j, f in enumerate(STAT_FIELDS)}
+STATS_TAU_RTOL = 2.0 ** -23  # the per-row tau is stored as float32: one rounding
+
+
+def _applicable_names(ctx, row, case) -> list[str]:
+    """The arm's ablations the audit finds applicable, in the order of the arm's rows."""
+    out = []
+    for r in _siblings(ctx, row):
+        name = str(r.get("ablation"))
+        seed = r.get("control_seed", 0)
+        if name.startswith(MASS_PREFIX):
+            ok = mass_orders(case, r["case"], name[len(MASS_PREFIX):], seed) is not None
+        else:
+            ok = expected_spans(case, r["case"], name, seed) is not None
+        if ok:
+            out.append(name)
+    return out
+
+
+def _load_stats(ctx, row, case) -> dict:
+    """The arm's statistics, named by its 'none' row, with their layout checked."""
+    owners = [r for r in _siblings(ctx, row) if r.get("ablation") == "none"]
+    if len(owners) != 1:
+        raise ValueError(f"expected one 'none' row of arm {row['arm']} naming the statistics, found {len(owners)}")
+    owner = owners[0]
+    paths = owner["arrays"].get("stats")
+    if not isinstance(paths, dict) or set(paths) != {"tau", "heads", "regions"}:
+        raise ValueError("arrays.stats of the 'none' row must name the arrays tau, heads and regions")
+    names = _applicable_names(ctx, row, case)
+    regions = [r for r in REGION_FIELDS if r in _regions(case) or (r == "history" and _history(case) is not None)]
+    layout = owner.get("stats_layout")
+    if layout != {"ablations": names, "regions": regions}:
+        raise ValueError(f"stats_layout {layout!r} is not the applicable ablations {names} and regions {regions}")
+    h, tq = case["shapes"]["q"][0], case["shapes"]["q"][1]
+    tau, heads, reg = (ctx.load(paths[n]) for n in ("tau", "heads", "regions"))
+    want = {"tau": (tau, "<f4", (len(names), h, tq)), "heads": (heads, "<f8", (len(names), h, len(STAT_FIELDS))),
+            "regions": (reg, "<f8", (len(regions), h))}
+    for n, (x, dt, shape) in want.items():
+        if x.dtype.str != dt or x.shape != shape:
+            raise ValueError(f"statistics {n}: {x.dtype.str} {list(x.shape)}, the layout gives {dt} {list(shape)}")
+    if not (np.isfinite(heads).all() and np.isfinite(reg).all()):
+        raise ValueError("statistics heads or regions hold NaN or Inf")
+    t = tau[np.isfinite(tau)]
+    if np.isinf(tau).any() or (t.size and (t.min() < 0 or t.max() > 1 + 1e-6)):
+        raise ValueError("statistics tau: a row's dropped mass outside [0, 1]")
+    return {"names": names, "regions": regions, "tau": tau.astype(np.float64), "heads": heads, "reg": reg,
+            "rows": h * tq, "owner": owner}
+
+
+def _own_stats(case, case_id, names, regions, seed) -> dict:
+    """The statistics of the archived heads, re-derived from their Q/K/V (float32 arm)."""
+    spans = {n: expected_spans(case, case_id, n, seed) for n in names if not n.startswith(MASS_PREFIX)}
+    derived, masses, _ = _derive(case, case["k"], case["v"], spans, None)
+    h, tq = case["q"].shape[:2]
+    tau = np.full((len(names), h, tq), np.nan)
+    heads = np.zeros((len(names), h, len(STAT_FIELDS)))
+    for a, name in enumerate(names):
+        out = heads[a]
+        if name.startswith(MASS_PREFIX):
+            target = _regions(case)[name[len(MASS_PREFIX):]]
+            orders = mass_orders(case, case_id, name[len(MASS_PREFIX):], seed)
+            sel = _select_case(case, target, orders)
+            d = _derive_mass(case, case["k"], case["v"], sel, target, None)
+            m = sel["matched"]
+            tm = np.where(m, sel["tau"], 0.0)
+            ach = np.where(m, sel["achieved"], 0.0)
+            mism = np.where(m, np.abs(ach - tm) / np.where(m, tm, 1.0), 0.0)
+            out[:, _F["matched"]] = m.sum(axis=1)
+            out[:, _F["target_sum"]] = tm.sum(axis=1)
+            out[:, _F["achieved_sum"]] = ach.sum(axis=1)
+            out[:, _F["mismatch_sum"]] = mism.sum(axis=1)
+            out[:, _F["mismatch_max"]] = mism.max(axis=1)
+            out[:, _F["keys_sum"]] = np.where(m[:, :, None], sel["chosen"], False).sum(axis=(1, 2))
+            out[:, _F["target_err2"]], out[:, _F["target_ref2"]] = d["t_err2"], d["t_ref2"]
+        else:
+            d = derived[name]
+        tau[a] = d["tau"]
+        out[:, _F["undefined"]] = d["undefined"]
+        for f in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2"):
+            out[:, _F[f]] = d[f]
+        for f, x in (("tau", d["tau"]), ("tv", d["tv"]), ("shift", d["shift"])):
+            ok = np.isfinite(x)
+            out[:, _F[f + "_sum"]] = np.where(ok, x, 0.0).sum(axis=1)
+            out[:, _F[f + "_rows"]] = ok.sum(axis=1)
+    reg = np.stack([masses[r].sum(axis=1) for r in regions]) if regions else np.zeros((0, h))
+    return {"tau": tau, "heads": heads, "reg": reg}
+
+
+def _check_archived_heads(ctx, row, case, st, seed) -> None:
+    """Once per case: the archived heads' statistics equal the audit's own from their Q/K/V."""
+    key = ("ablation-stats-heads", row["study"], row["case"], row["arm"])
+    if key in ctx._cache:
+        return
+    ctx._cache[key] = True
+    qh = case["archive"]["q_heads"]
+    if not qh:
+        return
+    own = _own_stats(case, row["case"], st["names"], st["regions"], seed)
+    owner = st["owner"]
+    for a, name in enumerate(st["names"]):
+        ctx.close(owner, f"stats.tau[{name}] of the archived heads", st["tau"][a][qh], own["tau"][a])
+        for f in STAT_FIELDS:
+            ctx.close(owner, f"stats.heads[{name}].{f} of the archived heads", st["heads"][a][qh, _F[f]],
+                      own["heads"][a][:, _F[f]])
+    for i, r in enumerate(st["regions"]):
+        ctx.close(owner, f"stats.regions[{r}] of the archived heads", st["reg"][i][qh], own["reg"][i])
+
+
+def _check_from_stats(row, ctx, case, spans, applicable, seed) -> None:
+    """Every number of an ablation row of a partly archived case, from the arm's statistics."""
+    st = ctx.cached(("ablation-stats", row["study"], row["case"], row["arm"]), lambda: _load_stats(ctx, row, case))
+    _check_archived_heads(ctx, row, case, st, seed)
+    n = st["rows"]
+    for i, r in enumerate(st["regions"]):
+        ctx.close(row, f"{r}_mass", row.get(f"{r}_mass"), float(st["reg"][i].sum()) / n)
+    for r in REGION_FIELDS:
+        if r not in st["regions"]:
+            ctx.equal(row, f"{r}_mass", row.get(f"{r}_mass"), None)
+    mass = row["ablation"].startswith(MASS_PREFIX)
+    if not applicable:
+        if not mass:
+            for key in ("dropped_spans", "dropped_mass", "tv", "rel_l2", "cosine"):
+                ctx.equal(row, key, row.get(key), None)
+        return
+    a = st["names"].index(row["ablation"])
+    hd = st["heads"][a]
+
+    def tot(f):
+        return float(hd[:, _F[f]].sum())
+
+    tau = st["tau"][a]
+    ok = np.isfinite(tau)
+    ctx.equal(row, "stats tau_rows", int(round(tot("tau_rows"))), int(ok.sum()))
+    ctx.close(row, "stats tau_sum", tot("tau_sum"), float(tau[ok].sum()) if ok.any() else 0.0)
+
+    def mean(f):
+        return tot(f + "_sum") / tot(f + "_rows") if tot(f + "_rows") else None
+
+    ctx.equal(row, "undefined_rows", row.get("undefined_rows"), int(round(tot("undefined"))))
+    ctx.close(row, "dropped_mass", row.get("dropped_mass"), mean("tau"))
+    ctx.close(row, "dropped_mass_median", row.get("dropped_mass_median"), _finite_median(tau))
+    ctx.close(row, "tv", row.get("tv"), mean("tv"))
+    rel = _ratio(tot("err2"), tot("ref2"))
+    ctx.close(row, "rel_l2", row.get("rel_l2"), rel)
+    ctx.close(row, "rel_l2_own", row.get("rel_l2_own"), _ratio(tot("own_err2"), tot("own_ref2")))
+    tmean = mean("tau")
+    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tmean else rel / tmean)
+    ctx.close(row, "mean_shift", row.get("mean_shift"), mean("shift"))
+    den = float(np.sqrt(tot("out2") * tot("ref2")))
+    ctx.close(row, "cosine", row.get("cosine"), None if den == 0 else tot("dot") / den)
+    heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
+    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r)
+                                           for e, r in zip(hd[:, _F["err2"]], hd[:, _F["ref2"]])])
+    if not mass:
+        ctx.equal(row, "dropped_spans", [list(x) for x in row["dropped_spans"]], [list(x) for x in spans])
+        ctx.equal(row, "dropped_keys", row["dropped_keys"], sum(b - a for a, b in spans))
+        if row["ablation"].startswith("control_"):
+            blk = _control(case, row["case"], row["ablation"][len("control_"):], seed)
+            ctx.equal(row, "control_of", row["control_of"], row["ablation"][len("control_"):])
+            ctx.equal(row, "control_kind", row.get("control_kind"), blk[1])
+        return
+    target_name = row["ablation"][len(MASS_PREFIX):]
+    for key, want in (("control_of", target_name), ("control_kind", "mass_matched"), ("mass_tolerance", MASS_TOLERANCE),
+                      ("mass_attempts", MASS_ATTEMPTS), ("dropped_spans", None), ("dropped_keys", None)):
+        ctx.equal(row, key, row.get(key), want)
+    nm = int(round(tot("matched")))
+    ctx.equal(row, "matched_rows", row.get("matched_rows"), nm)
+    ctx.equal(row, "unmatched_rows", row.get("unmatched_rows"), n - nm)
+
+    def per(f):
+        return tot(f) / nm if nm else None
+
+    ctx.close(row, "dropped_keys_mean", row.get("dropped_keys_mean"), per("keys_sum"))
+    ctx.close(row, "target_mass", row.get("target_mass"), per("target_sum"))
+    ctx.close(row, "control_mass", row.get("control_mass"), per("achieved_sum"))
+    ctx.close(row, "mass_mismatch_mean", row.get("mass_mismatch_mean"), per("mismatch_sum"))
+    with_rows = hd[:, _F["matched"]] > 0
+    mmax = float(hd[with_rows, _F["mismatch_max"]].max()) if with_rows.any() else None
+    ctx.close(row, "mass_mismatch_max", row.get("mass_mismatch_max"), mmax)
+    if mmax is not None and mmax > MASS_TOLERANCE * (1 + 1e-9):
+        ctx.fail(row, f"statistics: a matched row's mass mismatch {mmax!r} lies outside the documented 1 % band")
+    ctx.close(row, "target_rel_l2_matched", row.get("target_rel_l2_matched"), _ratio(tot("target_err2"), tot("target_ref2")))

@@ -277,13 +277,31 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         "head_map": (rec.get("head_map"), [i // group for i in range(len(q_heads))]),
     }
     _compare(ctx, where, want)
+    full = {"q": [len(q_heads), len(qi), known["head_dim"]], "k": [len(kv), keys, known["head_dim"]],
+            "v": [len(kv), keys, known["head_dim"]]}
+    kept = full
+    archive = p.get("archive")
+    if archive is not None:
+        # which Q/K/V the protocol keeps for this prompt: its listed KV heads (case KV-axis
+        # indices of the recorded heads) with their query heads, or nothing
+        sel = [kv.index(h) for h in archive.get("kv_heads", []) if h in kv] if meta.get("prompt") in archive.get(
+            "prompts", []) else []
+        sel_q = [i for i in range(len(q_heads)) if i // group in sel]
+        _compare(ctx, where, {"archive": (rec.get("archive"), {"kv_heads": sel, "q_heads": sel_q, "shapes": full})})
+        kept = {} if not sel else {"q": [len(sel_q), len(qi), known["head_dim"]], "k": [len(sel), keys, known["head_dim"]],
+                                   "v": [len(sel), keys, known["head_dim"]]}
+        stored = sorted(n for n in ("q", "k", "v") if n in arrays)
+        if stored != sorted(kept):
+            ctx.fail(where, f"stores {stored} of q/k/v, the protocol's archive keeps {sorted(kept)}")
+            return ids_bytes
+    elif "archive" in rec:
+        ctx.fail(where, "has an archive entry, but the protocol keeps every array")
     try:
-        q, k, v, qp = (ctx.load(arrays.get(n)) for n in ("q", "k", "v", "query_positions"))
+        qp = ctx.load(arrays.get("query_positions"))
+        got = {n: ctx.load(arrays.get(n)) for n in kept}
     except Exception:  # noqa: BLE001 - the case's own checks report a missing array
         return ids_bytes
-    shapes = {"q": (list(q.shape), [len(q_heads), len(qi), known["head_dim"]]),
-              "k": (list(k.shape), [len(kv), keys, known["head_dim"]]), "v": (list(v.shape), [len(kv), keys, known["head_dim"]])}
-    _compare(ctx, where + " shape", shapes)
+    _compare(ctx, where + " shape", {n: (list(x.shape), kept[n]) for n, x in got.items()})
     ctx.numbers += 1
     if qp.tolist() != [keys - p["chunk"] + i for i in qi]:
         ctx.fail(where, "query_positions are not the selected queries' positions in the recorded chunk")

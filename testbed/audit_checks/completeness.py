@@ -210,6 +210,11 @@ def _shapes(ctx, rec: dict) -> dict:
     arrays = rec.get("arrays") if isinstance(rec, dict) else None
     if not isinstance(arrays, dict):
         raise ValueError("the case has no arrays object")
+    if "archive" in rec:  # a case that keeps part of its Q/K/V: its full shapes (checked by the audit's case reader)
+        shapes = rec["archive"].get("shapes") if isinstance(rec["archive"], dict) else None
+        if not isinstance(shapes, dict) or not all(isinstance(shapes.get(n), list) and len(shapes[n]) == 3 for n in ("q", "k")):
+            raise ValueError("the case's archive has no rank-3 shapes of q and k")
+        return {n: shapes[n] for n in ("q", "k")}
     out = {}
     for name in ("q", "k"):
         entry = ctx.manifest.get("arrays", {}).get(arrays.get(name))
@@ -263,7 +268,7 @@ def _mx_rows(p: dict) -> dict:
 def _ablation_rows(ctx, study: str, case_id: str, p: dict) -> dict:
     case = ctx.case({"study": study, "case": case_id})
     regions = {r["name"]: (int(r["start"]), int(r["stop"])) for r in case["layout"]}
-    stop = regions["current"][0] if "current" in regions else case["k"].shape[1]
+    stop = regions["current"][0] if "current" in regions else ablation_check.case_keys(case)
     seed = p["control_seed"]
     out = {}
     for arm in sorted(p["kv_arms"], key=lambda a: a["name"] != "float32"):

@@ -156,6 +156,15 @@ def fixed(x, digits: int, none: str = "n/a", exact: bool = False) -> tuple:
     return (Num(x, lambda v: f"{v:.{digits}f}", exact),) if _isnum(x) else (none,)
 
 
+def _p_text(v) -> str:
+    return f"{v:.4f}" if v >= 1e-4 else f"{v:.1e}"
+
+
+def pvalue(x, exact: bool = False, none: str = "n/a") -> tuple:
+    """A p-value as the report prints it: four decimals, two significant digits below 0.0001."""
+    return (Num(x, _p_text, exact),) if _isnum(x) else (none,)
+
+
 def text(s) -> tuple:
     return ("" if s is None else str(s),)
 
@@ -416,7 +425,7 @@ def _holm_cells(lines: list, col: int) -> None:
     ps = [line[col][0] for line in lines]
     exact = all(line[col][1] for line in lines)
     for line, adj in zip(lines, holm(ps)):
-        line[col] = fixed(adj, 4, exact=exact)
+        line[col] = pvalue(adj, exact=exact)
 
 
 def _ablation(rows, params) -> list:
@@ -464,7 +473,7 @@ def _ablation(rows, params) -> list:
                           pct(_median([b[u] for u in units]), 3), pct(_median([ta.get(u) for u in units])),
                           pct(_median([tb.get(u) for u in units])), fixed(_median([pa.get(u) for u in units]), 3),
                           fixed(_median([pb.get(u) for u in units]), 3),
-                          text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), fixed(p, 4, exact=exact),
+                          text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), pvalue(p, exact=exact),
                           (p, exact), text(", ".join(kinds))])
     _holm_cells(pairs, 11)
     if pairs:
@@ -501,7 +510,7 @@ def _ablation(rows, params) -> list:
                 p, exact = None, True
                 line += [("n/a",), ("n/a",), ("n/a",), ("n/a",)]
             line += [text(f"{n_match}/{n_rows}"), pct(mean, 3) + (" / ",) + pct(worst, 3),
-                     text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), fixed(p, 4, exact=exact), (p, exact)]
+                     text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), pvalue(p, exact=exact), (p, exact)]
             mass.append(line)
     _holm_cells(mass, 12)
     if mass:

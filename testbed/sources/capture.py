@@ -331,13 +331,14 @@ def llm_layout(keys: int, current: int, recent: int, sink: int) -> tuple[Region,
 
 
 def case_from_record(rec: Record, case_id: str, layout, meta: dict | None = None, tokens_per_frame: int | None = None,
-                     token_ids: torch.Tensor | None = None) -> Case:
+                     token_ids: torch.Tensor | None = None, archive_kv_heads: list[int] | None = None) -> Case:
     """A `Case` from one record; ``meta`` is merged over the record's own facts."""
     info = {"layer": rec.layer, "forward": rec.forward, "q_heads": list(rec.q_heads), "kv_heads": list(rec.kv_heads),
             "query_index": rec.query_index.tolist(), "scaling": rec.scaling, "q_prescale": rec.q_prescale, **rec.extra}
     info.update(meta or {})
     return Case(id=case_id, q=rec.q, k=rec.k, v=rec.v, query_positions=rec.query_positions, causal=rec.causal,
-                layout=tuple(layout), tokens_per_frame=tokens_per_frame, meta=info, token_ids=token_ids)
+                layout=tuple(layout), tokens_per_frame=tokens_per_frame, meta=info, token_ids=token_ids,
+                archive_kv_heads=archive_kv_heads)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -511,11 +512,18 @@ SPEC = Spec("source: capture", f"Attention captured from {MODEL_ID} at the SDPA 
     "kv_heads": Key((list, type(None)), "KV heads to keep (with their query heads); null: all", None),
     "queries": Key((int, type(None)), "queries kept per record, evenly spaced over the chunk; null: all", None),
     "record_chunks": Key(("list", int, 1), "which forwards to record (negative counts from the end)", [-1]),
+    "archive": Key((dict, type(None)), "which Q/K/V the evidence keeps: null keeps every array; {\"prompts\": [ids], "
+                                       "\"kv_heads\": [heads]} keeps only those KV heads (model numbering, with their "
+                                       "query heads) of those prompts' cases, and the analyses store per-row "
+                                       "statistics of every case for the audit (only the ablation analysis on the "
+                                       "float32 arm can)", None),
 }, rules=("prompt ids are letters, digits and underscores, and unique",
           "tokens is a multiple of chunk, and sink_tokens + recent_tokens + chunk <= tokens",
           "layers are below the model's layer count and not repeated; record_chunks lie in "
           "[-tokens/chunk, tokens/chunk)",
-          "kv_heads: distinct heads below the model's KV head count; queries: 1 to chunk"))
+          "kv_heads: distinct heads below the model's KV head count; queries: 1 to chunk",
+          "archive: prompts are ids of this protocol's prompts, kv_heads distinct recorded KV heads (either may be "
+          "empty)"))
 
 
 def validate(params: dict, where: str) -> dict:
@@ -548,7 +556,31 @@ def validate(params: dict, where: str) -> dict:
             raise ProtocolError(f"{where}.kv_heads: {p['kv_heads']} repeats a head")
     if p["queries"] is not None:
         check_value(p["queries"], ("range", int, 1, p["chunk"]), f"{where}.queries")
+    if p["archive"] is not None:
+        a = p["archive"]
+        if set(a) != {"prompts", "kv_heads"}:
+            raise ProtocolError(f"{where}.archive: needs exactly the keys prompts and kv_heads, got {sorted(a)}")
+        check_value(a["prompts"], ("list", str, 0), f"{where}.archive.prompts")
+        check_value(a["kv_heads"], ("list", ("range", int, 0, dims["kv_heads"] - 1), 0), f"{where}.archive.kv_heads")
+        unknown = [x for x in a["prompts"] if x not in ids]
+        if unknown:
+            raise ProtocolError(f"{where}.archive.prompts: {unknown} are not prompt ids of this source")
+        recorded = range(dims["kv_heads"]) if p["kv_heads"] is None else p["kv_heads"]
+        if any(h not in recorded for h in a["kv_heads"]):
+            raise ProtocolError(f"{where}.archive.kv_heads: {a['kv_heads']} must be among the recorded KV heads "
+                                f"{list(recorded)}")
     return p
+
+
+def archived_kv_heads(params: dict, prompt_id: str) -> list[int] | None:
+    """The case KV-axis indices whose Q/K/V a case of this prompt keeps (None: every array)."""
+    a = params["archive"]
+    if a is None:
+        return None
+    if prompt_id not in a["prompts"]:
+        return []
+    recorded = list(range(MODELS[params["model"]]["kv_heads"])) if params["kv_heads"] is None else sorted(params["kv_heads"])
+    return [recorded.index(h) for h in a["kv_heads"]]
 
 
 def estimate_bytes(params: dict) -> int:
@@ -744,7 +776,8 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
                     "prompt_kind": prompt["kind"], "layer": rec.layer, "chunk": rec.forward, "step": 0,
                     "layout_kind": "llm_stream", "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size,
                     "token_ids_sha256": ids_sha}
-            yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta, token_ids=token_ids)
+            yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta, token_ids=token_ids,
+                                   archive_kv_heads=archived_kv_heads(params, pid))
     # The total also holds the analyses that ran on each case between yields.
     _timing(ctx, study, "capture_total", time.perf_counter() - t_total)
     _write_manifest(ctx, manifest)
