@@ -25,8 +25,8 @@ are shifted by ``DAMPING`` times the counted error and the fit continues from wh
 the round with the smallest counted squared error on the fit seeds is kept. The fitted knobs are
 rounded to 4 decimals, then every figure of the table is measured on cases the generator makes
 from them (testbed.metrics.observe: the float64 reference attention), on the fit seeds and on
-held-out seeds the fit never saw. Deterministic (one torch thread, fixed seeds and steps); about
-a minute on 2 cores.
+held-out seeds the fit never saw. Deterministic (one torch thread, fixed seeds and steps); 70-85 s
+on 2 cores.
 
     python tools/calibrate_video.py           # fit, print the table and the protocol
     python tools/calibrate_video.py --write   # ... and write protocols/ablation_calibrated.json
