@@ -24,6 +24,14 @@ are ``kappa_h * cos``: large ``kappa`` gives sharp heads, small ``kappa`` near-u
 Channel 0 is reserved for the attention sink: sink keys and every query carry ``a`` there with
 ``a^2 / sqrt(D) = sink_logit``, a content-free bonus like a real attention sink's. Query heads
 that share a KV head (GQA) share the content and differ in concentration.
+
+Per-head bonuses (video layout; both empty by default, and then the generator is the one above,
+bit for bit). ``sink_logits[h]`` replaces ``sink_logit`` for query head ``h``: the sink keys carry
+``c = D^(1/4)`` in channel 0 and query head ``h`` carries ``sink_logits[h] * sqrt(D) / c``.
+``current_logits[h]`` (may be negative) adds a content-free bonus to the current chunk's keys for
+query head ``h`` the same way through a second reserved channel, channel 1; the content then
+lives in channels ``2 .. D-1``. So a head's logits are ``kappa_h * cos + sink_h [sink key] +
+current_h [current key]``. ``tools/calibrate_video.py`` fits them (docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -61,31 +69,44 @@ def _content(g: torch.Generator, kv_heads: int, frames: int, tpf: int, dim: int,
 
 
 def _qkv(g, content_keys, content_queries, heads, kv_heads, head_dim, concentrations, sink_keys, sink_logit,
-         query_noise):
-    """Keys, values and queries from flattened content (``[H_kv, T, D-1]``) plus the sink channel."""
-    hkv, tk, _ = content_keys.shape
+         query_noise, sink_logits=(), current_logits=(), current_start=None):
+    """Keys, values and queries from flattened content (``[H_kv, T, C]``) plus the reserved channels:
+    channel 0 (sink) and, with ``current_logits``, channel 1 (current); ``C = D - reserved``."""
+    hkv, tk, dc = content_keys.shape
+    off = head_dim - dc  # reserved channels in front of the content
     group = heads // kv_heads
     a = math.sqrt(sink_logit * math.sqrt(head_dim)) if sink_logit > 0 else 0.0
+    c = head_dim ** 0.25  # the key side of a per-head bonus: query value * c / sqrt(D) = the bonus
     k = torch.zeros(hkv, tk, head_dim)
-    k[..., 1:] = content_keys
-    k[:, :sink_keys, 0] = a
+    k[..., off:] = content_keys
+    k[:, :sink_keys, 0] = c if sink_logits else a
+    if current_logits:
+        k[:, current_start:, 1] = c
     v = content_keys * math.sqrt(head_dim)
-    v = torch.cat([torch.randn(hkv, tk, 1, generator=g), v], dim=-1) + 0.5 * torch.randn(hkv, tk, head_dim, generator=g)
+    v = torch.cat([torch.randn(hkv, tk, off, generator=g), v], dim=-1) + 0.5 * torch.randn(hkv, tk, head_dim, generator=g)
     tq = content_queries.shape[1]
     q = torch.zeros(heads, tq, head_dim)
     for hh in range(heads):
         kappa = concentrations[hh % len(concentrations)]
-        cq = _unit(content_queries[hh // group] + query_noise * torch.randn(tq, head_dim - 1, generator=g) / math.sqrt(head_dim))
-        q[hh, :, 1:] = kappa * math.sqrt(head_dim) * cq
-        q[hh, :, 0] = a
+        cq = _unit(content_queries[hh // group] + query_noise * torch.randn(tq, dc, generator=g) / math.sqrt(head_dim))
+        q[hh, :, off:] = kappa * math.sqrt(head_dim) * cq
+        q[hh, :, 0] = sink_logits[hh] * math.sqrt(head_dim) / c if sink_logits else a
+        if current_logits:
+            q[hh, :, 1] = current_logits[hh] * math.sqrt(head_dim) / c
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 def make_video_case(seed: int, chunk: int = 3, *, tokens_per_frame: int = 4, sink_frames: int = 4,
                     recent_frames: int = 6, current_frames: int = 6, heads: int = 4, kv_heads: int = 4,
                     head_dim: int = 32, concentrations=None, rho: float = 0.8, noise: float = 0.5,
-                    query_noise: float = 0.3, sink_logit: float = 1.0) -> Case:
+                    query_noise: float = 0.3, sink_logit: float = 1.0, sink_logits=(), current_logits=()) -> Case:
     concentrations = list(concentrations or DEFAULT_CONCENTRATIONS)
+    sink_logits, current_logits = [float(x) for x in sink_logits], [float(x) for x in current_logits]
+    for name, vals in (("sink_logits", sink_logits), ("current_logits", current_logits)):
+        if vals and len(vals) != heads:
+            raise ValueError(f"{name}: {len(vals)} values for {heads} heads (give none or one per query head)")
+    if current_logits and head_dim < 3:
+        raise ValueError(f"current_logits need head_dim >= 3 (two reserved channels), got {head_dim}")
     start = chunk * current_frames
     if start - recent_frames < sink_frames:
         raise ValueError(f"chunk {chunk}: the recent frames [{start - recent_frames}, {start}) would overlap the "
@@ -94,15 +115,17 @@ def make_video_case(seed: int, chunk: int = 3, *, tokens_per_frame: int = 4, sin
         raise ValueError(f"{heads} heads are not a multiple of {kv_heads} KV heads")
     g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * chunk + 17)
     frames_total = start + current_frames
-    x = _content(g, kv_heads, frames_total, tokens_per_frame, head_dim - 1, rho, noise, spatial=True)
+    dc = head_dim - (2 if current_logits else 1)  # content channels
+    x = _content(g, kv_heads, frames_total, tokens_per_frame, dc, rho, noise, spatial=True)
     key_frames = list(range(sink_frames)) + list(range(start - recent_frames, start)) + list(range(start, frames_total))
-    ck = x[:, key_frames].reshape(kv_heads, -1, head_dim - 1)
-    cq = x[:, start:frames_total].reshape(kv_heads, -1, head_dim - 1)
+    ck = x[:, key_frames].reshape(kv_heads, -1, dc)
+    cq = x[:, start:frames_total].reshape(kv_heads, -1, dc)
     tpf = tokens_per_frame
-    q, k, v = _qkv(g, ck, cq, heads, kv_heads, head_dim, concentrations, sink_frames * tpf, sink_logit, query_noise)
     s_end = sink_frames * tpf
     r_end = s_end + recent_frames * tpf
     tk = r_end + current_frames * tpf
+    q, k, v = _qkv(g, ck, cq, heads, kv_heads, head_dim, concentrations, s_end, sink_logit, query_noise,
+                   sink_logits, current_logits, r_end)
     layout = (Region("sink", 0, s_end), Region("recent", s_end, r_end), Region("current", r_end, tk))
     return Case(
         id=f"video-s{seed}-c{chunk}", q=q, k=k, v=v,
@@ -111,7 +134,9 @@ def make_video_case(seed: int, chunk: int = 3, *, tokens_per_frame: int = 4, sin
         meta={"source": "synthetic_video", "distribution": "video", "layout_kind": "video", "seed": seed,
               "chunk": chunk, "key_frames": key_frames,
               "head_concentration": [concentrations[hh % len(concentrations)] for hh in range(heads)],
-              "rho": rho, "sink_logit": sink_logit},
+              "rho": rho, "sink_logit": sink_logit,
+              **({"sink_logits": sink_logits} if sink_logits else {}),
+              **({"current_logits": current_logits} if current_logits else {})},
     )
 
 
@@ -154,7 +179,8 @@ SPEC = Spec("source: synthetic_video", "Synthetic chunked attention with a struc
     "heads": Key(("range", int, 1, 256), "query heads H", 4),
     "kv_heads": Key(("range", int, 1, 256), "video: KV heads", 4),
     "llm_kv_heads": Key(("range", int, 1, 256), "llm: KV heads", 2),
-    "head_dim": Key(("range", int, 2, 4096), "head dimension D (channel 0 carries the sink bonus)", 32),
+    "head_dim": Key(("range", int, 2, 4096), "head dimension D (channel 0 carries the sink bonus; with current_logits, "
+                    "channel 1 the current one)", 32),
     "concentrations": Key(("list", ("range", float, 0.0, 1000.0), 1),
                           "per-head concentration kappa (cycled over heads): large is sharp, small near uniform",
                           list(DEFAULT_CONCENTRATIONS)),
@@ -163,8 +189,15 @@ SPEC = Spec("source: synthetic_video", "Synthetic chunked attention with a struc
     "noise": Key(("range", float, 0.0, 100.0), "per-token content noise", 0.5),
     "query_noise": Key(("range", float, 0.0, 100.0), "noise added to each query's content", 0.3),
     "sink_logit": Key(("range", float, 0.0, 100.0), "video: content-free logit bonus of the sink keys", 1.0),
+    "sink_logits": Key(list, "video: per query head, the sink keys' logit bonus in place of sink_logit (numbers 0 to "
+                       "100, repeats allowed; empty: sink_logit for every head)", []),
+    "current_logits": Key(list, "video: per query head, a content-free logit bonus of the current chunk's keys through "
+                          "reserved channel 1 (numbers -100 to 100, repeats allowed; empty: none, and channel 1 "
+                          "carries content)", []),
     "llm_sink_logit": Key(("range", float, 0.0, 100.0), "llm: logit bonus of the sink tokens", 3.0),
 }, rules=("heads is a multiple of kv_heads and of llm_kv_heads",
+          "sink_logits and current_logits are each empty or one number per query head (heads); current_logits "
+          "need head_dim >= 3",
           "video: chunk * current_frames - recent_frames >= sink_frames for every chunk (recent frames do not "
           "overlap the sink)"))
 
@@ -174,6 +207,17 @@ def validate(params: dict, where: str) -> dict:
     for key in ("kv_heads", "llm_kv_heads"):
         if p["heads"] % p[key]:
             raise ProtocolError(f"{where}.{key}: {p['heads']} heads are not a multiple of {p[key]}")
+    for key, lo, hi in (("sink_logits", 0.0, 100.0), ("current_logits", -100.0, 100.0)):
+        vals = p[key]
+        for i, x in enumerate(vals):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise ProtocolError(f"{where}.{key}[{i}]: expected a number, got {type(x).__name__} {x!r}")
+            if not lo <= x <= hi:
+                raise ProtocolError(f"{where}.{key}[{i}]: {x!r} is outside [{lo}, {hi}]")
+        if vals and len(vals) != p["heads"]:
+            raise ProtocolError(f"{where}.{key}: {len(vals)} values for {p['heads']} heads (give none or one per query head)")
+    if p["current_logits"] and p["head_dim"] < 3:
+        raise ProtocolError(f"{where}.head_dim: current_logits need head_dim >= 3 (two reserved channels), got {p['head_dim']}")
     if "video" in p["layouts"]:
         for i, c in enumerate(p["chunks"]):
             if c * p["current_frames"] - p["recent_frames"] < p["sink_frames"]:
@@ -222,7 +266,9 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
                     yield make_video_case(seed, chunk, tokens_per_frame=params["tokens_per_frame"],
                                           sink_frames=params["sink_frames"], recent_frames=params["recent_frames"],
                                           current_frames=params["current_frames"], kv_heads=params["kv_heads"],
-                                          rho=params["rho"], sink_logit=params["sink_logit"], **common)
+                                          rho=params["rho"], sink_logit=params["sink_logit"],
+                                          sink_logits=params.get("sink_logits", []),
+                                          current_logits=params.get("current_logits", []), **common)
             else:
                 yield make_llm_case(seed, sink=params["llm_sink"], middle=params["llm_middle"],
                                     recent=params["llm_recent"], current=params["llm_current"],
