@@ -84,6 +84,7 @@ def numerical_zero_rate(p_hat: torch.Tensor, p_ref: torch.Tensor) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 __all__ += ["holm", "entropy", "effective_support", "top_mass", "strict_zero_rate", "block_masses", "top_blocks",
+            "block_size", "head_set_fit",
             "jaccard", "jaccard_nulls", "history_span", "region_masses", "quantiles", "summary", "paired_wilcoxon",
             "frame_size", "score_tiles", "observe", "Observation", "TOP_PERCENTS"]
 
@@ -277,9 +278,12 @@ class Observation:
 
     def __init__(self, rows: dict, heatmap: torch.Tensor, query_blocks: list[int], frame: int,
                  jaccard_query: torch.Tensor, jaccard_block: torch.Tensor, block_set_size: torch.Tensor,
-                 null_pair: torch.Tensor | None = None, null_shuffled: torch.Tensor | None = None):
+                 null_pair: torch.Tensor | None = None, null_shuffled: torch.Tensor | None = None,
+                 block: int | None = None, head_set: dict | None = None):
         self.null_pair = null_pair          # [H, Tq-1]: J(query i, a random same-head query), NaN where none
         self.null_shuffled = null_shuffled  # [H, Tq-1]: E[J(query i, a random block set of query i-1's size)]
+        self.block = frame if block is None else block  # key block of the top-block sets (a frame or a tile of one)
+        self.head_set = head_set            # {name: [H, Tq]}: the head's other queries' block set (`head_set_fit`)
         self.rows = rows
         self.heatmap = heatmap
         self.query_blocks = query_blocks
@@ -289,8 +293,49 @@ class Observation:
         self.block_set_size = block_set_size
 
 
+def block_size(case, block_tokens: int, spatial_tiles: int = 1) -> int:
+    """Key block of the top-block sets: a latent frame split into ``spatial_tiles`` tiles of
+    consecutive tokens (frame x spatial tile, as the seed study's LF x spatial blocks) when the
+    Case has ``tokens_per_frame``, else ``block_tokens`` tokens."""
+    frame = frame_size(case, block_tokens)
+    if not case.tokens_per_frame or spatial_tiles == 1:
+        return frame
+    if frame % spatial_tiles:
+        raise ValueError(f"{case.id}: spatial_tiles={spatial_tiles} does not divide {frame} tokens per frame")
+    return frame // spatial_tiles
+
+
+def head_set_fit(bm: torch.Tensor, sets: torch.Tensor, visible_blocks: list[int], coverage: float) -> dict:
+    """How well a head's block set predicts each query's: per head ``h`` and query ``i``, the head
+    set is the top-block set (``coverage``) of the mean block mass of the head's *other* queries,
+    over the blocks query ``i`` sees (leave-one-out, so a query never predicts itself). Returns
+    ``{name: [H, Tq]}``: ``jaccard`` J(query's set, head set) and ``mass`` (the query's mass on the
+    head set: what a block-sparse kernel keeping the head set keeps), each beside its null for a
+    uniformly random set of as many of the visible blocks (``jaccard_null`` in closed form,
+    ``mass_null`` = size / visible blocks), and ``size`` of the head set. NaN with one query."""
+    h, tq, nb = bm.shape
+    out = {k: torch.full((h, tq), float("nan"), dtype=torch.float64)
+           for k in ("jaccard", "jaccard_null", "mass", "mass_null", "size")}
+    if tq < 2:
+        return out
+    nvb = torch.tensor(visible_blocks, dtype=torch.int64)
+    seen = torch.arange(nb).unsqueeze(0) < nvb.unsqueeze(1)                   # [Tq, NB]
+    for hh in range(h):
+        loo = (bm[hh].sum(dim=0, keepdim=True) - bm[hh]) / (tq - 1)             # [Tq, NB]
+        hs = top_blocks(torch.where(seen, loo, torch.zeros_like(loo)), coverage) & seen
+        out["jaccard"][hh] = jaccard(sets[hh], hs)
+        out["mass"][hh] = torch.where(hs, bm[hh], torch.zeros_like(bm[hh])).sum(dim=-1)
+        size = hs.sum(dim=-1)
+        out["size"][hh] = size.to(torch.float64)
+        out["mass_null"][hh] = size.to(torch.float64) / nvb.to(torch.float64)
+        a = sets[hh].sum(dim=-1).tolist()
+        out["jaccard_null"][hh] = torch.tensor([_expected_jaccard(a[i], a[i], int(size[i]), int(nvb[i]))
+                                                for i in range(tq)], dtype=torch.float64)
+    return out
+
+
 def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP_PERCENTS,
-            max_scores: int = 1 << 21) -> Observation:
+            max_scores: int = 1 << 21, spatial_tiles: int = 1) -> Observation:
     """Observational metrics of a Case's float64 reference attention, computed tile by tile.
 
     Per row (query x head): ``visible_keys``; ``support = exp(H)/Sk``; ``top{1,5,10}`` mass;
@@ -300,12 +345,16 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
     block is ``query_position // frame``). Block predictability: the top-block set of each row
     (fewest blocks carrying ``coverage`` of its mass) against the previous query of the same head
     (``jaccard_query [H, Tq-1]``), and the set of each query block's mean block mass against the
-    previous query block (``jaccard_block [H, QB-1]``).
+    previous query block (``jaccard_block [H, QB-1]``). The top-block sets of rows use key blocks
+    of `block_size` (a frame, or a spatial tile of one); the heatmap and the query blocks use frames.
+    ``head_set``: `head_set_fit`.
     """
     h, tq = case.heads, case.q.shape[1]
     tk = case.keys
     frame = frame_size(case, block_tokens)
+    block = block_size(case, block_tokens, spatial_tiles)
     nkb = -(-tk // frame)
+    nbb = -(-tk // block)
     qblock = (case.query_positions.to(torch.int64) // frame)
     qblocks = sorted(set(qblock.tolist()))
     qb_index = torch.tensor([qblocks.index(b) for b in qblock.tolist()], dtype=torch.int64)
@@ -320,7 +369,8 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
     counts = torch.bincount(qb_index, minlength=len(qblocks)).to(torch.float64)
     jq = torch.empty(h, max(tq - 1, 0), dtype=torch.float64)
     set_size = torch.empty(h, tq, dtype=torch.float64)
-    all_sets = torch.zeros(h, tq, nkb, dtype=torch.bool)
+    all_sets = torch.zeros(h, tq, nbb, dtype=torch.bool)
+    all_bm = torch.zeros(h, tq, nbb, dtype=torch.float64)
     prev = {}
     for _, heads, qs, s, vis in score_tiles(case.q, case.k, case.query_positions, case.causal, max_scores):
         p = _masked_softmax(s, vis)
@@ -334,11 +384,12 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
         rows["zero_rate"][heads, qs] = strict_zero_rate(p32, vis)
         for name, m in region_masses(p, case.layout).items():
             rows[f"{name}_mass"][heads, qs] = m
-        bm = block_masses(p, frame)
-        heat[heads].index_add_(1, qb_index[qs], bm)
+        heat[heads].index_add_(1, qb_index[qs], block_masses(p, frame))
+        bm = block_masses(p, block)
         sets = top_blocks(bm, coverage)
         set_size[heads, qs] = sets.sum(dim=-1).to(torch.float64)
         all_sets[heads, qs] = sets
+        all_bm[heads, qs] = bm
         for gi, hh in enumerate(range(heads.start, heads.stop)):
             cur = sets[gi]
             if qs.start > 0:
@@ -350,9 +401,10 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
     heat = heat / counts.view(1, -1, 1)
     bsets = top_blocks(heat, coverage)
     jb = jaccard(bsets[:, 1:], bsets[:, :-1]) if len(qblocks) > 1 else torch.empty(h, 0, dtype=torch.float64)
-    visible_blocks = [-(-int(n) // frame) for n in rows["visible_keys"][0].tolist()]
+    visible_blocks = [-(-int(n) // block) for n in rows["visible_keys"][0].tolist()]
     pair, shuffled = jaccard_nulls(all_sets, visible_blocks, case.id)
-    return Observation(rows, heat, qblocks, frame, jq, jb, set_size, pair, shuffled)
+    fit = head_set_fit(all_bm, all_sets, visible_blocks, coverage)
+    return Observation(rows, heat, qblocks, frame, jq, jb, set_size, pair, shuffled, block, fit)
 
 
 def jaccard_nulls(sets: torch.Tensor, visible_blocks: list[int], case_id: str) -> tuple[torch.Tensor, torch.Tensor]:

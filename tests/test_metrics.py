@@ -201,6 +201,69 @@ def test_random_pair_null_pairs_non_neighbours_that_see_the_same_blocks():
         assert bool(torch.isnan(obs.null_pair[:, i - 1]).all())
 
 
+# -- head-level block predictability ----------------------------------------------------------
+
+def _head_fit(bm, vb, coverage=0.9):
+    bm = torch.as_tensor(bm, dtype=torch.float64)
+    return M.head_set_fit(bm, M.top_blocks(bm, coverage), vb, coverage)
+
+
+def test_head_set_predicts_queries_that_share_a_pattern_and_misses_the_odd_one():
+    """Leave-one-out: nine queries with their mass on block 0 predict each other exactly; the
+    tenth puts its mass on block 3, which its head's other queries never look at, so the head's
+    set (built from the others only) misses it: Jaccard 0, almost none of its mass kept."""
+    rows = [[0.95, 0.05 / 3, 0.05 / 3, 0.05 / 3]] * 9 + [[0.02, 0.02, 0.01, 0.95]]
+    fit = _head_fit([rows], [4] * 10, coverage=0.8)
+    assert fit["jaccard"][0, :9].tolist() == [1.0] * 9
+    assert fit["jaccard"][0, 9].item() == 0.0 and fit["mass"][0, 9].item() == pytest.approx(0.02)
+    assert fit["size"][0].tolist() == [1.0] * 10
+    assert fit["mass_null"][0].tolist() == [0.25] * 10         # one random block of four: a quarter of the mass
+
+
+@SETTINGS
+@given(st.integers(2, 6), st.integers(1, 5), st.integers(0, 10 ** 6))
+def test_head_set_nulls_are_a_random_set_of_as_many_visible_blocks(tq, extra, seed):
+    """mass_null is the expected mass of a uniformly random set of the head set's size among the
+    blocks the query sees (exhaustively averaged here), and jaccard_null the expected Jaccard; the
+    head set never holds a block the query cannot see."""
+    import itertools
+
+    g = torch.Generator().manual_seed(seed)
+    nb = extra + 1
+    vb = [int(x) for x in torch.randint(1, nb + 1, (tq,), generator=g)]
+    bm = torch.rand(1, tq, nb, generator=g, dtype=torch.float64)
+    for i, n in enumerate(vb):
+        bm[0, i, n:] = 0
+    bm = bm / bm.sum(dim=-1, keepdim=True)
+    sets = M.top_blocks(bm, 0.9)
+    fit = M.head_set_fit(bm, sets, vb, 0.9)
+    for i, n in enumerate(vb):
+        b = int(fit["size"][0, i])
+        assert 1 <= b <= n
+        subsets = list(itertools.combinations(range(n), b))
+        mine = {j for j in range(nb) if sets[0, i, j]}
+        mass = sum(float(bm[0, i, list(c)].sum()) for c in subsets) / len(subsets)
+        jac = sum(len(mine & set(c)) / len(mine | set(c)) for c in subsets) / len(subsets)
+        assert fit["mass_null"][0, i].item() == pytest.approx(mass, rel=1e-9)
+        assert fit["jaccard_null"][0, i].item() == pytest.approx(jac, rel=1e-9)
+        assert 0.0 <= fit["mass"][0, i].item() <= 1.0 + 1e-12
+
+
+def test_spatial_tiles_split_each_frame_into_blocks_of_consecutive_tokens():
+    case = make_video_case(1)
+    tpf = case.tokens_per_frame
+    assert M.block_size(case, 16, 1) == tpf and M.block_size(case, 16, 2) == tpf // 2
+    with pytest.raises(ValueError, match="does not divide"):
+        M.block_size(case, 16, 3)
+    llm = make_llm_case(1)
+    assert M.block_size(llm, 16, 2) == 16            # no frames: block_tokens, tiles do not apply
+    whole, tiles = M.observe(case, spatial_tiles=1), M.observe(case, spatial_tiles=2)
+    assert tiles.block == tpf // 2 and tiles.frame == whole.frame == tpf
+    assert torch.equal(tiles.heatmap, whole.heatmap)  # the heatmap stays per frame
+    # a tile set covers at most what the frame set covers: twice as many blocks, each half a frame
+    assert (tiles.block_set_size <= 2 * whole.block_set_size).all()
+
+
 # -- Holm's step-down adjustment ----------------------------------------------------------------
 
 def test_holm_worked_example():

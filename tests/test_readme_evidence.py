@@ -321,6 +321,7 @@ def check_readme(text: str, ev) -> None:
         return at(value(ev, "smollm2", "observation", "by layer", [d, d[1:].lstrip("0") or "0"], col))
 
     drop = [value(ev, "smollm2", "ablation", "ablation damage", [d, "drop_sink"], "rel-L2") for d in layers[1:]]
+    up3 = layers[1:]
     assert not any(k[0] == "smollm2" and k[2].startswith("ablation vs") for k in ev["tables"])  # no paired tests of 3
 
     def sq(d, arm):
@@ -334,6 +335,18 @@ def check_readme(text: str, ev) -> None:
             eq(cap["kv_heads_in_model"]), eq(src["sink_tokens"]), at(src["sink_tokens"] / src["tokens"]),
             *[lay(d, "sink") for d in layers], lay(layers[0], "median support"), eq(src["layers"][0]),
             *[lay(d, "median support") for d in layers[1:]], at(min(drop)), at(max(drop)), eq(src["layers"][1]))
+    def hs(study, d, col):
+        return at(value(ev, study, "observation", "head set", [d], col))
+
+    assert {cell_text(ev, "smollm2", "observation", "head set", [d], "key block") for d in up3} == {"32"}
+    r.claim("the blocks of {} tokens that carry {} % of the mean mass of a head's other queries keep {} / {} / {} % of a "
+            "query's mass at layers {} / {} / {}, against {} / {} / {} % for a random set of as many visible blocks "
+            "(synthetic video, frame × spatial-tile blocks: {} % against {} %).",
+            eq(sm["analyses"]["observation"]["block_tokens"]),
+            eq(round(100 * sm["analyses"]["observation"]["coverage"])),
+            *[hs("smollm2", d, "mass kept by head set") for d in up3], *[eq(n) for n in src["layers"][1:]],
+            *[hs("smollm2", d, "random set mass (null)") for d in up3],
+            hs("ablation", "video", "mass kept by head set"), hs("ablation", "video", "random set mass (null)"))
     r.claim("Keeping the recent {} tokens float32 with the {}-bit history lowers the quantization error from "
             "{} / {} / {} / {} % to {} / {} / {} / {} % by layer", eq(src["recent_tokens"]),
             eq(next(a for a in sm["analyses"]["ablation"]["kv_arms"] if a["name"] == "int4")["key"]["bits"]),

@@ -7,7 +7,9 @@ strict-zero rate of the float32 softmax, region mass (sink, middle, recent, curr
 the share of rows with history mass below 10 % and above 50 %, concentrated (support <= 10 %,
 <= 25 %) and diffuse (>= 75 %) shares, summaries by head and by query block (position), the
 temporal heatmap (query frame x key frame, rows summing to 1) and block predictability
-(Jaccard overlap of top-mass key blocks between neighbouring queries and query blocks).
+(Jaccard overlap of top-mass key blocks between neighbouring queries and query blocks, and of
+each query with its head's leave-one-out block set, beside their nulls; key blocks are frame x
+spatial tile where the Case has frames).
 
 Rows: one ``scope: case`` row per Case and one ``scope: head`` row per query head; no per-query
 rows. The per-head heatmaps are stored as one array; the per-row metrics as one float32 array
@@ -40,6 +42,9 @@ SPEC = Spec("analysis: observation", "Attention topology of each Case on the flo
     "block_tokens": Key(("range", int, 1, 1 << 20), "tokens per block (and per frame when the Case has no "
                                                     "tokens_per_frame)", 16),
     "coverage": Key(("range", float, 0.01, 1.0), "mass the top key blocks must reach (block predictability)", 0.9),
+    "spatial_tiles": Key(("range", int, 1, 1 << 20), "block predictability of a Case with frames: key blocks are "
+                                                     "frame x spatial tile, each frame split into this many tiles of "
+                                                     "consecutive tokens (1: whole frames)", 1),
     "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile of the tiled pass (memory bound)", 1 << 21),
     "store_rows_max": Key(("range", int, 0, 1 << 24), "store per-row metrics when the Case has at most this many "
                                                       "query-head rows", 65536),
@@ -89,7 +94,7 @@ def _stats(rows: dict, sel, hist_uniform: torch.Tensor | None) -> dict:
 def evaluate(case, params, ctx) -> list[dict]:
     obs = ctx.timed(case.id, "reference", "observe", 0,
                     lambda: observe(case, block_tokens=params["block_tokens"], coverage=params["coverage"],
-                                    max_scores=params["max_scores"]))
+                                    max_scores=params["max_scores"], spatial_tiles=params["spatial_tiles"]))
     rows = obs.rows
     h, tq = case.heads, case.q.shape[1]
     hist = history_span(case.layout)
@@ -107,7 +112,7 @@ def evaluate(case, params, ctx) -> list[dict]:
     base = {"study": ctx.study, "analysis": "observation", **case_fields(case), "heads": h, "queries": tq,
             "keys": case.keys, "sink_tokens": sink.size if sink is not None else 0, "frame": obs.frame,
             "key_blocks": obs.heatmap.shape[-1], "query_blocks": obs.query_blocks, "coverage": params["coverage"],
-            "block_tokens": params["block_tokens"],
+            "block_tokens": params["block_tokens"], "spatial_tiles": params["spatial_tiles"], "block": obs.block,
             "row_fields": fields, "arrays": arrays}
     qb = torch.tensor([obs.query_blocks.index(b) for b in (case.query_positions // obs.frame).tolist()])
     by_block = {"block": obs.query_blocks, "rows": [], "support_median": [], "history_mass": [], "current_mass": []}
@@ -121,7 +126,7 @@ def evaluate(case, params, ctx) -> list[dict]:
     out = [{**base, "scope": "case", "head": None, "rows": h * tq, **_stats(rows, (slice(None), slice(None)), hist_uniform),
             "jaccard_query": float(obs.jaccard_query.mean()) if obs.jaccard_query.numel() else None,
             "jaccard_block": float(obs.jaccard_block.mean()) if obs.jaccard_block.numel() else None,
-            **_nulls(obs, slice(None)),
+            **_nulls(obs, slice(None)), **_head_set(obs, slice(None)),
             "block_set_size": float(obs.block_set_size.mean()),
             # the mean heatmap is inlined for the report when small; the per-head array always has it
             "heatmap": obs.heatmap.mean(dim=0).tolist() if obs.heatmap[0].numel() <= HEATMAP_INLINE_MAX else None,
@@ -132,7 +137,7 @@ def evaluate(case, params, ctx) -> list[dict]:
                     **_stats(rows, (hh, slice(None)), hist_uniform),
                     "jaccard_query": float(obs.jaccard_query[hh].mean()) if obs.jaccard_query.shape[1] else None,
                     "jaccard_block": float(obs.jaccard_block[hh].mean()) if obs.jaccard_block.shape[1] else None,
-                    **_nulls(obs, hh),
+                    **_nulls(obs, hh), **_head_set(obs, hh),
                     "block_set_size": float(obs.block_set_size[hh].mean())})
     return out
 
@@ -148,12 +153,24 @@ def _nulls(obs, sel) -> dict:
             "jaccard_query_null_shuffled": _finite_mean(obs.null_shuffled[sel])}
 
 
+HEAD_SET_FIELDS = ("jaccard", "jaccard_null", "mass", "mass_null", "size")
+
+
+def _head_set(obs, sel) -> dict:
+    """Means of how well the head's (leave-one-out) block set predicts each query's (`head_set_fit`)."""
+    return {f"head_set_{k}": _finite_mean(obs.head_set[k][sel]) for k in HEAD_SET_FIELDS}
+
+
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
 
 def _pct(x, digits=2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+
+
+def _fixed(x, digits=1) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
 def _med(xs):
@@ -188,6 +205,7 @@ def distribution_summary(rows) -> list[dict]:
         for key in ("support_le_10", "support_le_25", "support_ge_75", "top10_ge_80", "zero_row_share", "zero_rate_mean",
                     "history_lt_10", "history_gt_50", "uniform_history", "jaccard_query", "jaccard_block",
                     "jaccard_query_null_pair", "jaccard_query_null_shuffled",
+                    *[f"head_set_{k}" for k in HEAD_SET_FIELDS],
                     *[f"{r}_mass" for r in REGIONS], *[f"top{pc}_mean" for pc in TOP_PERCENTS]):
             d[key] = _pooled(sel, key)
         for key in ("support_q10", "support_q25", "support_median", "support_q75", "support_q90",
@@ -196,6 +214,9 @@ def distribution_summary(rows) -> list[dict]:
             d[key] = _med([r.get(key) for r in sel])
         paired = [r for r in sel if r.get("jaccard_query") is not None and r.get("jaccard_query_null_pair") is not None]
         d["jaccard_over_pair_cases"] = (sum(r["jaccard_query"] > r["jaccard_query_null_pair"] for r in paired), len(paired))
+        fit = [r for r in sel if r.get("head_set_jaccard") is not None and r.get("head_set_jaccard_null") is not None]
+        d["head_set_over_null_cases"] = (sum(r["head_set_jaccard"] > r["head_set_jaccard_null"] for r in fit), len(fit))
+        d["block"] = ", ".join(str(b) for b in dict.fromkeys(r.get("block") for r in sel))
         out.append(d)
     return out
 
@@ -239,6 +260,19 @@ def report(rows, params) -> str:
                         headers=["distribution", "Jaccard neighbouring queries", "random pair (null)",
                                  "position-shuffled (null)", "excess over random pair", "cases above",
                                  "Jaccard neighbouring query blocks"], tablefmt="github"))
+    out.append("\nHead-level block predictability: can a head's key blocks be fixed ahead of its queries? Per query, "
+               "the head set is the top-block set of the mean block mass of the head's other queries (leave-one-out) "
+               "over the blocks the query sees; beside it, a uniformly random set of as many visible blocks (Jaccard "
+               "in closed form; its mass is size / visible blocks). 'mass kept' is the query's attention mass on the "
+               "head set: what a block-sparse kernel that keeps one fixed set per head would keep. Key blocks are "
+               "frame x spatial tile where the Case has frames (the 'key block' column, in tokens), else "
+               f"{params['block_tokens']} tokens; cases above: in how many cases the Jaccard beats the random set.\n")
+    out.append(tabulate([[d["distribution"], d["block"], _fixed(d["head_set_size"]), _pct(d["head_set_jaccard"], 1),
+                          _pct(d["head_set_jaccard_null"], 1), _pct(d["head_set_mass"], 1), _pct(d["head_set_mass_null"], 1),
+                          f"{d['head_set_over_null_cases'][0]}/{d['head_set_over_null_cases'][1]}"] for d in dsum],
+                        headers=["distribution", "key block", "head set (blocks)", "Jaccard with head set",
+                                 "random set (null)", "mass kept by head set", "random set mass (null)", "cases above"],
+                        tablefmt="github"))
     heads = [r for r in rows if r["scope"] == "head"]
     if heads:
         out.append("\nBy head (median over cases of each head's median support; pooled means otherwise).\n")

@@ -63,7 +63,7 @@ ANALYSIS_DEFAULTS = {
                               "value": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "token"}, "window": 0}]},
     "mx_paths": {"element": "e4m3", "block_size": 32, "rotations": ["none", "signed_hadamard"], "rotation_seed": 0,
                  "p_path": True, "scale_rules": ["floor"]},
-    "observation": {"block_tokens": 16, "coverage": 0.9, "store_rows_max": 65536},
+    "observation": {"block_tokens": 16, "coverage": 0.9, "store_rows_max": 65536, "spatial_tiles": 1},
 }
 TOKENIZE_REASON = re.compile(r"^prompt has (\d+) tokens, the protocol needs (\d+)$")
 
@@ -197,7 +197,7 @@ def expected_rows(ctx, study: str, analysis: str, params: dict, case_id: str, re
         return _mx_rows(p)
     if analysis == "observation":
         h, tq = shapes["q"][0], shapes["q"][1]
-        common = {"block_tokens": p["block_tokens"], "coverage": p["coverage"]}
+        common = {"block_tokens": p["block_tokens"], "coverage": p["coverage"], "spatial_tiles": p["spatial_tiles"]}
         out = {("case", None): {**common, "arrays.rows": PRESENT if h * tq <= p["store_rows_max"] else ABSENT}}
         out.update({("head", hh): dict(common) for hh in range(h)})
         return out

@@ -4,7 +4,8 @@ numpy only, one head at a time: float64 softmax over the visible keys, entropy-e
 support, top-k mass by sorting, the float32 softmax's strict zeros, region and history mass,
 key-block masses, top-block sets, Jaccard overlaps (and their two nulls: a seeded random pair of
 same-head queries that see the same key blocks, redrawn with stdlib ``random``; the
-position-shuffled expectation from the hypergeometric law) and the temporal heatmap.
+position-shuffled expectation from the hypergeometric law), the head-level fit (each query
+against its head's leave-one-out block set, with the random-set null) and the temporal heatmap.
 
 The strict-zero rate is compared with an absolute tolerance of ``ZERO_ATOL``: an entry that sits
 at float32's underflow boundary can round either way depending on summation order, which two
@@ -83,7 +84,33 @@ def _nulls(sets: np.ndarray, vblocks: list, case_id: str, hh: int) -> tuple[np.n
     return pair, shuf
 
 
-def derive(case, frame: int, coverage: float, case_id: str = "") -> dict:
+def _head_fit(bm: np.ndarray, sets: np.ndarray, vblocks: list, coverage: float) -> dict:
+    """One head's set from its other queries (leave-one-out mean block mass over the blocks each
+    query sees, its top-block set): the query's Jaccard with it and mass on it, each with the
+    null of a uniformly random set of as many visible blocks."""
+    tq, nb = bm.shape
+    out = {k: np.full(tq, np.nan) for k in ("jaccard", "jaccard_null", "mass", "mass_null", "size")}
+    if tq < 2:
+        return out
+    total = bm.sum(axis=0)
+    for i in range(tq):
+        n = vblocks[i]
+        mean = (total - bm[i]) / (tq - 1)
+        mean[n:] = 0.0
+        hs = _top_sets(mean[None, :], coverage)[0]
+        hs[n:] = False
+        size = int(hs.sum())
+        out["jaccard"][i] = float(_jaccard(sets[i], hs))
+        out["mass"][i] = float(bm[i][hs].sum())
+        out["size"][i] = size
+        out["mass_null"][i] = size / n
+        a = int(sets[i].sum())
+        out["jaccard_null"][i] = _shuffled_jaccard(a, a, size, n)
+    return out
+
+
+def derive(case, frame: int, coverage: float, case_id: str = "", block: int | None = None) -> dict:
+    block = frame if block is None else block
     q, k = case["q"], case["k"]
     h, tq, d = q.shape
     keys = k.shape[1]
@@ -104,8 +131,10 @@ def derive(case, frame: int, coverage: float, case_id: str = "") -> dict:
     jq = np.zeros((h, max(tq - 1, 0)))
     null_pair = np.zeros((h, max(tq - 1, 0)))
     null_shuf = np.zeros((h, max(tq - 1, 0)))
-    vblocks = [-(-int(n) // frame) for n in nvis]
+    vblocks = [-(-int(n) // block) for n in nvis]
     size = np.zeros((h, tq))
+    nbb = -(-keys // block)
+    fit = {k: np.zeros((h, tq)) for k in ("jaccard", "jaccard_null", "mass", "mass_null", "size")}
     for hh in range(h):
         s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
         s = np.where(vis, s, -np.inf)
@@ -125,14 +154,18 @@ def derive(case, frame: int, coverage: float, case_id: str = "") -> dict:
         for name, (a, b) in regions.items():
             rows[f"{name}_mass"][hh] = p[:, a:b].sum(axis=1)
         pp = np.concatenate([p, np.zeros((tq, nkb * frame - keys))], axis=1) if nkb * frame != keys else p
-        bm = pp.reshape(tq, nkb, frame).sum(axis=2)
+        fm = pp.reshape(tq, nkb, frame).sum(axis=2)                         # per frame: the heatmap
+        pb = np.concatenate([p, np.zeros((tq, nbb * block - keys))], axis=1) if nbb * block != keys else p
+        bm = pb.reshape(tq, nbb, block).sum(axis=2)                         # per key block: the sets
         sets = _top_sets(bm, coverage)
+        for key, val in _head_fit(bm, sets, vblocks, coverage).items():
+            fit[key][hh] = val
         size[hh] = sets.sum(axis=1)
         if tq > 1:
             jq[hh] = _jaccard(sets[1:], sets[:-1])
         null_pair[hh], null_shuf[hh] = _nulls(sets, vblocks, case_id, hh)
         for i in range(len(blocks)):
-            heat[hh, i] = bm[qbi == i].mean(axis=0)
+            heat[hh, i] = fm[qbi == i].mean(axis=0)
     bsets = _top_sets(heat, coverage)
     jb = _jaccard(bsets[:, 1:], bsets[:, :-1]) if len(blocks) > 1 else np.zeros((h, 0))
     hist_uniform = None
@@ -141,7 +174,7 @@ def derive(case, frame: int, coverage: float, case_id: str = "") -> dict:
               else np.full(tq, float(regions["history"][1])))
         hist_uniform = np.broadcast_to(hv / nvis, (h, tq))
     return {"rows": rows, "heat": heat, "jq": jq, "jb": jb, "size": size, "blocks": blocks, "qbi": qbi,
-            "null_pair": null_pair, "null_shuffled": null_shuf,
+            "null_pair": null_pair, "null_shuffled": null_shuf, "fit": fit,
             "hist_uniform": hist_uniform, "nkb": nkb}
 
 
@@ -194,9 +227,14 @@ def check(row: dict, ctx) -> None:
     tpf = case.get("tokens_per_frame")
     frame = int(tpf) if tpf else int(row["block_tokens"])
     ctx.equal(row, "frame", row["frame"], frame)
+    tiles = row.get("spatial_tiles", 1)
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1 or (tpf and frame % tiles):
+        raise ValueError(f"spatial_tiles {tiles!r} must be a positive integer dividing the {frame} tokens per frame")
+    block = frame // tiles if tpf else frame
+    ctx.equal(row, "block", row.get("block"), block)
     coverage = float(row["coverage"])
-    der = ctx.cached(("observation", row["study"], row["case"], frame, coverage),
-                     lambda: derive(case, frame, coverage, row["case"]))
+    der = ctx.cached(("observation", row["study"], row["case"], frame, block, coverage),
+                     lambda: derive(case, frame, coverage, row["case"], block))
     rows = der["rows"]
     h, tq = rows["support"].shape
     ctx.equal(row, "key_blocks", row["key_blocks"], der["nkb"])
@@ -212,6 +250,8 @@ def check(row: dict, ctx) -> None:
         ctx.close(row, "block_set_size", row["block_set_size"], float(der["size"].mean()))
         for key in ("null_pair", "null_shuffled"):
             ctx.close(row, f"jaccard_query_{key}", row.get(f"jaccard_query_{key}"), _finite_mean(der[key]))
+        for key, val in der["fit"].items():
+            ctx.close(row, f"head_set_{key}", row.get(f"head_set_{key}"), _finite_mean(val))
         mean_heat = der["heat"].mean(axis=0)
         ctx.close(row, "heatmap", row["heatmap"], mean_heat if mean_heat.size <= HEATMAP_INLINE_MAX else None)
         ctx.close(row, "arrays.heatmap", ctx.load(row["arrays"]["heatmap"]), der["heat"])
@@ -246,6 +286,8 @@ def check(row: dict, ctx) -> None:
         ctx.close(row, "block_set_size", row["block_set_size"], float(der["size"][hh].mean()))
         for key in ("null_pair", "null_shuffled"):
             ctx.close(row, f"jaccard_query_{key}", row.get(f"jaccard_query_{key}"), _finite_mean(der[key][hh]))
+        for key, val in der["fit"].items():
+            ctx.close(row, f"head_set_{key}", row.get(f"head_set_{key}"), _finite_mean(val[hh]))
     for key, val in _expected_stats(rows, sel, der["hist_uniform"]).items():
         ctx.close(row, key, row.get(key), val)
     z = rows["zero_rate"][sel].ravel()

@@ -318,10 +318,14 @@ def _observation(rows, params) -> list:
         for key in ("support_le_10", "support_le_25", "support_ge_75", "top10_ge_80", "zero_rate_mean", "history_lt_10",
                     "history_gt_50", "uniform_history", "jaccard_query", "jaccard_block", "sink_mass", "middle_mass",
                     "recent_mass", "current_mass", "history_mass", "jaccard_query_null_pair",
-                    "jaccard_query_null_shuffled"):
+                    "jaccard_query_null_shuffled", "head_set_jaccard", "head_set_jaccard_null", "head_set_mass",
+                    "head_set_mass_null", "head_set_size"):
             d[key] = _pooled(sel, key)
         paired = [r for r in sel if r.get("jaccard_query") is not None and r.get("jaccard_query_null_pair") is not None]
         d["over"] = (sum(r["jaccard_query"] > r["jaccard_query_null_pair"] for r in paired), len(paired))
+        fit = [r for r in sel if r.get("head_set_jaccard") is not None and r.get("head_set_jaccard_null") is not None]
+        d["fit_over"] = (sum(r["head_set_jaccard"] > r["head_set_jaccard_null"] for r in fit), len(fit))
+        d["block"] = ", ".join(str(b) for b in _ordered(r.get("block") for r in sel))
         for key in ("support_q10", "support_q25", "support_median", "support_q75", "support_q90", "history_q10",
                     "history_median", "history_q90", "top1_median", "top5_median", "top10_median"):
             d[key] = _median([r.get(key) for r in sel])
@@ -350,7 +354,14 @@ def _observation(rows, params) -> list:
                pct(d["jaccard_query_null_shuffled"], 1),
                ("n/a",) if d["jaccard_query"] is None or d["jaccard_query_null_pair"] is None else
                (Num(d["jaccard_query"] - d["jaccard_query_null_pair"], lambda v: f"{100 * v:+.1f} pts"),),
-               text(f"{d['over'][0]}/{d['over'][1]}"), pct(d["jaccard_block"], 1)] for d in summ])]
+               text(f"{d['over'][0]}/{d['over'][1]}"), pct(d["jaccard_block"], 1)] for d in summ]),
+           P("head set", "Head-level block predictability: can a head's key blocks be fixed ahead of its queries?", [
+               ("block tokens", r"else (\S+) tokens; cases above", text(params["block_tokens"]))]),
+           T("head set", ["distribution", "key block", "head set (blocks)", "Jaccard with head set", "random set (null)",
+                          "mass kept by head set", "random set mass (null)", "cases above"], 1,
+             [[text(d["distribution"]), text(d["block"]), fixed(d["head_set_size"], 1), pct(d["head_set_jaccard"], 1),
+               pct(d["head_set_jaccard_null"], 1), pct(d["head_set_mass"], 1), pct(d["head_set_mass_null"], 1),
+               text(f"{d['fit_over'][0]}/{d['fit_over'][1]}")] for d in summ])]
     heads = [r for r in rows if r.get("scope") == "head"]
     if heads:
         acc: dict = {}
