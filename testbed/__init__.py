@@ -4,7 +4,7 @@ Two sources (synthetic attention, real-model capture) produce :class:`testbed.ca
 packed quantizers (:mod:`testbed.quant`) turn K/V (or Q/K, or probabilities) into byte-exact
 :class:`testbed.quant.Packed` payloads; analyses measure attention-output error and the attention
 topology; every array is stored with its nbytes and SHA-256 and re-derived by :mod:`testbed.audit`.
-See DESIGN.md in the shared folder and README.md for the contracts.
+README.md says what it does; AGENTS.md where each part lives and the rules a change keeps.
 """
 
 __version__ = "0.1.0"

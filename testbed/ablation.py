@@ -3,8 +3,8 @@
 Observation says where attention mass sits; only intervention says what the cache is worth.
 An ablation drops a set of contiguous key spans and recomputes the softmax over the keys that
 are left (a masked, renormalized softmax), with the causal mask still applied: a query never
-sees a later key. This is the "local output ablation" recommended by the Catnip week-10
-KV-cache attention study (seed 000): drop the sink, the recent window or all history, and
+sees a later key. This is the "local output ablation" recommended by the video KV-cache
+attention study (docs/studies.md): drop the sink, the recent window or all history, and
 measure the pre-projection attention-output relative L2 and cosine against the full output.
 
 Ablations (small frozen dataclasses, each ``dropped(case) -> spans | None``; None means the

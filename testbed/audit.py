@@ -759,7 +759,7 @@ def _cell_says(cell: str, value) -> bool:
 
 
 def _check_case_arrays(case: dict, where: str) -> None:
-    """Shape rules of a Case (DESIGN.md): q [H, Tq, D], k = v [H_kv, Tk, D], H % H_kv == 0, integer
+    """Shape rules of a Case: q [H, Tq, D], k = v [H_kv, Tk, D], H % H_kv == 0, integer
     query_positions [Tq] inside [0, Tk)."""
     try:
         q, k, v, qp = case["q"], case["k"], case["v"], case["query_positions"]

@@ -1,6 +1,6 @@
 """The evidence store: every array saved as ``.npy`` bytes with its nbytes, dtype, shape and SHA-256.
 
-Layout of one run (DESIGN.md)::
+Layout of one run::
 
     manifest.json  protocol(s) + sha256, source hashes (LF-normalized), environment,
                    arrays {relpath: {sha256, nbytes, dtype, shape}}, files {relpath: sha256},

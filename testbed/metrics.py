@@ -6,8 +6,8 @@ query row: total variation ``TV(P, P') = 1/2 sum |P - P'|``, argmax agreement, r
 probability a row puts on a span of keys) and the numerical-zero rate (keys with ``p > 0`` in
 the reference that are exactly 0 after quantization).
 
-The second half holds the attention-topology metrics of the Catnip week-10 KV-cache attention
-study (seed 000) -- effective support ``exp(H)/Sk``, top-k % mass, strict zeros of the float32
+The second half holds the attention-topology metrics of the video KV-cache attention study
+(docs/studies.md) (docs/studies.md) -- effective support ``exp(H)/Sk``, top-k % mass, strict zeros of the float32
 softmax, region and history mass, key-block masses, top-block sets and their Jaccard overlap --
 and `observe`, which applies them to a whole Case one tile of queries at a time (`score_tiles`),
 so that no more than one tile of scores is ever alive. `paired_wilcoxon` compares two arms
@@ -75,8 +75,8 @@ def numerical_zero_rate(p_hat: torch.Tensor, p_ref: torch.Tensor) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------------------------
-# Attention topology (observational metrics of the Catnip week-10 KV-cache attention study,
-# seed 000): effective support, top-k mass, strict zeros, region mass, block predictability.
+# Attention topology (observational metrics of the video KV-cache attention study,
+# docs/studies.md): effective support, top-k mass, strict zeros, region mass, block predictability.
 #
 # Row functions take probabilities ``p [..., Tk]`` (each row summing to 1 over its visible keys,
 # 0 elsewhere) and, where the row's visible-key count matters, ``visible [..., Tk]`` or

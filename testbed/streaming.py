@@ -58,7 +58,7 @@ Threads: torch (MKL) and numba each run their own OpenMP pool, and both spin a w
 parallel region; a tile therefore runs its Q Kᵀ matmuls, then its one row kernel, then its P·V.
 ``seconds`` and ``cpu_seconds`` of the result give wall and CPU time per stage.
 
-References: the Catnip week-10 KV-cache attention study (seed 000) for the metrics and the
+References: the video KV-cache attention study (docs/studies.md) for the metrics and the
 ablations; OCP Microscaling Formats v1.0 for MX (see `testbed.quant.mx`); the online-softmax
 merge of partial sums (Milakov and Gimelshein 2018; FlashAttention, Dao et al. 2022); the fast
 Walsh-Hadamard transform for the signed-Hadamard rotation (QuaRot, Ashkboos et al. 2024)."""

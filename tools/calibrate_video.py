@@ -1,8 +1,8 @@
 """Fit the synthetic video generator to the seed study's attention statistics: protocols/ablation_calibrated.json.
 
 The hand-set video preset of protocols/ablation.json puts more mass on the sink and less on the
-recent frames than the seed study (the Catnip week-10 KV-cache attention study of a chunked video
-diffusion model) measured, and its rows are far more diffuse. This tool fits, per query head ``h``
+recent frames than the seed study (the video KV-cache attention study of a chunked video diffusion model,
+docs/studies.md) measured, and its rows are far more diffuse. This tool fits, per query head ``h``
 of a 16-head / 4-KV-head video layout (frames of 4 tokens, keys [sink 4 | recent 6 | current 6]
 frames, D = 32), the three knobs of testbed/sources/video.py that set a head's logits
 ``kappa_h * cos + sink_h [sink key] + current_h [current key]``: the concentration ``kappa_h``,

@@ -16,7 +16,7 @@ history outside the region whose reference mass is within 1 % of the region's (a
 per row; rows without one are counted as unmatched and left out, the target's own rel-L2 is
 also given on the matched rows alone).
 
-Follows the "local output ablation" recommended by the Catnip week-10 study (seed 000).
+Follows the "local output ablation" recommended by the video KV-cache attention study (docs/studies.md).
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ equal, it did not prefer another key), and for the P path the numerical-zero rat
 ``p > 0`` in the reference that decode to exactly 0) and the row sum of ``P̂``. Per Case: the
 attention-output relative L2 ``||Ô - O|| / ||O||``. A row of results.json is one (case, path,
 rotation, scale rule); its per-row values are kept so that the report can pool rows over cases.
-Follows the Q/K and P-path measurements of the Catnip week-10 KV-cache attention study (seed
-000: median Q/K TV 1.52 %, argmax agreement 94.33 %, P-path numerical-zero rate median 0 and
-mean 2.45 %, P̂ row-sum median 0.999392) and OCP MX v1.0 (see ``testbed.quant.mx``).
+Follows the Q/K and P-path measurements of the video KV-cache attention study (docs/studies.md:
+median Q/K TV 1.52 %, argmax agreement 94.33 %, P-path numerical-zero rate median 0 and mean 2.45 %,
+P̂ row-sum median 0.999392) and OCP MX v1.0 (see ``testbed.quant.mx``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Attention topology of each Case: sparsity, region mass, temporal heatmap, block predictability.
 
-The observational metrics of the Catnip week-10 KV-cache attention study (seed 000), computed
+The observational metrics of the video KV-cache attention study (docs/studies.md), computed
 on the float64 reference attention of any Case with named regions (`testbed.metrics.observe`,
 tile by tile): effective support ``exp(H)/Sk`` over the visible keys, top-1/5/10 % mass, the
 strict-zero rate of the float32 softmax, region mass (sink, middle, recent, current, history),

@@ -6,7 +6,7 @@ keeps the *first* ``early_window`` tokens float32 instead, and an unquantized fl
 attention output on the dequantized K/V is compared with the float64 reference attention on the
 original K/V (relative L2, cosine, max-abs); the reference attention mass on the protected
 tokens explains the result (it is an oracle quantity, not something a cache gets for free).
-Follows the synthetic residual-window study (seed 001) and KIVI's residual design.
+Follows the synthetic residual-window study (docs/studies.md) and KIVI's residual design.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ normal float32 -- three distributions that differ only in the first channel of Q
 - ``recent_focus``: the same for the most recent ``focus_tokens`` keys.
 
 The other channels keep their random differences, so the attention is focused, not one-hot.
-This mirrors the early-/recent-focus design of the residual-window seed study (seed 001). The
+This mirrors the early-/recent-focus design of the residual-window study (docs/studies.md). The
 queries are decode-style: every query sees the whole cache (``causal=False``, position N-1).
 The layout is ``sink (first focus_tokens) | middle | recent (last focus_tokens)``.
 """

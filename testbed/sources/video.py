@@ -1,6 +1,6 @@
 """Synthetic chunked attention with a structured cache: a video-like and an LLM-like layout.
 
-Replays the setting of the Catnip week-10 KV-cache attention study (seed 000) without its model:
+Replays the setting of the video KV-cache attention study (docs/studies.md) without its model:
 a *current chunk* of queries attends to a cache of earlier tokens plus the chunk itself.
 
 ``video``: a latent video of frames of ``tokens_per_frame`` tokens (15 x 26 = 390 in the study;

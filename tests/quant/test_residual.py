@@ -7,7 +7,7 @@ from testbed.quant import Int4Grouped, ResidualWindow
 
 
 def expected_payload(n: int, d: int, g: int, r: int, bits: int = 4) -> int:
-    """The DESIGN.md accounting, written out: K per channel over token groups padded to G, V per
+    """The byte accounting, written out: K per channel over token groups padded to G, V per
     token over feature groups; 4-bit codes two per byte; float16 scale + zero per group; the last
     R tokens of K and V at float32; one 16-byte (N, D) header."""
     m = max(n - r, 0)
