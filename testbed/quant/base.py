@@ -9,6 +9,7 @@ model, recorded in ``shape`` but not in the payload.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -76,8 +77,13 @@ class Quantizer:
         raise NotImplementedError
 
     def config(self) -> dict:
-        """JSON-serializable parameters; ``from_config(q.config())`` rebuilds the quantizer."""
-        raise NotImplementedError
+        """JSON-serializable parameters; ``from_config(q.config())`` rebuilds the quantizer. A
+        scheme is a frozen dataclass of its parameters (validated in ``__post_init__``): the
+        config is ``{"kind": KIND, field: value, ...}`` in field order, and the repr is the
+        dataclass's, so neither is written by hand."""
+        if not dataclasses.is_dataclass(self):  # pragma: no cover - every registered scheme is one
+            raise NotImplementedError
+        return {"kind": self.KIND, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
     def _check_packed(self, p: Packed) -> None:
         if p.scheme != self.name:

@@ -21,6 +21,9 @@ Stored arrays (all append-friendly along the token axis):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from . import kernels
@@ -43,27 +46,32 @@ def _pad_edge(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.cat([x, edge.repeat(reps)], dim=dim)
 
 
+@dataclass(frozen=True)
 class IntGrouped(Quantizer):
     """``bits``-bit asymmetric grouped quantization along ``axis`` in groups of ``group_size``."""
 
-    def __init__(self, bits: int = 4, group_size: int = 32, axis: str = "channel"):
-        if bits not in (2, 4, 8):
-            raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
-        if not isinstance(group_size, int) or group_size < 2 or group_size & (group_size - 1):
-            raise ValueError(f"group_size must be a power of two >= 2, got {group_size!r}")
-        if axis not in ("channel", "token"):
-            raise ValueError(f"axis must be 'channel' (K: groups of tokens) or 'token' (V: groups of features), got {axis!r}")
-        self.bits = bits
-        self.group_size = group_size
-        self.axis = axis
-        self.qmax = (1 << bits) - 1
-        self.name = f"int{bits}_grouped_{axis}_g{group_size}"
+    KIND: ClassVar[str] = "int_grouped"
+    bits: int = 4
+    group_size: int = 32
+    axis: str = "channel"
 
-    def config(self) -> dict:
-        return {"kind": "int_grouped", "bits": self.bits, "group_size": self.group_size, "axis": self.axis}
+    def __post_init__(self):
+        if isinstance(self.bits, bool) or self.bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8, got {self.bits!r}")
+        g = self.group_size
+        if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g & (g - 1):
+            raise ValueError(f"group_size must be a power of two >= 2, got {g!r}")
+        if self.axis not in ("channel", "token"):
+            raise ValueError(f"axis must be 'channel' (K: groups of tokens) or 'token' (V: groups of features), "
+                             f"got {self.axis!r}")
 
-    def __repr__(self) -> str:
-        return f"IntGrouped(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
+    @property
+    def qmax(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}_grouped_{self.axis}_g{self.group_size}"
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View of the padded tensor with the group members on the second-to-last (channel) or last (token) axis."""

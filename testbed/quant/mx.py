@@ -53,7 +53,9 @@ later fast path can be compared bit for bit).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -212,48 +214,53 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: ElementFor
     return x.reshape(*codes.shape)[..., :length]
 
 
+@functools.lru_cache(maxsize=None)
+def _rotation(dim: int, seed: int) -> SignedHadamard:
+    return SignedHadamard(dim, seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _lut(element: str) -> np.ndarray:
+    return element_values(ELEMENTS[element]).numpy()
+
+
+@dataclass(frozen=True)
 class MX(Quantizer):
     """MX block quantization with ``element`` in {e4m3, e5m2, e2m1} along the last axis."""
 
-    def __init__(self, element: str = "e4m3", block_size: int = 32, rotation: str | None = None, seed: int = 0,
-                 scale_rule: str = "floor"):
-        if element not in ELEMENTS:
-            raise ValueError(f"element must be one of {sorted(ELEMENTS)}, got {element!r}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
-        if rotation not in ROTATIONS:
-            raise ValueError(f"rotation must be None or 'signed_hadamard', got {rotation!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if scale_rule not in SCALE_RULES:
-            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-        self.scale_rule = scale_rule
-        self.element = element
-        self.fmt = ELEMENTS[element]
-        self.block_size = block_size
-        self.rotation = rotation
-        self.seed = seed
+    KIND: ClassVar[str] = "mx"
+    element: str = "e4m3"
+    block_size: int = 32
+    rotation: str | None = None
+    seed: int = 0
+    scale_rule: str = "floor"
+
+    def __post_init__(self):
+        if self.element not in ELEMENTS:
+            raise ValueError(f"element must be one of {sorted(ELEMENTS)}, got {self.element!r}")
+        b = self.block_size
+        if not isinstance(b, int) or isinstance(b, bool) or b < 2 or b & (b - 1):
+            raise ValueError(f"block_size must be a power of two >= 2, got {b!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be None or 'signed_hadamard', got {self.rotation!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
+
+    @property
+    def fmt(self) -> ElementFormat:
+        return ELEMENTS[self.element]
+
+    @property
+    def name(self) -> str:
         family = "mxfp4" if self.fmt.bits == 4 else "mxfp8"
-        self.name = (f"{family}_{element}_b{block_size}" + ("_rceil" if scale_rule == "rceil" else "")
-                     + ("_hadamard" if rotation else ""))
-        self._rotations: dict[int, SignedHadamard] = {}
-        self._lut: np.ndarray | None = None
-
-    def config(self) -> dict:
-        return {"kind": "mx", "element": self.element, "block_size": self.block_size,
-                "rotation": self.rotation, "seed": self.seed, "scale_rule": self.scale_rule}
-
-    def __repr__(self) -> str:
-        return (f"MX(element={self.element!r}, block_size={self.block_size}, rotation={self.rotation!r}, seed={self.seed}, "
-                f"scale_rule={self.scale_rule!r})")
+        return (f"{family}_{self.element}_b{self.block_size}" + ("_rceil" if self.scale_rule == "rceil" else "")
+                + ("_hadamard" if self.rotation else ""))
 
     def rotation_for(self, dim: int) -> SignedHadamard | None:
         """The rotation applied to a last axis of size ``dim`` (None without rotation)."""
-        if self.rotation is None:
-            return None
-        if dim not in self._rotations:
-            self._rotations[dim] = SignedHadamard(dim, self.seed)
-        return self._rotations[dim]
+        return None if self.rotation is None else _rotation(dim, self.seed)
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as float32, rotated along its last axis when the scheme has a rotation."""
@@ -296,11 +303,9 @@ class MX(Quantizer):
         codes = p.tensors["codes"]
         if kernels.use_fast(codes):
             *lead, n, d = p.shape
-            if self._lut is None:
-                self._lut = element_values(self.fmt).numpy()
             out = kernels.mx_dequantize(codes.reshape(-1, codes.shape[-1]).numpy(),
                                         p.tensors["scales"].reshape(-1, p.tensors["scales"].shape[-1]).numpy(),
-                                        self._lut, self.block_size, self.fmt.bits, d)
+                                        _lut(self.element), self.block_size, self.fmt.bits, d)
             return torch.from_numpy(out).reshape(*lead, n, d)
         return self.decode_rotated_reference(p)
 

@@ -12,6 +12,9 @@ bits and R = 0/16/64 the payload is 5,136 / 8,912 / 18,960 bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from . import kernels
@@ -24,28 +27,29 @@ _ORDER = ["sink.k", "sink.v", "key.codes", "key.scale", "key.zero", "key.scales"
           "value.zero", "value.scales", "recent.k", "recent.v"]
 
 
+@dataclass(frozen=True)
 class ResidualWindow:
     """Pack K and V with the first ``sink`` and last ``recent`` tokens float32."""
 
-    name = "residual_window"
+    KIND: ClassVar[str] = "residual_window"
+    name: ClassVar[str] = "residual_window"
+    key: Quantizer
+    value: Quantizer
+    recent: int = 16
+    sink: int = 0
 
-    def __init__(self, key: Quantizer, value: Quantizer, recent: int = 16, sink: int = 0):
-        for label, val in (("recent", recent), ("sink", sink)):
+    def __post_init__(self):
+        for label, val in (("recent", self.recent), ("sink", self.sink)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                 raise ValueError(f"{label} must be a non-negative integer, got {val!r}")
-        self.key = key
-        self.value = value
-        self.recent = recent
-        self.sink = sink
+        for label, q in (("key", self.key), ("value", self.value)):
+            if not isinstance(q, Quantizer):
+                raise ValueError(f"{label} must be a quantizer, got {type(q).__name__}")
 
     def config(self) -> dict:
-        return {
-            "kind": "residual_window",
-            "key": self.key.config(),
-            "value": self.value.config(),
-            "recent": self.recent,
-            "sink": self.sink,
-        }
+        """Like a scheme's (`Quantizer.config`), with the two quantizers' configs nested."""
+        return {"kind": self.KIND, "key": self.key.config(), "value": self.value.config(), "recent": self.recent,
+                "sink": self.sink}
 
     @classmethod
     def from_config(cls, config: dict) -> "ResidualWindow":

@@ -197,3 +197,34 @@ def test_non_finite_refused_with_name_and_index(scheme, bad):
 def test_empty_and_wrong_rank_refused(scheme, shape):
     with pytest.raises(ValueError):
         quant.get(scheme).quantize(torch.zeros(shape))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_parameters_are_a_frozen_dataclass_that_round_trips(scheme):
+    """A scheme's parameters are its dataclass fields: the config lists exactly them after its kind,
+    rebuilds an equal quantizer, the repr names each, and a parameter cannot be changed in place
+    (a packed payload's config would then describe another scheme)."""
+    import dataclasses
+
+    q = quant.get(scheme)
+    assert dataclasses.is_dataclass(q)
+    fields = [f.name for f in dataclasses.fields(q)]
+    cfg = q.config()
+    assert list(cfg) == ["kind", *fields]
+    assert quant.from_config(cfg) == q and quant.from_config(cfg).name == q.name
+    assert all(f"{f}=" in repr(q) for f in fields)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(q, fields[0], cfg[fields[0]])
+
+
+def test_residual_window_parameters_round_trip_and_validate():
+    from testbed.quant import ResidualWindow
+
+    rw = ResidualWindow(quant.IntGrouped(4, 32, "channel"), quant.IntGrouped(4, 32, "token"), recent=16, sink=4)
+    again = ResidualWindow.from_config(rw.config())
+    assert again == rw and again.config() == rw.config()
+    assert rw.config()["key"] == {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "channel"}
+    for bad in ({"recent": -1}, {"sink": True}, {"key": {"kind": "int_grouped"}}):
+        args = {"key": rw.key, "value": rw.value, "recent": 16, "sink": 0, **bad}
+        with pytest.raises(ValueError):
+            ResidualWindow(**args)
