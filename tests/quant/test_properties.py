@@ -228,3 +228,33 @@ def test_residual_window_parameters_round_trip_and_validate():
         args = {"key": rw.key, "value": rw.value, "recent": 16, "sink": 0, **bad}
         with pytest.raises(ValueError):
             ResidualWindow(**args)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape, log_scale, offset", [((3, 700, 40), 0.0, 0.0), ((2, 1030, 72), 4.0, 3.0),
+                                                      ((4, 513, 33), -5.0, 0.0)])
+def test_laws_hold_past_the_fast_path_threshold(scheme, shape, log_scale, offset):
+    """The matrix's laws on tensors large enough (more than `kernels.MIN_FAST_ELEMENTS` elements)
+    that `quantize` takes the numba kernels, with ragged last groups: the closed-form bytes, the
+    stated error bound, idempotence, and bit equality with the torch reference."""
+    from testbed.quant import kernels
+
+    assert math.prod(shape) > kernels.MIN_FAST_ELEMENTS
+    if kernels.numba is None:
+        pytest.skip("numba is not installed: no fast path to test")
+    g = torch.Generator().manual_seed(math.prod(shape))
+    x = torch.randn(*shape, generator=g) * 2.0 ** log_scale + offset
+    assert kernels.use_fast(x)
+    q = quant.get(scheme)
+    cfg = q.config()
+    p = q.quantize(x)
+    ref = q.quantize_reference(x)
+    assert p.arrays.keys() == ref.arrays.keys()
+    for name in p.arrays:
+        assert np.array_equal(p.arrays[name], ref.arrays[name]), name
+    assert p.nbytes == NBYTES_FORMULA[cfg["kind"]](cfg, shape)
+    x1 = q.dequantize(p)
+    assert bool(((x1.double() - x.double()).abs() <= ERROR_BOUND[cfg["kind"]](x, cfg)).all())
+    x2 = q.dequantize(q.quantize(x1))
+    if IDEMPOTENT_WHEN.get(cfg["kind"], lambda *_: True)(x, cfg):
+        assert torch.equal(x1, x2)
