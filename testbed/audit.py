@@ -374,6 +374,12 @@ class Audit:
             where = f"case {row.get('study')}/{row.get('case')}"
             case = {name: self.load(path) for name, path in rec["arrays"].items()}
             if "archive" in rec:
+                # only a capture source whose frozen protocol asks for a partial archive makes one:
+                # anywhere else an archive entry would let a forger drop the arrays and the checks
+                src = (self.protocol_copies.get(row.get("study")) or {}).get("source") or {}
+                if src.get("kind") != "capture" or src.get("archive") is None:
+                    raise AuditError(f"{where}: has an archive entry, but its protocol's source keeps every array "
+                                     "(only a capture source with 'archive' keeps part of them)")
                 case["archive"] = _check_archive(case, rec["archive"], rec.get("head_map"), where)
                 case["shapes"] = case["archive"]["shapes"]
             else:

@@ -111,6 +111,18 @@ def test_a_partial_archive_is_refused_where_the_audit_could_not_follow(edit, say
         validate_protocol(raw)
 
 
+def test_archived_kv_heads_are_case_indices_in_ascending_order():
+    """Given in any order, the archived heads are the case's KV-axis indices, ascending (as the
+    case and the audit record them); with a subset of KV heads recorded, indices into that subset."""
+    raw = protocol({"prompts": ["ledger"], "kv_heads": [2, 0]})
+    src = validate_protocol(raw)["source"]
+    assert capture.archived_kv_heads(src, "ledger") == [0, 2] and capture.archived_kv_heads(src, "digits") == []
+    raw["source"].update(kv_heads=[1, 2], archive={"prompts": ["ledger"], "kv_heads": [2]})
+    assert capture.archived_kv_heads(validate_protocol(raw)["source"], "ledger") == [1]
+    raw["source"]["archive"] = None
+    assert capture.archived_kv_heads(validate_protocol(raw)["source"], "ledger") is None
+
+
 # -- the two tiers --------------------------------------------------------------------------------
 
 @pytest.mark.capture
@@ -196,25 +208,65 @@ def test_mass_band_is_checked_from_the_statistics(tiers, tmp_path):
     assert any("1 % band" in f for f in fails), fails[:5]
 
 
-@pytest.mark.capture
-@pytest.mark.xfail(strict=True, reason="an unarchived case's statistics and its rows forged together agree with each "
-                                       "other: without its Q/K/V only a re-run of the deterministic capture can tell "
-                                       "(python -m testbed.compare against a fresh run)")
-def test_consistent_forgery_of_an_unarchived_case_is_caught(tiers, tmp_path):
-    run = copy_run(tiers, tmp_path / "r")
+def _forge_damage(run: Path, case: str, scale: float, keep_identities: bool) -> None:
+    """A forger who makes dropping the sink in one unarchived case ``scale`` times as damaging:
+    err2 (and, with ``keep_identities``, own_err2 and dot with it, so that every identity of the
+    statistics still holds) and every number of the row that follows from them."""
     res = _results(run)
-    case = "digits-L29-c02"
     none = _none_row(res, case)
     rel = none["arrays"]["stats"]["heads"]
     heads = _arrays.load(run, rel).copy()
     a = none["stats_layout"]["ablations"].index("drop_sink")
-    heads[a, :, 1] *= 4.0  # err2: the damage of dropping the sink doubled
+    err2, ref2, out2 = heads[a, :, 1].copy(), heads[a, :, 2], heads[a, :, 4]
+    heads[a, :, 1] = err2 * scale ** 2
+    if keep_identities:
+        heads[a, :, 5] = heads[a, :, 1]                          # own_err2: the float32 arm's own errors
+        heads[a, :, 3] = (out2 + ref2 - heads[a, :, 1]) / 2      # dot, from ||O' - O||^2 = ||O'||^2 + ||O||^2 - 2 <O', O>
     _rewrite_array(run, rel, heads)
     row = next(r for r in res["rows"] if r["case"] == case and r["ablation"] == "drop_sink")
-    row["rel_l2"] *= 2.0
-    row["rel_l2_per_mass"] *= 2.0
-    row["rel_l2_heads"] = [2.0 * x for x in row["rel_l2_heads"]]
+    row["rel_l2"] *= scale
+    row["rel_l2_per_mass"] *= scale
+    row["rel_l2_heads"] = [scale * x for x in row["rel_l2_heads"]]
+    if keep_identities:
+        row["rel_l2_own"] *= scale
+        row["cosine"] = float(heads[a, :, 3].sum() / np.sqrt(out2.sum() * ref2.sum()))
     forge_results(run, res)
+
+
+@pytest.mark.capture
+def test_a_statistic_edited_alone_breaks_an_identity(tiers, tmp_path):
+    run = copy_run(tiers, tmp_path / "r")
+    _forge_damage(run, "digits-L29-c02", 2.0, keep_identities=False)
+    fails = _fails(run)
+    assert any("err2 = out2 + ref2 - 2 dot" in f for f in fails), fails[:5]
+
+
+@pytest.mark.capture
+def test_an_archive_entry_outside_a_capture_that_asks_for_one_fails(tiers, tmp_path):
+    """A forger who drops a case's Q/K/V and writes statistics instead, in a study whose protocol
+    keeps every array, is refused (here: the archive taken out of the frozen protocol copy)."""
+    import hashlib as _h
+
+    run = copy_run(tiers, tmp_path / "r")
+    path = run / "protocols" / "tiers.json"
+    proto = json.loads(path.read_text())
+    proto["source"]["archive"] = None
+    path.write_text(json.dumps(proto, indent=1) + "\n")
+    m = json.loads((run / "manifest.json").read_text())
+    entry = next(e for e in m["protocols"] if e["name"] == "tiers")
+    entry["sha256"] = _h.sha256(path.read_bytes()).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+    fails = _fails(run)
+    assert any("has an archive entry, but its protocol's source keeps every array" in f for f in fails), fails[:5]
+
+
+@pytest.mark.capture
+@pytest.mark.xfail(strict=True, reason="an unarchived case's statistics and its rows forged together, every identity of "
+                                       "the statistics kept, agree with each other: without its Q/K/V only a re-run of "
+                                       "the deterministic capture can tell (python -m testbed.compare against a fresh run)")
+def test_consistent_forgery_of_an_unarchived_case_is_caught(tiers, tmp_path):
+    run = copy_run(tiers, tmp_path / "r")
+    _forge_damage(run, "digits-L29-c02", 2.0, keep_identities=True)
     assert _fails(run) != []
 
 

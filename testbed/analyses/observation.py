@@ -244,6 +244,8 @@ def report(rows, params) -> str:
     out.append("\nBlock predictability: mean Jaccard overlap of the top-mass key-block sets (fewest blocks carrying "
                f"{_pct(params['coverage'], 0)} of a row's mass; a block is a latent frame, or {params['block_tokens']} "
                "tokens) between neighbouring queries and between neighbouring query blocks (chunks of queries), "
+               "where a Case with frames split into spatial tiles (the head-set table's 'key block' column) has the "
+               "neighbouring-query columns over tiles and the query-block column over frames, "
                "beside two nulls for the neighbouring queries: a random pair (each query against a seeded random "
                "query of the same head that sees the same key blocks and is not its neighbour: what any two queries "
                "of a head share) and position-shuffled (the expected overlap if the previous query's blocks sat at "

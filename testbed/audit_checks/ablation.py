@@ -442,6 +442,11 @@ def check(row: dict, ctx) -> None:
     if row["applicable"] is not applicable:
         ctx.fail(row, f"applicable: reported {row['applicable']!r}, audit derives {applicable!r}")
         return
+    h, tq = case["shapes"]["q"][0], case["shapes"]["q"][1]
+    ctx.equal(row, "rows", row.get("rows"), h * tq)
+    ctx.equal(row, "heads", row.get("heads"), h)
+    if row["arm"] == "float32":
+        ctx.equal(row, "quantized_tokens", row.get("quantized_tokens"), 0)
     k, v = _kv(row, ctx, case)
     if "archive" in case:
         _check_from_stats(row, ctx, case, spans, applicable, seed)
@@ -468,7 +473,7 @@ def check(row: dict, ctx) -> None:
         _check_mass(row, ctx, case, k, v, ref, orders, seed)
         return
     if spans is None:
-        for key in ("dropped_spans", "dropped_mass", "tv", "rel_l2", "cosine"):
+        for key in NOT_APPLICABLE_NULL:
             ctx.equal(row, key, row.get(key), None)
         return
     ctx.equal(row, "dropped_spans", [list(s) for s in row["dropped_spans"]], [list(s) for s in spans])
@@ -502,7 +507,9 @@ STAT_FIELDS = ("undefined", "err2", "ref2", "dot", "out2", "own_err2", "own_ref2
                "tv_rows", "shift_sum", "shift_rows", "matched", "target_sum", "achieved_sum", "mismatch_sum",
                "mismatch_max", "keys_sum", "target_err2", "target_ref2")
 _F = {f: j for j, f in enumerate(STAT_FIELDS)}
-STATS_TAU_RTOL = 2.0 ** -23  # the per-row tau is stored as float32: one rounding
+# what a row that is not applicable says about its damage: nothing
+NOT_APPLICABLE_NULL = ("dropped_spans", "dropped_keys", "dropped_mass", "tv", "rel_l2", "cosine", "undefined_rows",
+                       "rel_l2_per_mass", "mean_shift")
 
 
 def _applicable_names(ctx, row, case) -> list[str]:
@@ -546,8 +553,75 @@ def _load_stats(ctx, row, case) -> dict:
     t = tau[np.isfinite(tau)]
     if np.isinf(tau).any() or (t.size and (t.min() < 0 or t.max() > 1 + 1e-6)):
         raise ValueError("statistics tau: a row's dropped mass outside [0, 1]")
-    return {"names": names, "regions": regions, "tau": tau.astype(np.float64), "heads": heads, "reg": reg,
-            "rows": h * tq, "owner": owner}
+    st = {"names": names, "regions": regions, "tau": tau.astype(np.float64), "heads": heads, "reg": reg,
+          "rows": h * tq, "owner": owner}
+    _check_identities(ctx, owner, case, st, row.get("control_seed", 0))
+    return st
+
+
+def _kept_undefined(case, spans) -> int:
+    """Queries left with no visible key once ``spans`` are dropped (the same for every head)."""
+    keys = case_keys(case)
+    keep = np.ones(keys, dtype=bool)
+    for a, b in spans:
+        keep[a:b] = False
+    qp = case["query_positions"].astype(np.int64)
+    vis = (np.arange(keys)[None, :] <= qp[:, None]) if case["causal"] else np.ones((qp.size, keys), dtype=bool)
+    return int((~(vis & keep[None, :]).any(axis=1)).sum())
+
+
+def _check_identities(ctx, owner, case, st, seed) -> None:
+    """What the statistics must satisfy whatever the Q/K/V were: whole counts, the per-head split
+    of the per-row tau, ||O' - O||^2 = ||O'||^2 + ||O||^2 - 2 <O', O>, the own errors equal to the
+    errors on the float32 arm, undefined rows from the layout alone, a dropped region's tau equal to
+    its mass, a mass-matched control's achieved mass equal to its tau and within 1 % of the
+    target's, the regions partitioning each row's mass. A forger who keeps every one of them still
+    passes (docs/audit.md); one who edits a sum alone does not."""
+    h, tq = case["shapes"]["q"][0], case["shapes"]["q"][1]
+    regions = dict(_regions(case))
+    reg = dict(zip(st["regions"], st["reg"]))
+    for a, name in enumerate(st["names"]):
+        hd = st["heads"][a]
+
+        def f(key, hd=hd):
+            return hd[:, _F[key]]
+
+        where = f"stats.heads[{name}]"
+        for key in ("undefined", "tau_rows", "tv_rows", "shift_rows", "matched"):
+            x = f(key)
+            if not (np.all(x == np.round(x)) and np.all(x >= 0) and np.all(x <= tq)):
+                ctx.fail(owner, f"{where}.{key}: not a count of rows in [0, {tq}]")
+        for key in ("err2", "ref2", "out2", "own_err2", "own_ref2", "target_err2", "target_ref2"):
+            if np.any(f(key) < 0):
+                ctx.fail(owner, f"{where}.{key}: a negative sum of squares")
+        tau = st["tau"][a]
+        ok = np.isfinite(tau)
+        ctx.equal(owner, f"{where}.tau_rows per head", f("tau_rows").astype(np.int64).tolist(), ok.sum(axis=1).tolist())
+        ctx.close(owner, f"{where}.tau_sum per head", f("tau_sum"), np.where(ok, tau, 0.0).sum(axis=1))
+        ctx.close(owner, f"{where}.err2 = out2 + ref2 - 2 dot", f("err2"), f("out2") + f("ref2") - 2 * f("dot"))
+        ctx.close(owner, f"{where}.own_err2 (float32 arm: the errors themselves)", f("own_err2"), f("err2"))
+        ctx.close(owner, f"{where}.own_ref2 (float32 arm)", f("own_ref2"), f("ref2"))
+        if name.startswith(MASS_PREFIX):
+            ctx.close(owner, f"{where}.tau_sum = achieved_sum (float32 arm)", f("tau_sum"), f("achieved_sum"))
+            if np.any(np.abs(f("achieved_sum") - f("target_sum")) > MASS_TOLERANCE * f("target_sum") * (1 + 1e-9) + 1e-12):
+                ctx.fail(owner, f"{where}: achieved mass outside 1 % of the target's")
+            if np.any(f("undefined") > f("matched")):
+                ctx.fail(owner, f"{where}: more undefined rows than matched ones")
+            continue
+        spans = expected_spans(case, owner["case"], name, seed)
+        und = _kept_undefined(case, spans)
+        ctx.equal(owner, f"{where}.undefined per head", f("undefined").astype(np.int64).tolist(), [und] * h)
+        ctx.equal(owner, f"{where}.tv_rows per head", f("tv_rows").astype(np.int64).tolist(), [tq - und] * h)
+        region = name[len("drop_"):] if name.startswith("drop_") else None
+        if region in reg and und == 0:
+            ctx.close(owner, f"{where}.tau_sum = the {region} mass", f("tau_sum"), reg[region])
+    layout = [r for r in st["regions"] if r in regions]
+    if layout:
+        ctx.close(owner, "stats.regions: the regions partition each row's mass", sum(reg[r] for r in layout),
+                  np.full(h, float(tq)))
+    if "history" in reg and "current" in regions:
+        before = [r for r in layout if regions[r][1] <= regions["current"][0]]
+        ctx.close(owner, "stats.regions[history] = the regions before current", reg["history"], sum(reg[r] for r in before))
 
 
 def _own_stats(case, case_id, names, regions, seed) -> dict:
@@ -621,9 +695,8 @@ def _check_from_stats(row, ctx, case, spans, applicable, seed) -> None:
             ctx.equal(row, f"{r}_mass", row.get(f"{r}_mass"), None)
     mass = row["ablation"].startswith(MASS_PREFIX)
     if not applicable:
-        if not mass:
-            for key in ("dropped_spans", "dropped_mass", "tv", "rel_l2", "cosine"):
-                ctx.equal(row, key, row.get(key), None)
+        for key in NOT_APPLICABLE_NULL:
+            ctx.equal(row, key, row.get(key), None)
         return
     a = st["names"].index(row["ablation"])
     hd = st["heads"][a]

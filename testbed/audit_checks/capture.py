@@ -284,7 +284,7 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
     if archive is not None:
         # which Q/K/V the protocol keeps for this prompt: its listed KV heads (case KV-axis
         # indices of the recorded heads) with their query heads, or nothing
-        sel = [kv.index(h) for h in archive.get("kv_heads", []) if h in kv] if meta.get("prompt") in archive.get(
+        sel = sorted(kv.index(h) for h in archive.get("kv_heads", []) if h in kv) if meta.get("prompt") in archive.get(
             "prompts", []) else []
         sel_q = [i for i in range(len(q_heads)) if i // group in sel]
         _compare(ctx, where, {"archive": (rec.get("archive"), {"kv_heads": sel, "q_heads": sel_q, "shapes": full})})

@@ -56,7 +56,7 @@ class IntGrouped(Quantizer):
     axis: str = "channel"
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or self.bits not in (2, 4, 8):
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in (2, 4, 8):
             raise ValueError(f"bits must be 2, 4 or 8, got {self.bits!r}")
         g = self.group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g & (g - 1):

@@ -580,7 +580,7 @@ def archived_kv_heads(params: dict, prompt_id: str) -> list[int] | None:
     if prompt_id not in a["prompts"]:
         return []
     recorded = list(range(MODELS[params["model"]]["kv_heads"])) if params["kv_heads"] is None else sorted(params["kv_heads"])
-    return [recorded.index(h) for h in a["kv_heads"]]
+    return sorted(recorded.index(h) for h in a["kv_heads"])
 
 
 def estimate_bytes(params: dict) -> int:

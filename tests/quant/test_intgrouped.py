@@ -76,7 +76,8 @@ def test_token_axis_groups_features_channel_axis_groups_tokens():
 
 
 @pytest.mark.parametrize("kwargs", [dict(group_size=3), dict(group_size=1), dict(group_size=0), dict(bits=3),
-                                    dict(axis="head"), dict(group_size=48)])
+                                    dict(axis="head"), dict(group_size=48), dict(bits=4.0), dict(bits=True),
+                                    dict(group_size=32.0)])
 def test_bad_parameters_refused(kwargs):
     with pytest.raises(ValueError):
         IntGrouped(**kwargs)
