@@ -11,14 +11,16 @@ Follows the synthetic residual-window study (docs/studies.md) and KIVI's residua
 
 from __future__ import annotations
 
+import json
+
 import torch
 from tabulate import tabulate
 
 from ..attention import attention_case, probabilities
 from ..context import case_fields
 from ..metrics import cosine, max_abs, rel_l2
-from ..schema import Key, Spec
-from ..quant import IntGrouped, ResidualWindow
+from ..schema import Key, ProtocolError, Spec
+from ..quant import IntGrouped, ResidualWindow, from_config
 
 __all__ = ["validate", "evaluate", "report", "arms", "SPEC"]
 
@@ -26,25 +28,81 @@ __all__ = ["validate", "evaluate", "report", "arms", "SPEC"]
 SPEC = Spec("analysis: residual_window", "Is the most recent window worth float32? K per channel / V per token "
             "grouped integer quantization with a float32 window of the last R tokens, against the float64 "
             "reference attention.", {
-    "bits": Key(("choice", (2, 4, 8)), "bits per quantized K/V element"),
-    "group_size": Key(("choice", (2, 4, 8, 16, 32, 64, 128, 256)), "elements sharing one scale and zero point"),
+    "bits": Key((int, type(None)), "bits per quantized K/V element of the KIVI layout (2, 4 or 8: K per channel, "
+                                   "V per token); null with key and value", None),
+    "group_size": Key((int, type(None)), "elements sharing one scale and zero point (a power of two, 2 to 256); "
+                                         "null with key and value", None),
+    "key": Key((dict, type(None)), "instead of bits and group_size: the quantizer config of K, every parameter spelled out (e.g. "
+                     "{\"kind\": \"mx\", \"element\": \"e4m3\", \"block_size\": 32, \"rotation\": null, \"seed\": 0, "
+                     "\"scale_rule\": \"floor\"})", None),
+    "value": Key((dict, type(None)), "the quantizer config of V (with key)", None),
     "residuals": Key(("list", ("range", int, 0, 1 << 20), 1), "float32 window sizes R to try (one arm each)"),
     "early_window": Key(("range", int, 0, 1 << 20), "an arm that keeps the first this many tokens float32 instead "
                                                     "(0: no such arm)", 16),
     "float32_arm": Key(bool, "also run the unquantized float32 arm", True),
     "recent_mass_window": Key(("range", int, 1, 1 << 20), "tokens counted as recent for the reference-mass column",
                               16),
-})
+}, rules=("either bits and group_size (K per channel, V per token, as KIVI) or key and value quantizer configs, "
+          "each spelled out in full",))
 
 
 def validate(params, where):
-    return SPEC.check(params, where)
+    p = SPEC.check(params, where)
+    kivi = p["bits"] is not None or p["group_size"] is not None
+    given = p["key"] is not None or p["value"] is not None
+    if kivi == given or (kivi and (p["bits"] is None or p["group_size"] is None)) or \
+            (given and (p["key"] is None or p["value"] is None)):
+        raise ProtocolError(f"{where}: give either bits and group_size, or key and value quantizer configs")
+    if kivi:
+        try:
+            IntGrouped(p["bits"], p["group_size"], "channel")
+        except ValueError as e:
+            raise ProtocolError(f"{where}: {e}") from None
+        if p["group_size"] > 256:
+            raise ProtocolError(f"{where}.group_size: {p['group_size']} is above 256")
+        return p
+    for part in ("key", "value"):
+        try:
+            full = from_config(p[part]).config()
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"{where}.{part}: {e}") from None
+        if full != p[part]:
+            raise ProtocolError(f"{where}.{part}: spell out every parameter of the quantizer (the row records them): "
+                                f"{json.dumps(full)}")
+    return p
+
+
+def quantizers(params) -> tuple:
+    """The K and V quantizers of the protocol: from bits and group_size (K per channel, V per token)
+    or from the key and value configs."""
+    if params.get("key") is not None:
+        return from_config(params["key"]), from_config(params["value"])
+    return IntGrouped(params["bits"], params["group_size"], "channel"), IntGrouped(params["bits"], params["group_size"], "token")
+
+
+def _label(cfg: dict) -> str:
+    if cfg["kind"] == "int_grouped":
+        return f"int{cfg['bits']}_grouped_g{cfg['group_size']}"
+    if cfg["kind"] == "mx":
+        return (f"mx_{cfg['element']}_b{cfg['block_size']}" + ("_rceil" if cfg.get("scale_rule") == "rceil" else "")
+                + ("_hadamard" if cfg.get("rotation") else ""))
+    return str(cfg["kind"])
+
+
+def scheme_label(key_cfg: dict, value_cfg: dict) -> str:
+    """The row's scheme: ``int4_grouped_g32+residual`` when K and V share bits and group size (the
+    axis is the layout's), else the K scheme with the V scheme in parentheses."""
+    k, v = _label(key_cfg), _label(value_cfg)
+    if key_cfg["kind"] == value_cfg["kind"] == "int_grouped":
+        if (key_cfg["bits"], key_cfg["group_size"]) == (value_cfg["bits"], value_cfg["group_size"]):
+            return f"{k}+residual"
+        return f"{k}+residual(value {value_cfg['bits']}-bit g{value_cfg['group_size']})"
+    return f"{k}+residual" if k == v else f"{k}+residual(value {v})"
 
 
 def arms(params) -> list[tuple[str, ResidualWindow | None]]:
     """(arm name, packer) in protocol order; ``None`` is the float32 arm."""
-    key = IntGrouped(params["bits"], params["group_size"], "channel")
-    value = IntGrouped(params["bits"], params["group_size"], "token")
+    key, value = quantizers(params)
     out: list[tuple[str, ResidualWindow | None]] = []
     if params["float32_arm"]:
         out.append(("float32", None))
@@ -91,7 +149,7 @@ def evaluate(case, params, ctx) -> list[dict]:
             "analysis": "residual_window",
             **case_fields(case),
             "arm": arm,
-            "scheme": "float32" if packer is None else f"int{params['bits']}_grouped_g{params['group_size']}+residual",
+            "scheme": "float32" if packer is None else scheme_label(packer.key.config(), packer.value.config()),
             "residual": r if packer is not None else None,
             "sink_window": packer.sink if packer is not None else None,
             "rel_l2": rel_l2(out, ref),

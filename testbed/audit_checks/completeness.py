@@ -28,6 +28,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 from . import ablation as ablation_check
 from . import live_quality
+from . import residual_window as residual_window_check
 
 __all__ = ["check_run", "IDENTITY", "expected_cases", "expected_rows"]
 
@@ -229,13 +230,15 @@ def _int_config(bits, group, axis) -> dict:
 
 
 def _residual_window_rows(p: dict, n: int) -> dict:
-    b, g = p["bits"], p["group_size"]
+    if p.get("key") is not None:
+        kc, vc = p["key"], p["value"]
+    else:
+        kc, vc = _int_config(p["bits"], p["group_size"], "channel"), _int_config(p["bits"], p["group_size"], "token")
 
     def quant(recent, sink):
-        return {"kind": "residual_window", "key": _int_config(b, g, "channel"), "value": _int_config(b, g, "token"),
-                "recent": recent, "sink": sink}
+        return {"kind": "residual_window", "key": kc, "value": vc, "recent": recent, "sink": sink}
 
-    scheme = f"int{b}_grouped_g{g}+residual"
+    scheme = residual_window_check._scheme(kc, vc)
     out = {}
     if p["float32_arm"]:
         out[("float32",)] = {"scheme": "float32", "residual": None, "sink_window": None, "recent_mass_window": n,

@@ -67,16 +67,33 @@ def _check_labels(row: dict, ctx, n: int) -> None:
     if cfg is None:
         arm, scheme, sink = "float32", "float32", None
     else:
-        key = cfg["key"]
-        scheme = f"int{key['bits']}_grouped_g{key['group_size']}+residual"
+        scheme = _scheme(cfg["key"], cfg["value"])
         sink = cfg["sink"]
         arm = f"first{sink}" if sink and not cfg["recent"] else f"R={cfg['recent']}"
         if sink and cfg["recent"]:
             arm = f"first{sink}+R={cfg['recent']}"
-        if cfg["value"].get("bits") != key.get("bits") or cfg["value"].get("group_size") != key.get("group_size"):
-            scheme = f"{scheme}(value {cfg['value'].get('bits')}-bit g{cfg['value'].get('group_size')})"
     ctx.equal(row, "arm", row["arm"], arm)
     ctx.equal(row, "scheme", row["scheme"], scheme)
     ctx.equal(row, "sink_window", row["sink_window"], sink)
     if not 1 <= row["recent_mass_window"] <= n:
         ctx.fail(row, f"recent_mass_window {row['recent_mass_window']!r} is outside [1, {n}]")
+
+
+def _label(cfg: dict) -> str:
+    if cfg.get("kind") == "int_grouped":
+        return f"int{cfg.get('bits')}_grouped_g{cfg.get('group_size')}"
+    if cfg.get("kind") == "mx":
+        return (f"mx_{cfg.get('element')}_b{cfg.get('block_size')}" + ("_rceil" if cfg.get("scale_rule") == "rceil" else "")
+                + ("_hadamard" if cfg.get("rotation") else ""))
+    return str(cfg.get("kind"))
+
+
+def _scheme(key: dict, value: dict) -> str:
+    """The documented scheme label: the K scheme, and the V scheme in parentheses where it differs
+    (for grouped integers: its bits and group size; the axis is the layout's)."""
+    k, v = _label(key), _label(value)
+    if key.get("kind") == value.get("kind") == "int_grouped":
+        if (key.get("bits"), key.get("group_size")) == (value.get("bits"), value.get("group_size")):
+            return f"{k}+residual"
+        return f"{k}+residual(value {value.get('bits')}-bit g{value.get('group_size')})"
+    return f"{k}+residual" if k == v else f"{k}+residual(value {v})"
