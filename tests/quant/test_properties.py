@@ -258,3 +258,50 @@ def test_laws_hold_past_the_fast_path_threshold(scheme, shape, log_scale, offset
     x2 = q.dequantize(q.quantize(x1))
     if IDEMPOTENT_WHEN.get(cfg["kind"], lambda *_: True)(x, cfg):
         assert torch.equal(x1, x2)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@SETTINGS
+@given(x=tensors(), recent=st.integers(0, 90), sink=st.integers(0, 20))
+def test_residual_window_over_every_scheme(scheme, x, recent, sink):
+    """`ResidualWindow` with any registered scheme for K and V: its windows (the first ``sink`` and
+    the last ``recent`` tokens) come back bit for bit, the span between is exactly that scheme's own
+    quantization of the span, and its bytes are the scheme's bytes of the span (without the
+    scheme's headers) plus the float32 windows plus one 16-byte header."""
+    from testbed.quant import ResidualWindow
+
+    q = quant.get(scheme)
+    k, v = x, x.flip(-1) * 0.5 + 0.25
+    rw = ResidualWindow(q, q, recent=recent, sink=sink)
+    p = rw.pack(k, v)
+    k_hat, v_hat = rw.unpack(p)
+    n = x.shape[-2]
+    start, stop = min(sink, n), max(min(sink, n), n - recent)
+    for src, got in ((k, k_hat), (v, v_hat)):
+        assert got.shape == src.shape
+        assert torch.equal(got[..., :start, :], src[..., :start, :]) and torch.equal(got[..., stop:, :], src[..., stop:, :])
+    windows = 2 * (start + n - stop) * math.prod(x.shape[:-2]) * x.shape[-1] * 4
+    middle = 0
+    if stop > start:
+        for src, got in ((k, k_hat), (v, v_hat)):
+            own = q.quantize(src[..., start:stop, :].contiguous())
+            assert torch.equal(got[..., start:stop, :], q.dequantize(own).to(torch.float32))
+            middle += own.nbytes - own.tensors["header"].numel() * own.tensors["header"].element_size()
+    assert p.nbytes == middle + windows + 16
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_residual_window_past_the_fast_path_threshold(scheme):
+    """The same law where the span between the windows is large enough for the numba kernels."""
+    from testbed.quant import ResidualWindow, kernels
+
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(3, 700, 40, generator=g), torch.randn(3, 700, 40, generator=g) * 3
+    q = quant.get(scheme)
+    rw = ResidualWindow(q, q, recent=64, sink=4)
+    assert kernels.use_fast(k[..., 4:636, :].contiguous()) or kernels.numba is None
+    k_hat, v_hat = rw.unpack(rw.pack(k, v))
+    for src, got in ((k, k_hat), (v, v_hat)):
+        ref = q.dequantize(q.quantize_reference(src[..., 4:636, :].contiguous())).to(torch.float32)
+        assert torch.equal(got[..., 4:636, :], ref)
+        assert torch.equal(got[..., :4, :], src[..., :4, :]) and torch.equal(got[..., 636:, :], src[..., 636:, :])
