@@ -384,8 +384,9 @@ def observe(case, *, block_tokens: int = 16, coverage: float = 0.9, percents=TOP
         rows["zero_rate"][heads, qs] = strict_zero_rate(p32, vis)
         for name, m in region_masses(p, case.layout).items():
             rows[f"{name}_mass"][heads, qs] = m
-        heat[heads].index_add_(1, qb_index[qs], block_masses(p, frame))
-        bm = block_masses(p, block)
+        fm = block_masses(p, frame)
+        heat[heads].index_add_(1, qb_index[qs], fm)
+        bm = fm if block == frame else block_masses(p, block)
         sets = top_blocks(bm, coverage)
         set_size[heads, qs] = sets.sum(dim=-1).to(torch.float64)
         all_sets[heads, qs] = sets

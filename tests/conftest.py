@@ -3,6 +3,8 @@
 ``live_tiny_run``: one finished run of the tiny live protocol (tests/test_live.py's), made once per
 session for the suites that read it (test_live, test_audit_reencode); tests copy it before editing.
 
+``smollm2``: the capture model, loaded once per session (test_capture, test_archive).
+
 ``reliability`` (tests/_reliability.py) is offered here rather than imported into each suite: a
 fixture imported into a test module and then requested as a test's argument reads to pyflakes as
 a name redefined while unused (ruff F811).
@@ -29,3 +31,15 @@ def live_tiny_run(tmp_path_factory):
     out = tmp / "run"
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(_tiny_protocol(tmp))]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2 loaded once per session (the capture tests); skipped, with the install command,
+    without the capture extra or the GGUF."""
+    from testbed.sources import capture
+
+    try:
+        return capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")

@@ -53,20 +53,12 @@ def _run(base: Path, raw: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model():
-    try:
-        return capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
-
-
-@pytest.fixture(scope="module")
-def tiers(model, tmp_path_factory):
+def tiers(smollm2, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("tiers") / "two", protocol(ARCHIVE))
 
 
 @pytest.fixture(scope="module")
-def full(model, tmp_path_factory):
+def full(smollm2, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("tiers") / "full", protocol(None))
 
 
@@ -90,6 +82,16 @@ def _rewrite_array(run: Path, rel: str, arr: np.ndarray) -> None:
 
 def _none_row(res: dict, case: str) -> dict:
     return next(r for r in res["rows"] if r["case"] == case and r["ablation"] == "none")
+
+
+def _edit_heads(run: Path, case: str, ablation: str, edit) -> None:
+    """Apply ``edit(heads[A, H, F], a)`` to one case's stored per-head sums, ``a`` the index of
+    ``ablation``, and record the array's new sha256 (a consistent forger)."""
+    none = _none_row(_results(run), case)
+    rel = none["arrays"]["stats"]["heads"]
+    heads = _arrays.load(run, rel).copy()
+    edit(heads, none["stats_layout"]["ablations"].index(ablation))
+    _rewrite_array(run, rel, heads)
 
 
 # -- validation: no model needed ----------------------------------------------------------------
@@ -179,13 +181,11 @@ def test_a_row_that_disagrees_with_its_statistics_fails(tiers, tmp_path):
 @pytest.mark.capture
 def test_statistics_of_an_archived_head_are_checked_against_its_qkv(tiers, tmp_path):
     run = copy_run(tiers, tmp_path / "r")
-    res = _results(run)
-    none = _none_row(res, "ledger-L29-c02")
-    rel = none["arrays"]["stats"]["heads"]
-    heads = _arrays.load(run, rel).copy()
-    a = none["stats_layout"]["ablations"].index("drop_sink")
-    heads[a, 4, 1] *= 1.05  # err2 of query head 4 (archived: KV head 1)
-    _rewrite_array(run, rel, heads)
+
+    def edit(heads, a):
+        heads[a, 4, 1] *= 1.05  # err2 of query head 4 (archived: KV head 1)
+
+    _edit_heads(run, "ledger-L29-c02", "drop_sink", edit)
     fails = _fails(run)
     assert any("of the archived heads" in f and "err2" in f for f in fails), fails[:5]
 
@@ -193,13 +193,12 @@ def test_statistics_of_an_archived_head_are_checked_against_its_qkv(tiers, tmp_p
 @pytest.mark.capture
 def test_mass_band_is_checked_from_the_statistics(tiers, tmp_path):
     run = copy_run(tiers, tmp_path / "r")
+
+    def edit(heads, a):
+        heads[a, :, 17] = 0.05  # mismatch_max: 5 %, outside the documented 1 % band
+
+    _edit_heads(run, "digits-L00-c02", "mass_control_sink", edit)
     res = _results(run)
-    none = _none_row(res, "digits-L00-c02")
-    rel = none["arrays"]["stats"]["heads"]
-    heads = _arrays.load(run, rel).copy()
-    a = none["stats_layout"]["ablations"].index("mass_control_sink")
-    heads[a, :, 17] = 0.05  # mismatch_max: 5 %, outside the documented 1 % band
-    _rewrite_array(run, rel, heads)
     row = next(r for r in res["rows"] if r["case"] == "digits-L00-c02" and r["ablation"] == "mass_control_sink")
     if row["matched_rows"]:
         row["mass_mismatch_max"] = 0.05
@@ -212,24 +211,25 @@ def _forge_damage(run: Path, case: str, scale: float, keep_identities: bool) -> 
     """A forger who makes dropping the sink in one unarchived case ``scale`` times as damaging:
     err2 (and, with ``keep_identities``, own_err2 and dot with it, so that every identity of the
     statistics still holds) and every number of the row that follows from them."""
+    sums = {}
+
+    def edit(heads, a):
+        ref2, out2 = heads[a, :, 2], heads[a, :, 4]
+        heads[a, :, 1] *= scale ** 2                             # err2
+        if keep_identities:
+            heads[a, :, 5] = heads[a, :, 1]                      # own_err2: the float32 arm's own errors
+            heads[a, :, 3] = (out2 + ref2 - heads[a, :, 1]) / 2  # dot, from ||O' - O||^2 = ||O'||^2 + ||O||^2 - 2 <O', O>
+        sums.update(dot=heads[a, :, 3].sum(), out2=out2.sum(), ref2=ref2.sum())
+
+    _edit_heads(run, case, "drop_sink", edit)
     res = _results(run)
-    none = _none_row(res, case)
-    rel = none["arrays"]["stats"]["heads"]
-    heads = _arrays.load(run, rel).copy()
-    a = none["stats_layout"]["ablations"].index("drop_sink")
-    err2, ref2, out2 = heads[a, :, 1].copy(), heads[a, :, 2], heads[a, :, 4]
-    heads[a, :, 1] = err2 * scale ** 2
-    if keep_identities:
-        heads[a, :, 5] = heads[a, :, 1]                          # own_err2: the float32 arm's own errors
-        heads[a, :, 3] = (out2 + ref2 - heads[a, :, 1]) / 2      # dot, from ||O' - O||^2 = ||O'||^2 + ||O||^2 - 2 <O', O>
-    _rewrite_array(run, rel, heads)
     row = next(r for r in res["rows"] if r["case"] == case and r["ablation"] == "drop_sink")
     row["rel_l2"] *= scale
     row["rel_l2_per_mass"] *= scale
     row["rel_l2_heads"] = [scale * x for x in row["rel_l2_heads"]]
     if keep_identities:
         row["rel_l2_own"] *= scale
-        row["cosine"] = float(heads[a, :, 3].sum() / np.sqrt(out2.sum() * ref2.sum()))
+        row["cosine"] = float(sums["dot"] / np.sqrt(sums["out2"] * sums["ref2"]))
     forge_results(run, res)
 
 

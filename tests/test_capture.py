@@ -28,14 +28,6 @@ PROSE = ("The lighthouse keeper wrote the weather in a green ledger every evenin
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    try:
-        return capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
-
-
-@pytest.fixture(scope="session")
 def prose_ids(smollm2):
     _, tok, _ = smollm2
     ids = tok(PROSE, return_tensors="pt").input_ids[:, :128]

@@ -247,54 +247,27 @@ def _derive_mass(case, k, v, sel, target, ref):
 
 
 def _check_mass(row, ctx, case, k, v, ref, orders, seed):
+    """The audit's own selection of a mass-matched control: its band and its keys, then every number
+    of the row from the per-head sums of its re-derived ablation (`_check_numbers`)."""
     name = row["ablation"]
-    target_name = name[len(MASS_PREFIX):]
-    target = _regions(case)[target_name]
+    target = _regions(case)[name[len(MASS_PREFIX):]]
     sel = ctx.cached(("ablation-mass-select", row["study"], row["case"], name, seed),
                      lambda: _select_case(case, target, orders))
-    ctx.equal(row, "control_of", row.get("control_of"), target_name)
-    ctx.equal(row, "control_kind", row.get("control_kind"), "mass_matched")
-    ctx.equal(row, "mass_tolerance", row.get("mass_tolerance"), MASS_TOLERANCE)
-    ctx.equal(row, "mass_attempts", row.get("mass_attempts"), MASS_ATTEMPTS)
-    ctx.equal(row, "dropped_spans", row.get("dropped_spans"), None)
-    ctx.equal(row, "dropped_keys", row.get("dropped_keys"), None)
     m = sel["matched"]
-    nm = int(m.sum())
-    tau, ach = sel["tau"][m], sel["achieved"][m]
-    mism = np.abs(ach - tau) / tau
+    mism = np.abs(sel["achieved"][m] - sel["tau"][m]) / sel["tau"][m]
     # the band, row by row, on the audit's own selection (and the keys never touch the target)
-    if nm and not bool(np.all(mism <= MASS_TOLERANCE * (1 + 1e-12))):
+    if m.any() and not bool(np.all(mism <= MASS_TOLERANCE * (1 + 1e-12))):
         ctx.fail(row, f"audit's own selection: {int((mism > MASS_TOLERANCE).sum())} matched rows outside the 1 % band")
     if bool(sel["chosen"][:, :, target[0]:target[1]].any()):
         ctx.fail(row, "audit's own selection: a selected key lies in the target")
-    ctx.equal(row, "matched_rows", row.get("matched_rows"), nm)
-    ctx.equal(row, "unmatched_rows", row.get("unmatched_rows"), int(m.size) - nm)
     reported_max = row.get("mass_mismatch_max")
     if isinstance(reported_max, (int, float)) and not isinstance(reported_max, bool) \
             and reported_max > MASS_TOLERANCE * (1 + 1e-9):
         ctx.fail(row, f"mass_mismatch_max: reported {reported_max!r}, outside the documented 1 % band")
-    ctx.close(row, "dropped_keys_mean", row.get("dropped_keys_mean"),
-              float(sel["chosen"][m].sum(axis=1).mean()) if nm else None)
-    ctx.close(row, "target_mass", row.get("target_mass"), float(tau.mean()) if nm else None)
-    ctx.close(row, "control_mass", row.get("control_mass"), float(ach.mean()) if nm else None)
-    ctx.close(row, "mass_mismatch_mean", row.get("mass_mismatch_mean"), float(mism.mean()) if nm else None)
-    ctx.close(row, "mass_mismatch_max", row.get("mass_mismatch_max"), float(mism.max()) if nm else None)
     d = ctx.cached(("ablation-mass", row["study"], row["case"], row["arm"], name, seed),
                    lambda: _derive_mass(case, k, v, sel, target, ref))
-    ctx.equal(row, "undefined_rows", row.get("undefined_rows"), int(d["undefined"].sum()))
-    ctx.close(row, "dropped_mass", row.get("dropped_mass"), _finite_mean(d["tau"]))
-    ctx.close(row, "dropped_mass_median", row.get("dropped_mass_median"), _finite_median(d["tau"]))
-    ctx.close(row, "tv", row.get("tv"), _finite_mean(d["tv"]))
-    rel, tmean = _ratio(d["err2"].sum(), d["ref2"].sum()), _finite_mean(d["tau"])
-    ctx.close(row, "rel_l2", row.get("rel_l2"), rel)
-    ctx.close(row, "rel_l2_own", row.get("rel_l2_own"), _ratio(d["own_err2"].sum(), d["own_ref2"].sum()))
-    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tmean else rel / tmean)
-    ctx.close(row, "mean_shift", row.get("mean_shift"), _finite_mean(d["shift"]))
-    den = float(np.sqrt(d["out2"].sum() * d["ref2"].sum()))
-    ctx.close(row, "cosine", row.get("cosine"), None if den == 0 else float(d["dot"].sum()) / den)
-    heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
-    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r) for e, r in zip(d["err2"], d["ref2"])])
-    ctx.close(row, "target_rel_l2_matched", row.get("target_rel_l2_matched"), _ratio(d["t_err2"].sum(), d["t_ref2"].sum()))
+    tau, hd = _head_sums(d, sel)
+    _check_numbers(row, ctx, case, None, seed, tau, hd)
 
 
 def _kv(row, ctx, case):
@@ -476,26 +449,92 @@ def check(row: dict, ctx) -> None:
         for key in NOT_APPLICABLE_NULL:
             ctx.equal(row, key, row.get(key), None)
         return
-    ctx.equal(row, "dropped_spans", [list(s) for s in row["dropped_spans"]], [list(s) for s in spans])
-    ctx.equal(row, "dropped_keys", row["dropped_keys"], sum(b - a for a, b in spans))
-    if row["ablation"].startswith("control_"):
-        blk = _control(case, row["case"], row["ablation"][len("control_"):], seed)
-        ctx.equal(row, "control_of", row["control_of"], row["ablation"][len("control_"):])
-        ctx.equal(row, "control_kind", row.get("control_kind"), blk[1])
-    d = derived[row["ablation"]]
-    ctx.equal(row, "undefined_rows", row["undefined_rows"], int(d["undefined"].sum()))
-    ctx.close(row, "dropped_mass", row["dropped_mass"], _finite_mean(d["tau"]))
-    ctx.close(row, "dropped_mass_median", row["dropped_mass_median"], _finite_median(d["tau"]))
-    ctx.close(row, "tv", row["tv"], _finite_mean(d["tv"]))
-    ctx.close(row, "rel_l2", row["rel_l2"], _ratio(d["err2"].sum(), d["ref2"].sum()))
-    ctx.close(row, "rel_l2_own", row["rel_l2_own"], _ratio(d["own_err2"].sum(), d["own_ref2"].sum()))
-    rel, tau = _ratio(d["err2"].sum(), d["ref2"].sum()), _finite_mean(d["tau"])
-    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tau else rel / tau)
-    ctx.close(row, "mean_shift", row.get("mean_shift"), _finite_mean(d["shift"]))
-    den = float(np.sqrt(d["out2"].sum() * d["ref2"].sum()))
-    ctx.close(row, "cosine", row["cosine"], None if den == 0 else float(d["dot"].sum()) / den)
+    tau, hd = _head_sums(derived[row["ablation"]])
+    _check_numbers(row, ctx, case, spans, seed, tau, hd)
+
+
+def _head_sums(d: dict, sel: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One ablation's per-row tau ``[H, Tq]`` and its per-head sums ``[H, F]`` in the layout of the
+    stored statistics (`STAT_FIELDS`), from the audit's own per-row derivation (``_derive`` or, with
+    the selection ``sel``, ``_derive_mass``): the one form every row's numbers are checked from."""
+    out = np.zeros((d["tau"].shape[0], len(STAT_FIELDS)))
+    if sel is not None:
+        m = sel["matched"]
+        tm = np.where(m, sel["tau"], 0.0)
+        ach = np.where(m, sel["achieved"], 0.0)
+        mism = np.where(m, np.abs(ach - tm) / np.where(m, tm, 1.0), 0.0)
+        out[:, _F["matched"]] = m.sum(axis=1)
+        out[:, _F["target_sum"]] = tm.sum(axis=1)
+        out[:, _F["achieved_sum"]] = ach.sum(axis=1)
+        out[:, _F["mismatch_sum"]] = mism.sum(axis=1)
+        out[:, _F["mismatch_max"]] = mism.max(axis=1)
+        out[:, _F["keys_sum"]] = np.where(m[:, :, None], sel["chosen"], False).sum(axis=(1, 2))
+        out[:, _F["target_err2"]], out[:, _F["target_ref2"]] = d["t_err2"], d["t_ref2"]
+    out[:, _F["undefined"]] = d["undefined"]
+    for f in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2"):
+        out[:, _F[f]] = d[f]
+    for f, x in (("tau", d["tau"]), ("tv", d["tv"]), ("shift", d["shift"])):
+        ok = np.isfinite(x)
+        out[:, _F[f + "_sum"]] = np.where(ok, x, 0.0).sum(axis=1)
+        out[:, _F[f + "_rows"]] = ok.sum(axis=1)
+    return d["tau"], out
+
+
+def _check_numbers(row, ctx, case, spans, seed, tau, hd) -> None:
+    """Every number of an applicable ablation row from one ablation's per-row tau and per-head sums
+    (`_head_sums`, or the stored statistics of a partly archived case): means as sums over counts,
+    rel-L2 and cosine from the summed squares and dots, the median tau from the rows, the spans and
+    labels of a region or size-matched ablation (``spans``), the fields of a mass-matched control."""
+    def tot(f):
+        return float(hd[:, _F[f]].sum())
+
+    def mean(f):
+        return tot(f + "_sum") / tot(f + "_rows") if tot(f + "_rows") else None
+
+    ctx.equal(row, "undefined_rows", row.get("undefined_rows"), int(round(tot("undefined"))))
+    ctx.close(row, "dropped_mass", row.get("dropped_mass"), mean("tau"))
+    ctx.close(row, "dropped_mass_median", row.get("dropped_mass_median"), _finite_median(tau))
+    ctx.close(row, "tv", row.get("tv"), mean("tv"))
+    rel = _ratio(tot("err2"), tot("ref2"))
+    ctx.close(row, "rel_l2", row.get("rel_l2"), rel)
+    ctx.close(row, "rel_l2_own", row.get("rel_l2_own"), _ratio(tot("own_err2"), tot("own_ref2")))
+    tmean = mean("tau")
+    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tmean else rel / tmean)
+    ctx.close(row, "mean_shift", row.get("mean_shift"), mean("shift"))
+    den = float(np.sqrt(tot("out2") * tot("ref2")))
+    ctx.close(row, "cosine", row.get("cosine"), None if den == 0 else tot("dot") / den)
     heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
-    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r) for e, r in zip(d["err2"], d["ref2"])])
+    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r)
+                                           for e, r in zip(hd[:, _F["err2"]], hd[:, _F["ref2"]])])
+    if not row["ablation"].startswith(MASS_PREFIX):
+        ctx.equal(row, "dropped_spans", [list(x) for x in row["dropped_spans"]], [list(x) for x in spans])
+        ctx.equal(row, "dropped_keys", row["dropped_keys"], sum(b - a for a, b in spans))
+        if row["ablation"].startswith("control_"):
+            blk = _control(case, row["case"], row["ablation"][len("control_"):], seed)
+            ctx.equal(row, "control_of", row["control_of"], row["ablation"][len("control_"):])
+            ctx.equal(row, "control_kind", row.get("control_kind"), blk[1])
+        return
+    target_name = row["ablation"][len(MASS_PREFIX):]
+    for key, want in (("control_of", target_name), ("control_kind", "mass_matched"), ("mass_tolerance", MASS_TOLERANCE),
+                      ("mass_attempts", MASS_ATTEMPTS), ("dropped_spans", None), ("dropped_keys", None)):
+        ctx.equal(row, key, row.get(key), want)
+    nm = int(round(tot("matched")))
+    ctx.equal(row, "matched_rows", row.get("matched_rows"), nm)
+    ctx.equal(row, "unmatched_rows", row.get("unmatched_rows"), int(tau.size) - nm)
+
+    def per(f):
+        return tot(f) / nm if nm else None
+
+    ctx.close(row, "dropped_keys_mean", row.get("dropped_keys_mean"), per("keys_sum"))
+    ctx.close(row, "target_mass", row.get("target_mass"), per("target_sum"))
+    ctx.close(row, "control_mass", row.get("control_mass"), per("achieved_sum"))
+    ctx.close(row, "mass_mismatch_mean", row.get("mass_mismatch_mean"), per("mismatch_sum"))
+    with_rows = hd[:, _F["matched"]] > 0
+    mmax = float(hd[with_rows, _F["mismatch_max"]].max()) if with_rows.any() else None
+    ctx.close(row, "mass_mismatch_max", row.get("mass_mismatch_max"), mmax)
+    if mmax is not None and mmax > MASS_TOLERANCE * (1 + 1e-9):
+        ctx.fail(row, f"statistics: a matched row's mass mismatch {mmax!r} lies outside the documented 1 % band")
+    ctx.close(row, "target_rel_l2_matched", row.get("target_rel_l2_matched"), _ratio(tot("target_err2"), tot("target_ref2")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -632,33 +671,12 @@ def _own_stats(case, case_id, names, regions, seed) -> dict:
     tau = np.full((len(names), h, tq), np.nan)
     heads = np.zeros((len(names), h, len(STAT_FIELDS)))
     for a, name in enumerate(names):
-        out = heads[a]
         if name.startswith(MASS_PREFIX):
             target = _regions(case)[name[len(MASS_PREFIX):]]
-            orders = mass_orders(case, case_id, name[len(MASS_PREFIX):], seed)
-            sel = _select_case(case, target, orders)
-            d = _derive_mass(case, case["k"], case["v"], sel, target, None)
-            m = sel["matched"]
-            tm = np.where(m, sel["tau"], 0.0)
-            ach = np.where(m, sel["achieved"], 0.0)
-            mism = np.where(m, np.abs(ach - tm) / np.where(m, tm, 1.0), 0.0)
-            out[:, _F["matched"]] = m.sum(axis=1)
-            out[:, _F["target_sum"]] = tm.sum(axis=1)
-            out[:, _F["achieved_sum"]] = ach.sum(axis=1)
-            out[:, _F["mismatch_sum"]] = mism.sum(axis=1)
-            out[:, _F["mismatch_max"]] = mism.max(axis=1)
-            out[:, _F["keys_sum"]] = np.where(m[:, :, None], sel["chosen"], False).sum(axis=(1, 2))
-            out[:, _F["target_err2"]], out[:, _F["target_ref2"]] = d["t_err2"], d["t_ref2"]
+            sel = _select_case(case, target, mass_orders(case, case_id, name[len(MASS_PREFIX):], seed))
+            tau[a], heads[a] = _head_sums(_derive_mass(case, case["k"], case["v"], sel, target, None), sel)
         else:
-            d = derived[name]
-        tau[a] = d["tau"]
-        out[:, _F["undefined"]] = d["undefined"]
-        for f in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2"):
-            out[:, _F[f]] = d[f]
-        for f, x in (("tau", d["tau"]), ("tv", d["tv"]), ("shift", d["shift"])):
-            ok = np.isfinite(x)
-            out[:, _F[f + "_sum"]] = np.where(ok, x, 0.0).sum(axis=1)
-            out[:, _F[f + "_rows"]] = ok.sum(axis=1)
+            tau[a], heads[a] = _head_sums(derived[name])
     reg = np.stack([masses[r].sum(axis=1) for r in regions]) if regions else np.zeros((0, h))
     return {"tau": tau, "heads": heads, "reg": reg}
 
@@ -693,66 +711,13 @@ def _check_from_stats(row, ctx, case, spans, applicable, seed) -> None:
     for r in REGION_FIELDS:
         if r not in st["regions"]:
             ctx.equal(row, f"{r}_mass", row.get(f"{r}_mass"), None)
-    mass = row["ablation"].startswith(MASS_PREFIX)
     if not applicable:
         for key in NOT_APPLICABLE_NULL:
             ctx.equal(row, key, row.get(key), None)
         return
     a = st["names"].index(row["ablation"])
-    hd = st["heads"][a]
-
-    def tot(f):
-        return float(hd[:, _F[f]].sum())
-
-    tau = st["tau"][a]
+    hd, tau = st["heads"][a], st["tau"][a]
     ok = np.isfinite(tau)
-    ctx.equal(row, "stats tau_rows", int(round(tot("tau_rows"))), int(ok.sum()))
-    ctx.close(row, "stats tau_sum", tot("tau_sum"), float(tau[ok].sum()) if ok.any() else 0.0)
-
-    def mean(f):
-        return tot(f + "_sum") / tot(f + "_rows") if tot(f + "_rows") else None
-
-    ctx.equal(row, "undefined_rows", row.get("undefined_rows"), int(round(tot("undefined"))))
-    ctx.close(row, "dropped_mass", row.get("dropped_mass"), mean("tau"))
-    ctx.close(row, "dropped_mass_median", row.get("dropped_mass_median"), _finite_median(tau))
-    ctx.close(row, "tv", row.get("tv"), mean("tv"))
-    rel = _ratio(tot("err2"), tot("ref2"))
-    ctx.close(row, "rel_l2", row.get("rel_l2"), rel)
-    ctx.close(row, "rel_l2_own", row.get("rel_l2_own"), _ratio(tot("own_err2"), tot("own_ref2")))
-    tmean = mean("tau")
-    ctx.close(row, "rel_l2_per_mass", row.get("rel_l2_per_mass"), None if rel is None or not tmean else rel / tmean)
-    ctx.close(row, "mean_shift", row.get("mean_shift"), mean("shift"))
-    den = float(np.sqrt(tot("out2") * tot("ref2")))
-    ctx.close(row, "cosine", row.get("cosine"), None if den == 0 else tot("dot") / den)
-    heads = [np.nan if x is None else x for x in row["rel_l2_heads"]]
-    ctx.close(row, "rel_l2_heads", heads, [np.nan if r == 0 else np.sqrt(e / r)
-                                           for e, r in zip(hd[:, _F["err2"]], hd[:, _F["ref2"]])])
-    if not mass:
-        ctx.equal(row, "dropped_spans", [list(x) for x in row["dropped_spans"]], [list(x) for x in spans])
-        ctx.equal(row, "dropped_keys", row["dropped_keys"], sum(b - a for a, b in spans))
-        if row["ablation"].startswith("control_"):
-            blk = _control(case, row["case"], row["ablation"][len("control_"):], seed)
-            ctx.equal(row, "control_of", row["control_of"], row["ablation"][len("control_"):])
-            ctx.equal(row, "control_kind", row.get("control_kind"), blk[1])
-        return
-    target_name = row["ablation"][len(MASS_PREFIX):]
-    for key, want in (("control_of", target_name), ("control_kind", "mass_matched"), ("mass_tolerance", MASS_TOLERANCE),
-                      ("mass_attempts", MASS_ATTEMPTS), ("dropped_spans", None), ("dropped_keys", None)):
-        ctx.equal(row, key, row.get(key), want)
-    nm = int(round(tot("matched")))
-    ctx.equal(row, "matched_rows", row.get("matched_rows"), nm)
-    ctx.equal(row, "unmatched_rows", row.get("unmatched_rows"), n - nm)
-
-    def per(f):
-        return tot(f) / nm if nm else None
-
-    ctx.close(row, "dropped_keys_mean", row.get("dropped_keys_mean"), per("keys_sum"))
-    ctx.close(row, "target_mass", row.get("target_mass"), per("target_sum"))
-    ctx.close(row, "control_mass", row.get("control_mass"), per("achieved_sum"))
-    ctx.close(row, "mass_mismatch_mean", row.get("mass_mismatch_mean"), per("mismatch_sum"))
-    with_rows = hd[:, _F["matched"]] > 0
-    mmax = float(hd[with_rows, _F["mismatch_max"]].max()) if with_rows.any() else None
-    ctx.close(row, "mass_mismatch_max", row.get("mass_mismatch_max"), mmax)
-    if mmax is not None and mmax > MASS_TOLERANCE * (1 + 1e-9):
-        ctx.fail(row, f"statistics: a matched row's mass mismatch {mmax!r} lies outside the documented 1 % band")
-    ctx.close(row, "target_rel_l2_matched", row.get("target_rel_l2_matched"), _ratio(tot("target_err2"), tot("target_ref2")))
+    ctx.equal(row, "stats tau_rows", int(round(float(hd[:, _F["tau_rows"]].sum()))), int(ok.sum()))
+    ctx.close(row, "stats tau_sum", float(hd[:, _F["tau_sum"]].sum()), float(tau[ok].sum()) if ok.any() else 0.0)
+    _check_numbers(row, ctx, case, spans, seed, tau, hd)

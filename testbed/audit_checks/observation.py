@@ -155,8 +155,11 @@ def derive(case, frame: int, coverage: float, case_id: str = "", block: int | No
             rows[f"{name}_mass"][hh] = p[:, a:b].sum(axis=1)
         pp = np.concatenate([p, np.zeros((tq, nkb * frame - keys))], axis=1) if nkb * frame != keys else p
         fm = pp.reshape(tq, nkb, frame).sum(axis=2)                         # per frame: the heatmap
-        pb = np.concatenate([p, np.zeros((tq, nbb * block - keys))], axis=1) if nbb * block != keys else p
-        bm = pb.reshape(tq, nbb, block).sum(axis=2)                         # per key block: the sets
+        if block == frame:
+            bm = fm
+        else:
+            pb = np.concatenate([p, np.zeros((tq, nbb * block - keys))], axis=1) if nbb * block != keys else p
+            bm = pb.reshape(tq, nbb, block).sum(axis=2)                     # per key block: the sets
         sets = _top_sets(bm, coverage)
         for key, val in _head_fit(bm, sets, vblocks, coverage).items():
             fit[key][hh] = val
