@@ -61,11 +61,12 @@ def _record_lines(obj, depth: int = 0) -> str:
     """JSON text of ``obj`` with one record per line: the top level is laid out one entry per
     line, as is any collection of records below it (a list or dict whose items are all objects or
     lists: the rows, the cases, the manifest's arrays, the timings); everything inside a record
-    stays on its line. As diffable as an indented file, and smaller."""
+    stays on its line, without spaces after its separators. As diffable as an indented file, and
+    smaller."""
     items = (obj.values() if isinstance(obj, dict) else obj) if isinstance(obj, (dict, list)) else ()
     expand = bool(items) and (depth == 0 or (depth <= 2 and all(isinstance(x, (dict, list)) for x in items)))
     if not expand:
-        return json.dumps(obj, allow_nan=True)
+        return json.dumps(obj, allow_nan=True, separators=(",", ":"))
     pad = " " * (depth + 1)
     if isinstance(obj, dict):
         items = [f"{pad}{json.dumps(k)}: {_record_lines(v, depth + 1)}" for k, v in obj.items()]

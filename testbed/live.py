@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
+from .policies.policy import sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software,
                               load_model)
@@ -81,6 +82,9 @@ SPEC = Spec("live", f"Cache policies inside {MODEL_ID} (float32), judged by its 
     "peer_group": Key(("choice", (32, 64)), "quanto's q_group_size", 64),
     "reference_chunk": Key(("range", int, 1, 8192), "tokens per forward of the reference", 256),
     "evidence_layer": Key(("range", int, 0, 4095), "layer whose packed cache of the first batch is stored", 0),
+    "shared_prefill": Key(bool, "one float32 prefill per batch of segments, its K/V handed to every arm's cache "
+                                "(exact: every policy applies to what it stores after the prefill); false: each arm "
+                                "runs its own prefill", True),
 }, rules=("prefill + steps + 1 <= 8192 (the model's positions)", "evidence_layer is below the model's layer count",
           "every policy can be built with window, group, sink and evict_window"))
 
@@ -118,15 +122,18 @@ def policies_of(p: dict) -> list[Policy]:
 
 
 def estimate_bytes(p: dict) -> int:
-    """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the caches."""
+    """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
+    one chunk (a prefill computes the last position's only), the prefill's activations, the caches
+    (the shared prefill's K/V held beside one arm's cache)."""
     dims = MODELS[p["model"]]
     vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
     b = min(p["batch"], p["segments"])
     n = p["prefill"] + p["steps"] + 1
     ref = b * p["steps"] * vocab * 4 * 2
-    work = b * max(p["reference_chunk"], p["prefill"]) * vocab * 4 * 3 + (256 << 20)
-    cache = 2 * 2 * layers * kv * n * d * 4 * b
-    return dims["parameters"] * 4 + ref + work + cache
+    logits = b * p["reference_chunk"] * vocab * 4 * 3
+    activations = b * p["prefill"] * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
+    cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
+    return dims["parameters"] * 4 + ref + logits + activations + cache
 
 
 # -- the corpus -------------------------------------------------------------------------------------
@@ -228,16 +235,113 @@ def _metrics(logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor
     return lp, kl, am, logp
 
 
-def _forward(model, ids, cache, kw):
-    return model(input_ids=ids, use_cache=True, **{kw["cache"]: cache}).logits
+def _forward(model, ids, cache, kw, last_only=False):
+    """Logits of every position of ``ids`` (``last_only``: of the last position only, where the
+    model takes ``logits_to_keep``: a prefill whose predictions nobody scores)."""
+    extra = kw.get("extra", {}) if last_only else {}
+    return model(input_ids=ids, use_cache=True, **{kw["cache"]: cache}, **extra).logits
 
 
-def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, bytes_of=None):
-    """Prefill, then the decode tokens in ``schedule``; returns per-token arrays and per-forward bytes."""
+class SharedPrefill:
+    """One float32 prefill of a batch, shared by every arm: the post-RoPE K/V of every layer
+    ``[B, H_kv, P, D]`` (what the model's own prefill hands any cache's ``update``), and, when a
+    policy chooses its sink from attention, the prefill's sink scores per layer over the first
+    ``candidates`` tokens (:func:`testbed.policies.cache.sink_scores`) and the queries of batch row
+    0 of the ``record_layer`` (the audit's evidence)."""
+
+    def __init__(self, keys, values, scores=None, candidates=None, query0=None, record_layer=None, seconds=0.0):
+        self.keys, self.values = keys, values
+        self.scores, self.candidates = scores, candidates
+        self.query0, self.record_layer = query0, record_layer
+        self.seconds = seconds
+
+    @property
+    def tokens(self) -> int:
+        return int(self.keys[0].shape[-2])
+
+    def load_into(self, cache) -> None:
+        """Give ``cache`` (any transformers cache, or a PolicyCache) the prefill through its own
+        layers, as the model's prefill forward would (``update`` per layer; a policy layer whose
+        sink is chosen from attention takes the recorded scores instead of an attention call)."""
+        from .policies.cache import PolicyLayer
+
+        with torch.no_grad():
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
+                if isinstance(layer, PolicyLayer):
+                    mass = layer.policy.sink_select == "mass"
+                    if mass and self.scores is None:
+                        raise ValueError(f"policy {layer.policy.name} chooses its sink from the prefill's attention, "
+                                         "but the shared prefill recorded no scores")
+                    if mass and layer.record and i != self.record_layer:
+                        raise ValueError(f"layer {i} records evidence; the shared prefill recorded the queries of "
+                                         f"layer {self.record_layer}")
+                    layer.load_prefill(k, v, self.scores[i] if mass else None,
+                                       self.query0 if mass and layer.record else None)
+                else:
+                    cache.update(k, v, i)
+
+
+def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
+                   record_layer: int | None = None) -> tuple[SharedPrefill, object]:
+    """Run the prefill ``ids [B, P]`` once through a float32 ``DynamicCache`` with logits of the
+    last position only; returns the :class:`SharedPrefill` and the DynamicCache (the reference
+    continues from it). With ``candidates``, the attention function also computes every layer's
+    sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .policies.cache import sink_scores
+
+    n_layers = int(model.config.num_hidden_layers)
+    scores: list = [None] * n_layers
+    query0: list = [None]
+
+    def observe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                             dropout=dropout, **kwargs)
+        i = module.layer_idx
+        scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
+        scores[i] = sink_scores(query, key, scale, candidates)
+        if i == record_layer:
+            query0[0] = query[0].detach().float().clone()
+        return out
+
+    cache = DynamicCache(config=model.config)
+    t0 = time.perf_counter()
+    previous = model.config._attn_implementation
+    with torch.no_grad():
+        if candidates is None:
+            _forward(model, ids, cache, kw, last_only=True)
+        else:
+            if previous != "sdpa":
+                raise ValueError(f"the shared prefill's sink scores wrap SDPA; the model runs {previous!r} attention")
+            AttentionInterface.register("testbed_prefill", observe)
+            AttentionMaskInterface.register("testbed_prefill", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+            model.set_attn_implementation("testbed_prefill")
+            try:
+                _forward(model, ids, cache, kw, last_only=True)
+            finally:
+                model.set_attn_implementation(previous)
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
+    shared = SharedPrefill(keys, values, None if candidates is None else scores, candidates, query0[0], record_layer,
+                           time.perf_counter() - t0)
+    return shared, cache
+
+
+def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, bytes_of=None, prefill=None):
+    """The prefill (its own forward, or ``prefill``: a :class:`SharedPrefill` loaded into the cache,
+    or ``True``: the cache already holds it), then the decode tokens in ``schedule``; returns
+    per-token arrays and per-forward bytes."""
     P = p["prefill"]
     lps, kls, ams, logps, nbytes, context = [], [], [], [], [], []
     with torch.no_grad():
-        _forward(model, ids[:, :P], cache, kw)
+        if prefill is None:
+            _forward(model, ids[:, :P], cache, kw, last_only=True)
+        elif prefill is not True:
+            prefill.load_into(cache)
         nbytes.append(bytes_of(cache))
         context.append(P)
         pos = P
@@ -352,17 +456,26 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     arm, what = _arms(p)[unit["arm"]]
     bi, batch = unit["batch"], unit["segments"]
     ids = torch.tensor(unit["tokens"], dtype=torch.int64)
-    ref_logp, ref_argmax = (None, None) if ref is None else ref
+    ref_logp, ref_argmax, shared = (None, None, None) if ref is None else ref
     if what is not None and not isinstance(what, Policy):
         _warm_quanto(model, kw, cfg)  # before the arm's clock starts
-    t_arm = time.perf_counter()
     evidence_layer = p["evidence_layer"] if bi == 0 else None
+    if arm == REFERENCE and p["shared_prefill"]:
+        # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
+        shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer)
+        ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
+                            "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
+                            "forwards": 1})
+    t_arm = time.perf_counter()
+    own = not p["shared_prefill"]
     if arm == REFERENCE:
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=cfg)
+        if own:
+            cache = DynamicCache(config=cfg)
         schedule = chunk_schedule(None, p["prefill"], p["steps"], "chunked", p["reference_chunk"])
-        res = _run_arm(model, kw, ids, p, cache, schedule, None, keep_logp=True, bytes_of=lambda c: _dynamic_bytes(c))
+        res = _run_arm(model, kw, ids, p, cache, schedule, None, keep_logp=True, bytes_of=lambda c: _dynamic_bytes(c),
+                       prefill=None if own else True)
         ref_logp = res.pop("logp")
         ref_argmax = res["argmax"]
         kind, mode = "reference", "chunked"
@@ -372,7 +485,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.middle != "float32" else None)
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
         with policy_attention(model):
-            res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes())
+            res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes(),
+                           prefill=None if own else shared)
         kind, mode = "policy", p["mode"]
     else:
         from transformers import QuantizedCache
@@ -380,12 +494,13 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         cache = QuantizedCache("quanto", cfg, nbits=what["bits"], q_group_size=p["peer_group"],
                                residual_length=p["window"])
         schedule = [1] * p["steps"]
-        res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=quanto_bytes)
+        res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=quanto_bytes,
+                       prefill=None if own else shared)
         kind, mode = "peer", "step"
     seconds = time.perf_counter() - t_arm
     ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
                         "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
-                        "forwards": len(schedule) + 1})
+                        "forwards": len(schedule) + int(own)})
     agree = (res["argmax"] == ref_argmax).numpy()
     rows = []
     for j, sid in enumerate(batch):
@@ -417,7 +532,15 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         rows.append(row)
     note = (f"{arm} (batch {bi + 1}): {len(schedule) + 1} forwards, {seconds:.1f} s, "
             f"{1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token")
-    return rows, ((ref_logp, ref_argmax) if arm == REFERENCE else None), note
+    return rows, ((ref_logp, ref_argmax, shared) if arm == REFERENCE else None), note
+
+
+def _mass_candidates(p: dict) -> int | None:
+    """The prefill tokens a sink chosen from attention is chosen from (one count for the study:
+    every policy shares its sink and window), or None when no policy chooses so."""
+    if not any(pol.sink_select == "mass" for pol in policies_of(p)):
+        return None
+    return sink_candidates(p["prefill"], p["sink"], p["window"])
 
 
 def _dynamic_bytes(cache) -> int:
@@ -523,7 +646,8 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
              "'segments worse' counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "
              "Log-probabilities and KL rest on model forward passes the audit cannot repeat; the audit re-derives "
              "every aggregate, agreement and byte count from the stored arrays. ms / scored token is wall time of "
-             "the whole arm (prefill included) on this machine, not a benchmark. Intervals are over segments, "
+             "the arm's decoding (with a shared prefill, the prefill is timed once per batch apart: "
+             "timings.json, op \"prefill\") on this machine, not a benchmark. Intervals are over segments, "
              "never tokens. What this table does not show: one small model "
              "(float32 weights dequantized from Q4_1), one corpus of technical English, teacher forcing (no "
              "free-running generation, no task accuracy); a policy's bytes per token include its float32 window, "

@@ -297,3 +297,63 @@ def test_live_protocol_errors_name_the_key(tmp_path):
         edit(bad)
         with pytest.raises(ProtocolError, match=msg.replace("[", r"\[").replace("]", r"\]")):
             validate_protocol(bad)
+
+
+@pytest.mark.parametrize("arm", ["int4", "streaming", "int2_sinkmass4", "quanto_int2"])
+def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
+    """An arm handed the batch's one shared float32 prefill (K/V through its cache's own update; a
+    sink chosen from attention from the recorded prefill scores) scores every decode token as the
+    same arm running its own prefill does (within 1e-5), and stores the same state: a quantized
+    middle, an evicting window, a chosen sink, a peer's own quantization of the prefill."""
+    from transformers import QuantizedCache
+
+    from testbed.live import _forward_kwargs, _mass_candidates, _run_arm, chunk_schedule, shared_prefill
+    from testbed.policies.cache import PolicyCache, policy_attention
+
+    model, tok = smollm2
+    kw = _forward_kwargs(model)
+    p = {"prefill": 64, "steps": 48, "sink": 4, "window": 16, "group": 16, "evict_window": 16,
+         "policies": [arm] if not arm.startswith("quanto") else ["int4"]}
+    ids = _ids(tok, 64 + 48 + 1, batch=2)
+    if arm.startswith("quanto"):
+        pytest.importorskip("optimum.quanto", reason="the quanto peer needs optimum-quanto: pip install -e '.[bench]'")
+
+        def make():
+            return QuantizedCache("quanto", model.config, nbits=2, q_group_size=32, residual_length=16)
+        schedule, bytes_of = [1] * 48, None
+    else:
+        pol = preset(arm, window=16, group=16, evict_window=16, sink=4)
+
+        def make():
+            return PolicyCache(pol, 30, record_layer=3)
+        schedule, bytes_of = chunk_schedule(pol, 64, 48, "chunked", 256), (lambda c: c.stored_bytes())
+    shared, ref_cache = shared_prefill(model, kw, ids[:, :64], _mass_candidates(p), record_layer=3)
+    assert ref_cache.get_seq_length() == 64 and len(shared.keys) == 30
+    bytes_of = bytes_of or (lambda c: 0)
+    own_cache, got_cache = make(), make()
+    with policy_attention(model):
+        own = _run_arm(model, kw, ids, p, own_cache, schedule, None, bytes_of=bytes_of)
+        got = _run_arm(model, kw, ids, p, got_cache, schedule, None, bytes_of=bytes_of, prefill=shared)
+    assert (own["logprob"] - got["logprob"]).abs().max() <= 1e-5
+    assert torch.equal(own["argmax"], got["argmax"])
+    assert np.array_equal(own["bytes"], got["bytes"])
+    if not arm.startswith("quanto"):
+        ev_own, ev_got = own_cache.layers[3].evidence(), got_cache.layers[3].evidence()
+        assert set(ev_own) == set(ev_got)
+        for name in ev_own:
+            assert torch.allclose(ev_own[name].float(), ev_got[name].float(), atol=1e-6, rtol=0), name
+        if arm == "int2_sinkmass4":  # the chosen sink is not the first 4 tokens in some head, and agrees
+            assert any(not torch.equal(layer.sink_index, torch.arange(4).expand_as(layer.sink_index))
+                       for layer in got_cache.layers)
+            for a, b in zip(own_cache.layers, got_cache.layers):
+                assert torch.equal(a.sink_index, b.sink_index)
+
+
+def test_shared_prefill_refuses_a_mass_sink_without_scores(smollm2):
+    from testbed.live import _forward_kwargs, shared_prefill
+    from testbed.policies.cache import PolicyCache
+
+    model, tok = smollm2
+    shared, _ = shared_prefill(model, _forward_kwargs(model), _ids(tok, 40), None)
+    with pytest.raises(ValueError, match="chooses its sink from the prefill's attention"):
+        shared.load_into(PolicyCache(preset("int2_sinkmass4", window=16, group=16, sink=4), 30))

@@ -295,13 +295,41 @@ class PolicyLayer(DynamicLayer):
         k_new, v_new = self._prefill
         self._prefill = None
         p, t = self.policy, k_new.shape[-2]
-        c = sink_candidates(t, p.sink, p.window)
-        scores = sink_scores(query, key, scale, c)
-        index = choose_sink(scores, p.sink)
-        if self.record:
-            self.recorded_q = query[0].detach().float().clone()
+        scores = sink_scores(query, key, scale, sink_candidates(t, p.sink, p.window))
+        self._commit_chosen(k_new, v_new, scores, query[0] if self.record else None)
+
+    def _commit_chosen(self, k_new, v_new, scores: torch.Tensor, query0: torch.Tensor | None) -> None:
+        index = choose_sink(scores, self.policy.sink)
+        if self.record and query0 is not None:
+            self.recorded_q = query0.detach().float().clone()
         self.sink_index, self.sink_score = index, scores
         self._commit(k_new, v_new, index)
+
+    def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, scores: torch.Tensor | None = None,
+                     query0: torch.Tensor | None = None) -> None:
+        """Take a prefill computed elsewhere (a shared float32 prefill: its post-RoPE K/V
+        ``[B, H_kv, P, D]``) into an empty layer, leaving the state the model's own prefill through
+        this layer would leave. A sink chosen from attention needs the prefill's ``scores``
+        (:func:`sink_scores` over exactly the policy's candidates, :func:`sink_candidates`) and, when
+        recording, ``query0``, the prefill's queries of batch row 0 ``[H_q, P, D]``."""
+        if self.is_initialized and self.seen:
+            raise RuntimeError(f"layer {self.layer_idx}: load_prefill needs an empty layer ({self.seen} tokens held)")
+        p, t = self.policy, key_states.shape[-2]
+        if p.sink_select != "mass":
+            self.update(key_states, value_states)
+            return
+        c = sink_candidates(t, p.sink, p.window)
+        if scores is None or scores.shape[-1] != c:
+            raise ValueError(f"layer {self.layer_idx}: policy {p.name} chooses its sink from the prefill's attention; "
+                             f"load_prefill needs its scores over exactly the first {c} tokens")
+        if self.record and query0 is None:
+            raise ValueError(f"layer {self.layer_idx}: a recording layer of {p.name} needs the prefill's queries")
+        self.lazy_initialization(key_states, value_states)
+        k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
+        if self.record:
+            self.recorded_k.append(k_new[0].detach().clone())
+            self.recorded_v.append(v_new[0].detach().clone())
+        self._commit_chosen(k_new, v_new, scores, query0)
 
     def _leave_mask(self, t: int) -> None:
         """The mask that gives each of ``t`` new tokens exactly what one token per forward sees."""
