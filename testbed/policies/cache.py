@@ -27,6 +27,11 @@ function: the prefill's update returns its keys and leaves the commit to the att
 after it, which computes the prefill's attention shares (:func:`sink_scores`, on top of the SDPA
 call the model makes anyway), picks the sink per sequence and KV head (:func:`choose_sink`) and
 commits the prefill with those tokens in the float32 sink.
+
+For a model whose layers differ, :meth:`PolicyCache.for_model` reads the layer kinds from its
+config (:func:`layer_kinds`): full-attention layers get a :class:`PolicyLayer`, sliding-window
+layers a :class:`SlidingLayer` that keeps what the model's own ``DynamicCache`` keeps there (the
+policy applies to full layers only); anything else is refused before any forward.
 """
 
 from __future__ import annotations
@@ -34,14 +39,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..quant import Packed
 from ..quant.base import make_header
 from . import packed_attention as pa
 from .policy import HEADER_BYTES, Policy, sink_candidates
 
-__all__ = ["PolicyLayer", "PolicyCache", "GrowBuffer", "ATTN_NAME", "policy_attention", "sink_scores", "choose_sink"]
+__all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
+           "policy_attention", "sink_scores", "choose_sink"]
 
 ATTN_NAME = "testbed_policy"
 # layer index -> (the layer, the boolean mask its last update left for the attention call after it)
@@ -443,17 +449,151 @@ class PolicyLayer(DynamicLayer):
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 
+class SlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding-attention layer's cache as the model's own ``DynamicCache`` keeps it: transformers'
+    ``DynamicSlidingWindowLayer`` (the newest ``sliding_window - 1`` tokens, in the model's dtype;
+    the query's own token makes the window), with :meth:`stored_bytes` counted like
+    :meth:`PolicyLayer.stored_bytes` (per sequence) but with no header: it stores no packed array,
+    so its bytes are exactly the tensors ``DynamicCache`` holds on that layer."""
+
+    def __init__(self, sliding_window: int, layer_idx: int | None = None):
+        super().__init__(sliding_window=sliding_window)
+        self.layer_idx = layer_idx
+
+    def held_tokens(self) -> int:
+        return 0 if not self.is_initialized or self.keys.numel() == 0 else int(self.keys.shape[-2])
+
+    def stored_bytes(self) -> int:
+        """Bytes of the held K and V for one sequence."""
+        if not self.is_initialized or self.keys.numel() == 0:
+            return 0
+        batch = self.keys.shape[0]
+        return (self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()) // batch
+
+
+# config attributes that make layers read another layer's K/V (Gemma-3n's num_kv_shared_layers,
+# transformers' kv_sharing_modes): a policy applied to the producing layer would silently change
+# the consumers too, and the consumers hold no cache of their own to account
+_SHARING_ATTRIBUTES = ("num_kv_shared_layers", "kv_sharing_modes", "shared_kv_layers", "kv_shared_layer_index")
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_kinds(config) -> list[tuple[str, int | None]]:
+    """``[(kind, sliding_window or None), ...]``, one per decoder layer of a model ``config``: the
+    kind is ``"full_attention"`` or ``"sliding_attention"`` (from ``config.layer_types``; without
+    it, every layer is sliding when ``config.sliding_window`` is set, as ``DynamicCache`` reads it).
+    Raises ``ValueError`` naming the layer and its kind for anything else: another layer type
+    (chunked, linear, hybrid, MLP-only ...), layers that share a KV cache, a sliding window below 2."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = int(text.num_hidden_layers)
+    named = getattr(text, "layer_types", None)
+    for attr in _SHARING_ATTRIBUTES:
+        value = getattr(text, attr, None)
+        if attr == "kv_sharing_modes" and value is not None:
+            value = list(value)
+            for i, mode in enumerate(value):  # "store" (a producer) counts only when some layer reuses
+                if mode == "reuse" or (mode is not None and "reuse" in value):
+                    kind = named[i] if named is not None and i < len(named) else "?"
+                    raise ValueError(f"layer {i} ({kind}): kv_sharing_modes[{i}] = {mode!r}: layers that share a KV "
+                                     "cache are refused (a policy on the producer would change what the consumers read)")
+        elif value not in (None, 0, False, [], ()):
+            shared = range(n - value, n) if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= n \
+                else range(n)
+            i = shared[0]
+            kind = named[i] if named is not None and i < len(named) else "?"
+            raise ValueError(f"layer {i} ({kind}): the config sets {attr} = {value!r}: layers that share a KV cache are "
+                             "refused (a policy on the producer would change what the consumers read)")
+    if named is not None:  # every name checked before transformers reads the kinds' own attributes
+        if len(named) != n:
+            raise ValueError(f"the config names {len(named)} layer types for {n} layers")
+        for i, kind in enumerate(named):
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer {i} ({kind}): layer type {kind!r} is not served by PolicyCache (it serves "
+                                 f"{' and '.join(LAYER_KINDS)})")
+    types, kwargs = get_layer_types_and_kwargs(text)
+    if len(types) != n:
+        raise ValueError(f"the config names {len(types)} layer types for {n} layers")
+    out = []
+    for i, (kind, kw) in enumerate(zip(types, kwargs)):
+        shown = named[i] if named is not None and i < len(named) else kind
+        if kind not in LAYER_KINDS or shown not in LAYER_KINDS:
+            raise ValueError(f"layer {i} ({shown}): layer type {shown!r} is not served by PolicyCache (it serves "
+                             f"{' and '.join(LAYER_KINDS)})")
+        window = kw.get("sliding_window") if kind == "sliding_attention" else None
+        if kind == "sliding_attention" and (not isinstance(window, int) or window < 2):
+            raise ValueError(f"layer {i} ({kind}): sliding_window {window!r} is not an integer >= 2")
+        out.append((kind, window))
+    return out
+
+
 class PolicyCache(Cache):
     """``Cache(layers=[PolicyLayer(policy), ...])`` for a model of ``num_layers`` layers;
     ``record_layer`` records its float32 inputs (see :meth:`PolicyLayer.evidence`); ``direct``:
     attention reads the packed middle from its codes (:mod:`testbed.policies.packed_attention`;
-    needs :func:`policy_attention`) instead of decoding it on every update."""
+    needs :func:`policy_attention`) instead of decoding it on every update.
 
-    def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None, direct: bool = False):
-        super().__init__(layers=[PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
-                                 for i in range(num_layers)])
+    That constructor treats every layer as full attention; :meth:`for_model` reads the model's
+    layer kinds (sliding windows) and is the one to use for a model that has any."""
+
+    def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None, direct: bool = False, *,
+                 layers: list | None = None, kinds: list[str] | None = None):
+        if layers is None:
+            layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
+                      for i in range(num_layers)]
+        elif len(layers) != num_layers:
+            raise ValueError(f"{len(layers)} layers given for num_layers={num_layers}")
+        super().__init__(layers=layers)
         self.policy = policy
+        self.kinds = list(kinds) if kinds is not None else ["full_attention"] * num_layers
+
+    @classmethod
+    def for_model(cls, policy: Policy, config, record_layer: int | None = None, direct: bool = False,
+                  sliding: str = "native") -> "PolicyCache":
+        """The cache for a model of ``config`` (a transformers config), one layer per decoder layer:
+
+        - a ``"full_attention"`` layer gets a :class:`PolicyLayer` running ``policy``;
+        - a ``"sliding_attention"`` layer (``sliding="native"``, the default and the only choice)
+          gets a :class:`SlidingLayer`: exactly what the model's own ``DynamicCache`` keeps there
+          (its newest ``sliding_window - 1`` tokens, uncompressed). Such a layer already bounds its
+          memory at the window; the policy's regions (a float32 window R, a middle, a sink) are
+          defined over the whole history, which that layer never reads again past its window, so
+          ``sliding="policy"`` is refused: a ``PolicyLayer`` there would keep every token (more
+          bytes than the native window, the bug this replaces), and its eviction mask, its sink
+          chosen from causal attention and its direct path ignore the sliding mask.
+
+        Refused (``ValueError``, naming the layer index and kind) before any forward: every case of
+        :func:`layer_kinds`; ``record_layer`` on a sliding layer (nothing of the policy is stored
+        there); a policy other than ``float32`` on a model with no full-attention layer (it would
+        apply nowhere); ``direct`` with a policy its path does not serve (as :class:`PolicyLayer`)."""
+        if sliding != "native":
+            raise ValueError(f"sliding={sliding!r}: only 'native' is served (a sliding layer keeps what DynamicCache "
+                             "keeps there); a policy on sliding layers would keep tokens the layer never reads again, "
+                             "and its eviction mask, attention-chosen sink and direct path ignore the sliding mask")
+        kinds = layer_kinds(config)
+        n = len(kinds)
+        if record_layer is not None:
+            if not 0 <= record_layer < n:
+                raise ValueError(f"record_layer {record_layer}: the model has layers 0..{n - 1}")
+            if kinds[record_layer][0] != "full_attention":
+                raise ValueError(f"record_layer {record_layer} ({kinds[record_layer][0]}): the policy is applied to "
+                                 "full-attention layers only; a sliding layer has no policy evidence to record")
+        if policy.middle != "float32" and not any(k == "full_attention" for k, _ in kinds):
+            raise ValueError(f"policy {policy.name}: layers 0..{n - 1} are all {kinds[0][0]}; the policy applies to "
+                             "full-attention layers only, so it would apply nowhere")
+        layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
+                  if kind == "full_attention" else SlidingLayer(window, layer_idx=i)
+                  for i, (kind, window) in enumerate(kinds)]
+        return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds])
 
     def stored_bytes(self) -> int:
         """Bytes of every layer's cache for one sequence."""
         return sum(layer.stored_bytes() for layer in self.layers)
+
+    def stored_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes for one sequence summed per layer kind (``"full_attention"``, ``"sliding_attention"``)."""
+        out: dict[str, int] = {}
+        for kind, layer in zip(self.kinds, self.layers):
+            out[kind] = out.get(kind, 0) + layer.stored_bytes()
+        return out
