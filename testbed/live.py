@@ -67,7 +67,10 @@ SPEC = Spec("live", f"Cache policies inside {MODEL_ID} (float32), judged by its 
     "model": Key(("choice", (MODEL_ID,)), "the model"),
     "corpus": Key(dict, "the corpus", see=CORPUS),
     "segments": Key(("range", int, 1, 4096), "disjoint segments, evenly spaced over the token stream"),
-    "prefill": Key(("range", int, 1, 8192), "prefill tokens per segment"),
+    "prefill": Key((int, type(None)), "prefill tokens per segment (1..8190); null with contexts", None),
+    "contexts": Key((list, type(None)), "several contexts in one study instead of one prefill: each a segment's "
+                                        "tokens, prefill + steps (steps+1..8191), ascending; segments of one "
+                                        "context are disjoint, contexts may share text; null with prefill", None),
     "steps": Key(("range", int, 1, 8192), "teacher-forced decode steps per segment (each one scored)"),
     "policies": Key(("list", ("choice", PRESETS), 1), "cache policies (presets of testbed.policies), one arm each"),
     "batch": Key(("range", int, 1, 256), "segments decoded together", 4),
@@ -81,11 +84,14 @@ SPEC = Spec("live", f"Cache policies inside {MODEL_ID} (float32), judged by its 
     "peers": Key(("list", dict, 0), "QuantizedCache arms", [], see=PEER),
     "peer_group": Key(("choice", (32, 64)), "quanto's q_group_size", 64),
     "reference_chunk": Key(("range", int, 1, 8192), "tokens per forward of the reference", 256),
-    "evidence_layer": Key(("range", int, 0, 4095), "layer whose packed cache of the first batch is stored", 0),
+    "evidence_layer": Key((int, type(None)), "layer whose packed cache and float32 inputs of the first batch of each "
+                                             "context are stored for the audit to re-encode; null: none (a long "
+                                             "context's inputs would outweigh the rest of the evidence)", 0),
     "shared_prefill": Key(bool, "one float32 prefill per batch of segments, its K/V handed to every arm's cache "
                                 "(exact: every policy applies to what it stores after the prefill); false: each arm "
                                 "runs its own prefill", True),
-}, rules=("prefill + steps + 1 <= 8192 (the model's positions)", "evidence_layer is below the model's layer count",
+}, rules=("exactly one of prefill and contexts is given", "prefill + steps + 1 <= 8192 (the model's positions)",
+          "evidence_layer is below the model's layer count",
           "every policy can be built with window, group, sink and evict_window"))
 
 
@@ -103,17 +109,38 @@ def validate(params, where: str) -> dict:
     p["corpus"] = corpus
     for i, peer in enumerate(p["peers"]):
         PEER.check(peer, f"{where}.peers[{i}]")
-    if p["prefill"] + p["steps"] + 1 > 8192:
-        raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {p['prefill'] + p['steps'] + 1} exceeds the model's "
-                            "8,192 positions")
+    if (p["prefill"] is None) == (p["contexts"] is None):
+        raise ProtocolError(f"{where}: give exactly one of prefill (one context) and contexts (several)")
+    if p["prefill"] is not None:
+        check_value(p["prefill"], ("range", int, 1, 8190), f"{where}.prefill")
+    else:
+        check_value(p["contexts"], ("list", ("range", int, p["steps"] + 1, 8191), 1), f"{where}.contexts")
+        if p["contexts"] != sorted(p["contexts"]):
+            raise ProtocolError(f"{where}.contexts: list the contexts in ascending order, got {p['contexts']}")
+    for _, prefill in context_views(p):
+        if prefill + p["steps"] + 1 > 8192:
+            raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {prefill + p['steps'] + 1} exceeds the model's "
+                                "8,192 positions")
     layers = MODELS[p["model"]]["layers"]
-    if p["evidence_layer"] >= layers:
+    if p["evidence_layer"] is not None and not 0 <= p["evidence_layer"] < layers:
         raise ProtocolError(f"{where}.evidence_layer: {p['model']} has layers 0..{layers - 1}, not {p['evidence_layer']}")
     try:
         policies_of(p)
     except ValueError as e:
         raise ProtocolError(f"{where}.policies: {e}") from None
     return p
+
+
+def context_views(p: dict) -> list[tuple[str, int]]:
+    """(case prefix, prefill) of each context of a study: ``("", prefill)`` for one prefill;
+    ``("c{n}", n - steps)`` for each of ``contexts``."""
+    if p.get("contexts"):
+        return [(f"c{n}", n - p["steps"]) for n in p["contexts"]]
+    return [("", p["prefill"])]
+
+
+def case_id(prefix: str, i: int) -> str:
+    return f"{prefix}-seg{i:03d}" if prefix else f"seg{i:03d}"
 
 
 def policies_of(p: dict) -> list[Policy]:
@@ -128,10 +155,11 @@ def estimate_bytes(p: dict) -> int:
     dims = MODELS[p["model"]]
     vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
     b = min(p["batch"], p["segments"])
-    n = p["prefill"] + p["steps"] + 1
+    prefill = max(pre for _, pre in context_views(p))
+    n = prefill + p["steps"] + 1
     ref = b * p["steps"] * vocab * 4 * 2
     logits = b * p["reference_chunk"] * vocab * 4 * 3
-    activations = b * p["prefill"] * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
+    activations = b * prefill * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
     return dims["parameters"] * 4 + ref + logits + activations + cache
 
@@ -399,22 +427,25 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
     text, corpus_info = corpus_text(p["corpus"], base)
     t0 = time.perf_counter()
     stream = tokenizer(text, return_tensors="pt").input_ids[0]
-    length = p["prefill"] + p["steps"] + 1
-    starts = segment_starts(int(stream.numel()), p["segments"], length)
-    progress(f"[{study}] corpus: {corpus_info['characters']:,} characters, {stream.numel():,} tokens "
-             f"({time.perf_counter() - t0:.1f} s); {len(starts)} segments of {length} tokens")
     arms = _arms(p)
-    seg_ids = [f"seg{i:03d}" for i in range(len(starts))]
-    seg_tokens, cases = {}, {}
-    for sid, s in zip(seg_ids, starts):
-        tok = stream[s:s + length].to(torch.int64)
-        seg_tokens[sid] = tok.tolist()
-        arr = store.save(f"{study}/{sid}/token_ids", tok.to(torch.int32))
-        cases[sid] = {
-            "id": sid, "causal": True, "layout": [], "tokens_per_frame": None, "head_map": None,
-            "meta": {"source": "corpus", "model": p["model"], "start_token": int(s), "tokens": length,
-                     "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
-            "arrays": {"token_ids": arr}}
+    seg_tokens, cases, seg_starts, views = {}, {}, {}, []
+    for prefix, prefill in context_views(p):
+        length = prefill + p["steps"] + 1
+        starts = segment_starts(int(stream.numel()), p["segments"], length)
+        progress(f"[{study}] corpus: {corpus_info['characters']:,} characters, {stream.numel():,} tokens "
+                 f"({time.perf_counter() - t0:.1f} s); {len(starts)} segments of {length} tokens")
+        seg_ids = [case_id(prefix, i) for i in range(len(starts))]
+        views.append((prefill, seg_ids))
+        for sid, s in zip(seg_ids, starts):
+            tok = stream[s:s + length].to(torch.int64)
+            seg_tokens[sid] = tok.tolist()
+            seg_starts[sid] = int(s)
+            arr = store.save(f"{study}/{sid}/token_ids", tok.to(torch.int32))
+            cases[sid] = {
+                "id": sid, "causal": True, "layout": [], "tokens_per_frame": None, "head_map": None,
+                "meta": {"source": "corpus", "model": p["model"], "start_token": int(s), "tokens": length,
+                         "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
+                "arrays": {"token_ids": arr}}
     ctx.extra_files[f"{study}/live_manifest.json"] = (json.dumps({
         "schema_version": 1,
         "experiment": f"{study}: cache policies inside {p['model']} (the Q4_1 GGUF dequantized to float32), "
@@ -423,22 +454,23 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
         "model_dims": {"layers": n_layers, "kv_heads": kv_heads, "head_dim": head_dim,
                        "vocab": int(cfg.vocab_size)},
         "corpus": corpus_info, "corpus_tokens": int(stream.numel()),
-        "segments": {sid: int(s) for sid, s in zip(seg_ids, starts)},
+        "segments": seg_starts,
         "arms": [a for a, _ in arms],
         "software": _software(), "hardware": _hardware(),
     }, indent=1) + "\n").encode("utf-8")
-    batches = [seg_ids[i:i + p["batch"]] for i in range(0, len(seg_ids), p["batch"])]
+    batches = [(prefill, vi, seg_ids[i:i + p["batch"]]) for prefill, seg_ids in views
+               for vi, i in enumerate(range(0, len(seg_ids), p["batch"]))]
     units = []
-    for bi, batch in enumerate(batches):
+    for bi, (prefill, vi, batch) in enumerate(batches):
         ref = len(units)
         for j, (arm, what) in enumerate(arms):
             # forward calls of the arm: what a scheduler starts first (quanto's one token per forward)
             forwards = 1 + (p["steps"] if what is not None and not isinstance(what, Policy) else
-                            len(chunk_schedule(what, p["prefill"], p["steps"], "chunked" if what is None else p["mode"],
+                            len(chunk_schedule(what, prefill, p["steps"], "chunked" if what is None else p["mode"],
                                                p["reference_chunk"])))
             units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "segments": batch,
                           "tokens": [seg_tokens[sid] for sid in batch], "arm": j, "needs": None if j == 0 else ref,
-                          "forwards": forwards})
+                          "forwards": forwards, "prefill": prefill, "first_of_context": vi == 0})
     return cases, units
 
 
@@ -446,26 +478,26 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     """One arm on one batch of segments: its rows (arrays into ``ctx.store``), for the reference
     ``(log-probabilities, argmax)`` that the batch's other arms are compared with, and a note for
     the progress line."""
-    p = proto["live"]
+    p = dict(proto["live"])
+    p["prefill"] = unit.get("prefill", p["prefill"])  # the view of this unit's context
     study = ctx.study
     store = ctx.store
     model, _, _ = load_model()
     kw = _forward_kwargs(model)
     cfg = model.config
-    n_layers = int(cfg.num_hidden_layers)
     arm, what = _arms(p)[unit["arm"]]
     bi, batch = unit["batch"], unit["segments"]
     ids = torch.tensor(unit["tokens"], dtype=torch.int64)
     ref_logp, ref_argmax, shared = (None, None, None) if ref is None else ref
     if what is not None and not isinstance(what, Policy):
         _warm_quanto(model, kw, cfg)  # before the arm's clock starts
-    evidence_layer = p["evidence_layer"] if bi == 0 else None
+    evidence_layer = p["evidence_layer"] if unit.get("first_of_context", bi == 0) else None  # None: none stored
     if arm == REFERENCE and p["shared_prefill"]:
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
         shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer)
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
-                            "forwards": 1})
+                            "forwards": 1, "context": p["prefill"] + p["steps"]})
     t_arm = time.perf_counter()
     own = not p["shared_prefill"]
     if arm == REFERENCE:
@@ -482,7 +514,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     elif isinstance(what, Policy):
         from .policies.cache import PolicyCache, policy_attention
 
-        cache = PolicyCache(what, n_layers, record_layer=evidence_layer if what.middle != "float32" else None)
+        cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None)
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
         with policy_attention(model):
             res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes(),
@@ -500,7 +532,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     seconds = time.perf_counter() - t_arm
     ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
                         "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
-                        "forwards": len(schedule) + int(own)})
+                        "forwards": len(schedule) + int(own), "context": p["prefill"] + p["steps"]})
     agree = (res["argmax"] == ref_argmax).numpy()
     rows = []
     for j, sid in enumerate(batch):
@@ -540,7 +572,7 @@ def _mass_candidates(p: dict) -> int | None:
     every policy shares its sink and window), or None when no policy chooses so."""
     if not any(pol.sink_select == "mass" for pol in policies_of(p)):
         return None
-    return sink_candidates(p["prefill"], p["sink"], p["window"])
+    return sink_candidates(p["prefill"], p["sink"], p["window"])  # p: the view of one context
 
 
 def _dynamic_bytes(cache) -> int:
@@ -612,10 +644,25 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
-    from tabulate import tabulate
-
+    """report.md's section: one table with its notes per context of the study."""
     if not rows:
         return "(no rows: the live study was excluded; see the manifest's excluded entries)"
+    views = context_views(params)
+    if len(views) == 1:
+        return _report_context(rows, {**params, "prefill": views[0][1]}, timings)
+    parts = []
+    for prefix, prefill in views:
+        n = prefill + params["steps"]
+        sel = [r for r in rows if r["case"].startswith(prefix + "-")]
+        times = [t for t in timings or [] if t.get("context") == n]
+        parts.append(f"**Context {n:,} tokens** ({prefill:,}-token prefill, then {params['steps']:,} scored tokens)"
+                     f"\n\n{_report_context(sel, {**params, 'prefill': prefill}, times)}")
+    return "\n\n".join(parts)
+
+
+def _report_context(rows: list[dict], params: dict, timings: list | None = None) -> str:
+    from tabulate import tabulate
+
     dims = MODELS[params["model"]]
     f16 = dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2  # float16 K + V bytes per token
     secs: dict[str, list] = {}

@@ -279,7 +279,8 @@ def test_other_cells(small, what, reliability):
     1.00000), and '0.00%' rewritten as '0.00 %'."""
     edits = {
         "heatmap cell": ("| q0            |  5.3 |  5.9 |", "5.3", "5.4", "table 'heatmap video'", "column 'k0'"),
-        "perplexity": ("| int2_sink4     |", "10.0559", "10.0560", "table 'live quality'", "column 'perplexity'"),
+        # the perplexity as this machine printed it (its last digits differ between CPUs), plus 0.0001
+        "perplexity": ("| int2_sink4     |", None, None, "table 'live quality'", "column 'perplexity'"),
         "row-sum median": ("| p      | none ", "0.997036", "0.997037", "table 'MX paths'", "column 'row-sum median'"),
         "support with a bracket": ("| video          |      1 |", "[26.72%-", "[26.71%-", "table 'by head'",
                                    "column 'median support [range over cases]'"),
@@ -289,6 +290,9 @@ def test_other_cells(small, what, reliability):
                             "column 'tau (dropped mass)'"),
     }
     start, old, new, table, column = edits[what]
+    if old is None:
+        old = _cells(row_line(small, start))[2]
+        new = f"{float(old) + 0.0001:.4f}"
     forge(small, replace_in_row(small, start, old, new))
     fails = md_failures(small)
     record(reliability, f"one cell changed ({what})", fails)

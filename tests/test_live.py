@@ -357,3 +357,69 @@ def test_shared_prefill_refuses_a_mass_sink_without_scores(smollm2):
     shared, _ = shared_prefill(model, _forward_kwargs(model), _ids(tok, 40), None)
     with pytest.raises(ValueError, match="chooses its sink from the prefill's attention"):
         shared.load_into(PolicyCache(preset("int2_sinkmass4", window=16, group=16, sink=4), 30))
+
+
+@pytest.fixture(scope="module")
+def contexts_run(tmp_path_factory):
+    """A study of two contexts (56 and 72 tokens: 32 and 48 prefill + 24 scored), 2 segments
+    each, the evidence layer stored for the first batch of each context."""
+    from testbed.run import main as run_main
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+    tmp = tmp_path_factory.mktemp("contexts")
+    proto = json.loads(_tiny_protocol(tmp, peers=False).read_text())
+    proto["name"] = "live_contexts"
+    proto["live"].pop("prefill")
+    proto["live"].update({"contexts": [56, 72], "steps": 24, "policies": ["int4", "int2_sinkmass4", "streaming"]})
+    path = tmp / "live_contexts.json"
+    path.write_text(json.dumps(proto))
+    out = tmp / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    return out
+
+
+def test_several_contexts_in_one_study(contexts_run, tmp_path):
+    ok, failures, _ = audit(contexts_run)
+    assert ok, failures[:5]
+    res = _rows(contexts_run)
+    cases = sorted(res["cases"]["live_contexts"])
+    assert cases == ["c56-seg000", "c56-seg001", "c72-seg000", "c72-seg001"]
+    for case, prefill in (("c56-seg001", 32), ("c72-seg000", 48)):
+        r = _row(res, "int4", case)
+        ctx_arr = _arrays.load(contexts_run, r["arrays"]["context"])
+        assert ctx_arr[0] == prefill and ctx_arr[-1] == prefill + 24 and r["scored_tokens"] == 24
+        assert _arrays.load(contexts_run, res["cases"]["live_contexts"][case]["arrays"]["token_ids"]).size == prefill + 25
+    # segments of one context are disjoint; the first segment of each context stores the evidence layer
+    starts = {c: res["cases"]["live_contexts"][c]["meta"]["start_token"] for c in cases}
+    assert starts["c72-seg001"] - starts["c72-seg000"] >= 73
+    assert all("evidence" in _row(res, "int4", c) for c in ("c56-seg000", "c72-seg000"))
+    assert "evidence" not in _row(res, "int4", "c72-seg001")
+    report = (contexts_run / "report.md").read_text()
+    assert "**Context 56 tokens**" in report and "**Context 72 tokens**" in report
+    # a row moved to the other context (its case renamed, every hash rewritten) fails the audit
+    run = _copy(contexts_run, tmp_path)
+    res = _rows(run)
+    for r in res["rows"]:
+        if r["case"] == "c72-seg001":
+            r["case"] = "c56-seg001"
+    _write_rows(run, res)
+    ok, failures, _ = audit(run)
+    assert not ok and any("c56-seg001" in f for f in failures), failures[:5]
+
+
+def test_contexts_protocol_errors(tmp_path):
+    from testbed.protocol import ProtocolError, validate_protocol
+
+    base = json.loads(_tiny_protocol(tmp_path, peers=False).read_text())
+    for edit, msg in ((lambda p: p["live"].update(contexts=[100]), "exactly one of prefill"),
+                      (lambda p: (p["live"].pop("prefill"), p["live"].update(contexts=[100, 60])), "ascending"),
+                      (lambda p: (p["live"].pop("prefill"), p["live"].update(contexts=[30])), r"live.contexts\[0\]"),
+                      (lambda p: (p["live"].pop("prefill"), p["live"].update(contexts=[9000])), r"live.contexts\[0\]"),
+                      (lambda p: p["live"].pop("prefill"), "exactly one of prefill")):
+        bad = copy.deepcopy(base)
+        edit(bad)
+        with pytest.raises(ProtocolError, match=msg):
+            validate_protocol(bad)

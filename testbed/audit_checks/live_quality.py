@@ -186,6 +186,28 @@ def schedule(kind: str, name: str, live: dict) -> list[int]:
     return out
 
 
+def views(live: dict) -> list[tuple[str, dict]]:
+    """(case prefix, the protocol as one context) per context of a study: a protocol with
+    ``contexts`` (each prefill + steps tokens) runs each as its own set of segments, whose case ids
+    start with ``c{context}-``; one without has its single ``prefill`` and plain ``seg000`` ids."""
+    contexts = live.get("contexts")
+    if not contexts:
+        return [("", live)]
+    return [(f"c{n}", {**live, "prefill": int(n) - live["steps"]}) for n in contexts]
+
+
+def segment_ids(prefix: str, segments: int) -> list[str]:
+    return [f"{prefix}-seg{i:03d}" if prefix else f"seg{i:03d}" for i in range(segments)]
+
+
+def view_of(live: dict, case) -> dict:
+    """The protocol as the one context that case ``case`` belongs to."""
+    for prefix, v in views(live):
+        if case in segment_ids(prefix, live["segments"]):
+            return v
+    raise ValueError(f"case {case!r} is not a segment the protocol implies")
+
+
 def _live_params(ctx, study) -> dict:
     proto = ctx.protocol_copies.get(study)
     if not isinstance(proto, dict) or proto.get("kind") != "live" or not isinstance(proto.get("live"), dict):
@@ -254,12 +276,32 @@ def _check_study(ctx, study: str, live: dict) -> bool:
     """Once per study: exactly one row per (segment, arm) the protocol implies, segments as the
     protocol lays them out, token ids that match their recorded hash."""
     arms = ["dynamic_cache"] + list(live.get("policies", [])) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
-    segs = [f"seg{i:03d}" for i in range(live["segments"])]
     where = f"results.json {study}"
     cases = ctx.results.get("cases", {}).get(study, {})
-    if sorted(cases) != segs:
-        ctx.fail(where, f"segments {sorted(cases)[:4]}... are not the protocol's {len(segs)} ({segs[0]}..)")
-    length = live["prefill"] + live["steps"] + 1
+    every = [sid for prefix, _ in views(live) for sid in segment_ids(prefix, live["segments"])]
+    if sorted(cases) != sorted(every):
+        ctx.fail(where, f"segments {sorted(cases)[:4]}... are not the protocol's {len(every)} ({every[0]}..)")
+    for prefix, v in views(live):
+        _check_segments(ctx, where, cases, segment_ids(prefix, live["segments"]), v["prefill"] + live["steps"] + 1)
+    seen: dict[tuple, int] = {}
+    for r in ctx.results.get("rows", []):
+        if isinstance(r, dict) and r.get("study") == study:
+            key = (r.get("case"), r.get("arm"))
+            seen[key] = seen.get(key, 0) + 1
+    want = {(sg, a) for sg in every for a in arms}
+    for key in sorted(want - set(seen)):
+        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is missing")
+    for key in sorted(set(seen) - want):
+        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is not one the protocol implies")
+    for key, count in sorted(seen.items()):
+        if count > 1:
+            ctx.fail(where, f"segment {key[0]} arm {key[1]} has {count} rows")
+    return True
+
+
+def _check_segments(ctx, where: str, cases: dict, segs: list, length: int) -> None:
+    """The segments of one context: token ids of ``length`` tokens matching their hash, disjoint,
+    evenly spaced."""
     starts = []
     for sid in segs:
         rec = cases.get(sid, {})
@@ -279,26 +321,13 @@ def _check_study(ctx, study: str, live: dict) -> bool:
         stride = starts[1] if len(starts) > 1 else length
         if starts != [i * stride for i in range(len(segs))] or stride < length:
             ctx.fail(where, f"segment starts {starts[:4]}... are not disjoint, evenly spaced windows of {length} tokens")
-    seen: dict[tuple, int] = {}
-    for r in ctx.results.get("rows", []):
-        if isinstance(r, dict) and r.get("study") == study:
-            key = (r.get("case"), r.get("arm"))
-            seen[key] = seen.get(key, 0) + 1
-    want = {(sg, a) for sg in segs for a in arms}
-    for key in sorted(want - set(seen)):
-        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is missing")
-    for key in sorted(set(seen) - want):
-        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is not one the protocol implies")
-    for key, count in sorted(seen.items()):
-        if count > 1:
-            ctx.fail(where, f"segment {key[0]} arm {key[1]} has {count} rows")
-    return True
 
 
 def check(row: dict, ctx) -> None:
     study = row.get("study")
-    live = _live_params(ctx, study)
-    ctx.cached(("live_study", study), lambda: _check_study(ctx, study, live))
+    whole = _live_params(ctx, study)
+    ctx.cached(("live_study", study), lambda: _check_study(ctx, study, whole))
+    live = view_of(whole, row.get("case"))
     dims = MODELS.get(live.get("model"))
     if dims is None:
         raise ValueError(f"model {live.get('model')!r} is not one the audit knows")
@@ -350,7 +379,11 @@ def check(row: dict, ctx) -> None:
     ref = _reference_row(ctx, study, row.get("case"))
     ref_am = ctx.load(ref["arrays"]["argmax"])
     ctx.close(row, "top1_agreement", row.get("top1_agreement"), float(np.mean(am == ref_am)))
-    if kind == "policy" and _policy(arm, live)["middle"] != "float32" and row.get("case") == "seg000":
+    first = segment_ids(row.get("case", "").rpartition("-")[0] if "-" in str(row.get("case")) else "", 1)[0]
+    if "evidence_layer" in live and live["evidence_layer"] is None:  # the protocol stores none
+        if row.get("evidence") is not None:
+            ctx.fail(row, "evidence arrays, though the protocol's evidence_layer is null")
+    elif kind == "policy" and _policy(arm, live)["middle"] != "float32" and row.get("case") == first:
         _check_evidence(row, ctx, _policy(arm, live), live)
 
 

@@ -285,11 +285,26 @@ def _residual_figure(rows, ctx):
 
 
 def _live_figure(rows, ctx):
+    """One point per arm, or per (arm, context) where the study has several contexts (case ids
+    ``c{n}-seg...``): labelled ``"arm @ n"``, the contexts in the order their rows come."""
+    prefixes = _ordered([str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "" for r in rows])
+    points, agreement = [], []
+    for prefix in prefixes:
+        sel = [r for r in rows if (str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "") == prefix]
+        one = _live_points(sel, ctx, f" @ {prefix[1:]}" if len(prefixes) > 1 else "")
+        if one is None:
+            return [("live_quality", None)]
+        points += one[0]
+        agreement += one[1]
+    return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement})]
+
+
+def _live_points(rows, ctx, suffix: str):
     arms = _ordered([r["arm"] for r in rows])
     seg = {arm: {r["case"]: r for r in rows if r["arm"] == arm} for arm in arms}
     refs = [a for a in arms if next(iter(seg[a].values()))["kind"] == "reference"]
     if not refs:
-        return [("live_quality", None)]
+        return None
     ref = seg[refs[0]]
     points, agreement = [], []
     for arm in arms:
@@ -299,16 +314,16 @@ def _live_figure(rows, ctx):
         delta = None
         if kind != "reference" and all(s in ref for s in ids):
             delta = 100.0 * math.expm1(math.fsum(r["nll"] - ref[s]["nll"] for r, s in zip(rs, ids)) / len(ids))
-        points.append({"arm": arm, "kind": kind, "segments": ids,
+        points.append({"arm": arm + suffix, "kind": kind, "segments": ids,
                        "bytes_per_token": math.fsum(r["bytes_per_token"] for r in rs) / len(rs),
                        "mean_kl": math.fsum(r["mean_kl"] for r in rs) / len(rs), "delta_pct": delta})
         hits = np.stack([(ctx.load(seg[arm][s]["arrays"]["argmax"]) == ctx.load(ref[s]["arrays"]["argmax"])).astype(np.float64)
                          for s in ids if s in ref])
         per_step = hits.mean(axis=0)
         n_blocks = -(-per_step.size // STEP_BLOCK)
-        agreement.append({"arm": arm, "values": [float(per_step[i * STEP_BLOCK:(i + 1) * STEP_BLOCK].mean())
-                                                 for i in range(n_blocks)]})
-    return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement})]
+        agreement.append({"arm": arm + suffix, "values": [float(per_step[i * STEP_BLOCK:(i + 1) * STEP_BLOCK].mean())
+                                                          for i in range(n_blocks)]})
+    return points, agreement
 
 
 _BY_ANALYSIS = (("observation", _observation_figures), ("mx_paths", _mx_figure), ("ablation", _ablation_figure),

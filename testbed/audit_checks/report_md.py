@@ -65,6 +65,7 @@ import numpy as np
 
 from .common import TOLERANCES
 from .completeness import ANALYSIS_DEFAULTS
+from . import live_quality
 from .live_quality import MODELS as LIVE_MODELS
 
 __all__ = ["check_run", "derive_document", "parse_blocks", "parse_table", "wilcoxon_p", "cell_values", "REL"]
@@ -643,6 +644,25 @@ def _residual_window(rows, params) -> list:
 
 
 def _live(rows, live: dict, timings: list, study: str) -> list:
+    """The live section: per context of the study (``live_quality.views``) a table and its notes,
+    each led by a paragraph naming the context where there are several."""
+    if not rows:
+        return [P("no rows", "(no rows: the live study was excluded")]
+    vs = live_quality.views(live)
+    if len(vs) == 1:
+        return _live_context(rows, live, timings, study)
+    out = []
+    for prefix, v in vs:
+        n = v["prefill"] + live["steps"]
+        sel = [r for r in rows if str(r.get("case", "")).startswith(prefix + "-")]
+        times = [t for t in timings if isinstance(t, dict) and t.get("context") == n]
+        out.append(P(f"context {n}", f"**Context {n:,} tokens** ({v['prefill']:,}-token prefill, then "
+                                     f"{live['steps']:,} scored tokens)"))
+        out += [dict(b, name=f"{b['name']} ({n})") for b in _live_context(sel, v, times, study)]
+    return out
+
+
+def _live_context(rows, live: dict, timings: list, study: str) -> list:
     if not rows:
         return [P("no rows", "(no rows: the live study was excluded")]
     dims = LIVE_MODELS[live["model"]]
