@@ -12,7 +12,7 @@ import json
 import textwrap
 
 from .analyses import ANALYSES
-from .protocol import ATTENTION, LIVE
+from .protocol import ATTENTION, LIVE, RETRIEVAL
 from .schema import Spec, spec_allowed, spec_type
 from .sources import SOURCES
 
@@ -28,6 +28,7 @@ def _registry() -> dict[str, Spec]:
     out.update({kind: mod.SPEC for kind, mod in SOURCES.items()})
     out.update({name: mod.SPEC for name, mod in ANALYSES.items()})
     out["live"] = LIVE
+    out["retrieval"] = RETRIEVAL
     return out
 
 

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import live
+from . import live, retrieval, retrieval_study
 from .analyses import ANALYSES
 from .schema import Key, ProtocolError, Spec, check_object, check_value, key_name
 from .sources import SOURCES
@@ -62,11 +62,20 @@ LIVE = Spec("protocol (live study)", "A protocol with \"kind\": \"live\": polici
     "live": Key(dict, "the study", see=live.SPEC),
     **_COMMON,
 }, rules=(NAME_RULE,))
+RETRIEVAL = Spec("protocol (retrieval study)", "A protocol with \"kind\": \"retrieval\": needle retrieval through the "
+                 "cache policies inside the model.", {
+    "name": Key(str, "the study's name"),
+    "kind": Key(("choice", ("retrieval",)), "retrieval"),
+    "retrieval": Key(dict, "the study", see=retrieval.SPEC),
+    **_COMMON,
+}, rules=(NAME_RULE,))
 
 
 def validate_protocol(raw: Any, where: str = "protocol") -> dict:
     if isinstance(raw, dict) and raw.get("kind") == "live":
         return _validate_live(raw, where)
+    if isinstance(raw, dict) and raw.get("kind") == "retrieval":
+        return _validate_retrieval(raw, where)
     proto = ATTENTION.check(raw, where)
     _check_name(proto, where)
     kind = proto["source"].get("kind")
@@ -119,12 +128,22 @@ def _validate_live(raw: dict, where: str) -> dict:
     return _common(proto, where)
 
 
+def _validate_retrieval(raw: dict, where: str) -> dict:
+    """A retrieval study (``"kind": "retrieval"``): see :mod:`testbed.retrieval_study`."""
+    proto = RETRIEVAL.check(raw, where)
+    _check_name(proto, where)
+    proto["retrieval"] = retrieval.validate(proto["retrieval"], f"{where}.retrieval")
+    return _common(proto, where)
+
+
 def estimate_protocol(proto: dict, base: Path | None = None) -> int | None:
     """Peak bytes of a validated protocol's largest unit (a Case, or a live study's batch), or None
     when its source has no ``estimate_bytes`` hook (see :mod:`testbed.resources`). ``base``: the
     protocol file's folder, for a source that reads files named in the protocol (traces)."""
     if proto.get("kind") == "live":
         return int(live.estimate_bytes(proto["live"]))
+    if proto.get("kind") == "retrieval":
+        return int(retrieval_study.estimate_bytes(proto["retrieval"]))
     kind = proto["source"]["kind"]
     hook = getattr(SOURCES.get(kind), "estimate_bytes", None)
     if hook is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import live
+from . import live, retrieval_study
 from .analyses import ANALYSES
 
 __all__ = ["build_report"]
@@ -30,6 +30,10 @@ def build_report(protocols: list[dict], rows: list[dict], manifest: dict, timing
         if proto.get("kind") == "live":
             sel = [r for r in rows if r["study"] == study]
             lines += ["### live_quality", "", live.report(sel, proto["live"], timings), ""]
+            continue
+        if proto.get("kind") == "retrieval":
+            sel = [r for r in rows if r["study"] == study]
+            lines += ["### retrieval", "", retrieval_study.report(sel, proto["retrieval"]), ""]
             continue
         for name, params in proto["analyses"].items():
             sel = [r for r in rows if r["study"] == study and r["analysis"] == name]

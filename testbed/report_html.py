@@ -67,6 +67,12 @@ _CAPTIONS = {
                      "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
                      "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
                      "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
+    "retrieval_heatmap": ("Needle retrieval: teacher-forced exact-match accuracy per needle depth (rows, 0 = the "
+                          "haystack's start) and prefill length (columns), one panel per task and arm; each cell is "
+                          "the share of its trials whose every answer token was the model's argmax (the number of "
+                          "trials per cell is in the embedded data). What it does not show: intervals (report.md has "
+                          "the Wilson intervals per length and the McNemar tests against the reference), other models "
+                          "(one small model, SmolLM2-135M), or natural tasks (synthetic needles)."),
 }
 
 
@@ -232,11 +238,47 @@ def _live_context(rows, load, suffix: str):
     return arms, agreement
 
 
+def _retrieval(study, rows, load):
+    maps = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        sel = [r for r in rows if r["task"] == task]
+        lengths = sorted({r["length"] for r in sel})
+        depths = sorted({r["depth"] for r in sel})
+        for arm in dict.fromkeys(r["arm"] for r in sel):
+            trials, acc = [], []
+            for d in depths:
+                cell = [[r["tf_em"] for r in sel if r["arm"] == arm and r["depth"] == d and r["length"] == n]
+                        for n in lengths]
+                trials.append([len(c) for c in cell])
+                acc.append([sum(c) / len(c) if c else None for c in cell])
+            maps.append({"task": task, "arm": arm, "lengths": lengths, "depths": depths, "trials": trials,
+                         "accuracy": acc})
+    return {"maps": maps} if maps else None
+
+
+def _draw_retrieval(plt, d):
+    n = len(d["maps"])
+    cols = min(n, 4)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for ax, m in zip(axes.flat, d["maps"]):
+        acc = np.asarray([[np.nan if v is None else v for v in row] for row in m["accuracy"]], dtype=float)
+        ax.imshow(acc, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(f"{m['task']}: {m['arm']}", fontsize=8)
+        ax.set_xticks(range(len(m["lengths"])), [str(x) for x in m["lengths"]], fontsize=7)
+        ax.set_yticks(range(len(m["depths"])), [f"{x:g}" for x in m["depths"]], fontsize=7)
+        ax.set_xlabel("prefill tokens", fontsize=7)
+        ax.set_ylabel("needle depth", fontsize=7)
+    return fig
+
+
 # (kind, analysis, builder), in the order figures appear within a study
 _BUILDERS = (("heatmap", "observation", _heatmaps), ("support_ecdf", "observation", _support),
              ("region_mass", "observation", _regions), ("mx_paths", "mx_paths", _mx),
              ("ablation_pairs", "ablation", _ablation), ("residual_window", "residual_window", _residual),
-             ("live_quality", "live_quality", _live))
+             ("live_quality", "live_quality", _live), ("retrieval_heatmap", "retrieval", _retrieval))
 
 
 def _rounded(x):
@@ -407,7 +449,8 @@ def _draw_live(plt, d):
 
 
 _DRAW = {"heatmap": _draw_heatmap, "support_ecdf": _draw_support, "region_mass": _draw_regions, "mx_paths": _draw_mx,
-         "ablation_pairs": _draw_ablation, "residual_window": _draw_residual, "live_quality": _draw_live}
+         "ablation_pairs": _draw_ablation, "residual_window": _draw_residual, "live_quality": _draw_live,
+         "retrieval_heatmap": _draw_retrieval}
 
 
 def _png(plt, d) -> bytes:

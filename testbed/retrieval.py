@@ -1,4 +1,4 @@
-"""Needle retrieval trials (RULER-style, issue #32): the building blocks, not yet a study.
+"""Needle retrieval trials (RULER-style, issue #32): the building blocks of the study in retrieval_study.py.
 
 Does a compressed cache still let the model find one fact it read long ago? Each trial is a
 haystack of exactly ``length`` tokens with a needle sentence inserted at a line or sentence

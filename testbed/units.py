@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import live
+from . import live, retrieval_study
 from .context import RunContext
 from .evidence import REPO_ROOT, sha256_bytes
 from .progress import Progress
@@ -110,6 +110,9 @@ def plan(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, list[U
     if proto.get("kind") == "live":
         cases, specs = live.plan(proto, ctx, protocol_path)
         return cases, [Unit(i, u["label"], "live", u, u["needs"], cpu, u["forwards"]) for i, u in enumerate(specs)]
+    if proto.get("kind") == "retrieval":
+        cases, specs = retrieval_study.plan(proto, ctx, protocol_path)
+        return cases, [Unit(i, u["label"], "retrieval", u, u["needs"], cpu, u["forwards"]) for i, u in enumerate(specs)]
     source = _source(proto)
     slices = source.units(proto["source"]) if hasattr(source, "units") else [proto["source"]]
     word = unit_word(proto)
@@ -119,7 +122,7 @@ def plan(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, list[U
 
 def unit_word(proto: dict) -> str:
     """What one unit of this study is, for progress lines: a case, a capture prompt, a live batch x arm."""
-    return "batch x arm" if proto.get("kind") == "live" else getattr(_source(proto), "UNIT", "unit")
+    return "batch x arm" if proto.get("kind") in ("live", "retrieval") else getattr(_source(proto), "UNIT", "unit")
 
 
 def dependents(units: list[Unit]) -> dict[int, list[int]]:
@@ -146,6 +149,9 @@ def run_unit(proto: dict, unit: Unit, ctx: RunContext, dep=None) -> dict:
     unit needs, the live reference's log-probabilities; None otherwise)."""
     if unit.kind == "live":
         rows, out, note = live.run_unit(proto, unit.spec, ctx, dep)
+        return {"cases": {}, "rows": rows, "out": out, "note": note}
+    if unit.kind == "retrieval":
+        rows, out, note = retrieval_study.run_unit(proto, unit.spec, ctx, dep)
         return {"cases": {}, "rows": rows, "out": out, "note": note}
     cases, rows = {}, []
     source = _source(proto)
@@ -238,7 +244,7 @@ def absorb(ctx: RunContext, proto: dict, result: dict, unit_ctx: dict, cases: di
         if old is None or old == data:
             ctx.extra_files[name] = data
             continue
-        source = None if proto.get("kind") == "live" else _source(proto)
+        source = None if proto.get("kind") in ("live", "retrieval") else _source(proto)
         if source is None or not hasattr(source, "merge_file"):
             raise ValueError(f"{ctx.study}: two units wrote {name} with different contents")
         ctx.extra_files[name] = source.merge_file(old, data)

@@ -11,10 +11,11 @@ capture manifests: provenance, the model's identity, gates, token ids and case m
 """
 
 from . import (ablation, capture, completeness, live_quality, mx_paths, observation, report_html, report_md,
-               residual_window)
+               residual_window, retrieval)
 
 CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation.check,
-          "observation": observation.check, "live_quality": live_quality.check}
+          "observation": observation.check, "live_quality": live_quality.check,
+          "retrieval": retrieval.check}
 
 RUN_CHECKS = {"report.html": report_html.check_run, "report.md": report_md.check_run,
               "results.json": completeness.check_run, "capture_manifest.json": capture.check_run}

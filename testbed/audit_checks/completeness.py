@@ -29,6 +29,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from . import ablation as ablation_check
 from . import live_quality
 from . import residual_window as residual_window_check
+from . import retrieval as retrieval_check
 
 __all__ = ["check_run", "IDENTITY", "expected_cases", "expected_rows"]
 
@@ -39,6 +40,7 @@ IDENTITY = {
     "mx_paths": ("path", "rotation", "scale_rule"),
     "observation": ("scope", "head"),
     "live_quality": ("arm",),
+    "retrieval": ("arm",),
 }
 
 ABSENT = object()  # a field the row must not have
@@ -358,6 +360,8 @@ def check_run(ctx) -> None:
         try:
             if proto.get("kind") == "live":
                 _check_live(ctx, study, proto, rows_by_study.get(study, []), accepted)
+            elif proto.get("kind") == "retrieval":
+                _check_retrieval(ctx, study, proto, rows_by_study.get(study, []), accepted)
             else:
                 _check_study(ctx, study, proto, rows_by_study.get(study, []), accepted)
         except Exception as e:  # noqa: BLE001 - a forged protocol or record must give a FAIL line
@@ -463,3 +467,19 @@ def _check_live(ctx, study: str, proto: dict, rows: list, accepted: set) -> None
         if peer is not None:
             _check_fields(ctx, row, {"peer.bits": peer["bits"], "peer.q_group_size": live.get("peer_group", 64),
                                      "peer.residual_length": live.get("window", 128)})
+
+
+def _check_retrieval(ctx, study: str, proto: dict, rows: list, accepted: set) -> None:
+    """The retrieval study's grid of trials and (trial, arm) rows: the retrieval check's own
+    study-level check (cached: it runs once whether a row triggered it or not); an excluded model
+    leaves no cases and no rows."""
+    whole = f"{study}/SmolLM2-135M-Instruct.Q4_1"
+    if whole in _exclusions(ctx):
+        accepted.add(whole)
+        for cid in sorted(ctx.results["cases"].get(study, {}) or {}):
+            ctx.fail(f"results.json cases.{study}.{cid}", "the study is excluded (its model did not load), yet has cases")
+        for row in rows:
+            ctx.fail(row, "the study is excluded (its model did not load), yet has rows")
+        return
+    p = retrieval_check.params_of(ctx, study)
+    ctx.cached(("retrieval_study", study), lambda: retrieval_check.check_study(ctx, study, p))

@@ -326,8 +326,30 @@ def _live_points(rows, ctx, suffix: str):
     return points, agreement
 
 
+def _retrieval_figure(rows, ctx):
+    """Per task and arm: teacher-forced EM accuracy and trial counts on the depth x length grid."""
+    maps = []
+    for task in _ordered([r["task"] for r in rows]):
+        sel = [r for r in rows if r["task"] == task]
+        lengths = sorted(set(r["length"] for r in sel))
+        depths = sorted(set(r["depth"] for r in sel))
+        for arm in _ordered([r["arm"] for r in sel]):
+            count = {(d, n): 0 for d in depths for n in lengths}
+            hits = dict(count)
+            for r in sel:
+                if r["arm"] == arm:
+                    count[(r["depth"], r["length"])] += 1
+                    hits[(r["depth"], r["length"])] += int(r["tf_em"] == 1)
+            maps.append({"task": task, "arm": arm, "lengths": lengths, "depths": depths,
+                         "trials": [[count[(d, n)] for n in lengths] for d in depths],
+                         "accuracy": [[hits[(d, n)] / count[(d, n)] if count[(d, n)] else None for n in lengths]
+                                      for d in depths]})
+    return [("retrieval_heatmap", maps and {"maps": maps})]
+
+
 _BY_ANALYSIS = (("observation", _observation_figures), ("mx_paths", _mx_figure), ("ablation", _ablation_figure),
-                ("residual_window", _residual_figure), ("live_quality", _live_figure))
+                ("residual_window", _residual_figure), ("live_quality", _live_figure),
+                ("retrieval", _retrieval_figure))
 
 
 def derive_figures(rows: list[dict], ctx) -> dict[str, dict]:

@@ -67,6 +67,9 @@ from .common import TOLERANCES
 from .completeness import ANALYSIS_DEFAULTS
 from . import live_quality
 from .live_quality import MODELS as LIVE_MODELS
+from .retrieval import arms_of as retrieval_arms
+from .retrieval import params_of as retrieval_params
+from .retrieval_stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check_run", "derive_document", "parse_blocks", "parse_table", "wilcoxon_p", "cell_values", "REL"]
 
@@ -712,6 +715,48 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
                 ("bootstrap minimum", r"given from (\S+) segments on", text(MIN_CI_SEGMENTS))])]
 
 
+RETRIEVAL_HEADERS = ["arm", "length", "trials", "TF exact match", "Wilson 95 %", "greedy exact match",
+                     "mean answer log-prob", "McNemar p vs reference (b/c)"]
+
+
+def _retrieval(rows, p: dict) -> list:
+    """Per task a table of (arm, length) over trials: teacher-forced EM with its Wilson interval,
+    greedy EM, the mean answer log-prob and the exact McNemar p of the arm against the reference
+    on the same trials; then the notes' trial counts."""
+    if not rows:
+        return [P("no rows", "(no rows: the retrieval study was excluded")]
+    one = lambda v: f"{100 * v:.1f}"  # noqa: E731
+    out = []
+    for task in _ordered(r["task"] for r in rows):
+        trs = []
+        for arm in retrieval_arms(p):
+            for length in sorted({r["length"] for r in rows if r["task"] == task and r["arm"] == arm}):
+                cell = {r["case"]: r for r in rows if r["task"] == task and r["arm"] == arm and r["length"] == length}
+                ref = {r["case"]: r for r in rows if r["task"] == task and r["arm"] == REFERENCE_ARM
+                       and r["length"] == length}
+                n = len(cell)
+                k = sum(1 for r in cell.values() if r["tf_em"] == 1)
+                g = sum(1 for r in cell.values() if r["greedy_em"] == 1)
+                lo, hi = wilson_bounds(k, n)
+                if arm == REFERENCE_ARM or not set(cell) <= set(ref):
+                    test = ("—",)
+                else:
+                    b = sum(1 for c, r in cell.items() if ref[c]["tf_em"] == 1 and r["tf_em"] != 1)
+                    c_ = sum(1 for c, r in cell.items() if ref[c]["tf_em"] != 1 and r["tf_em"] == 1)
+                    test = (Num(mcnemar_p(b, c_), _p_text), f" ({b}/{c_})")
+                trs.append([text(arm), text(length), text(n), (Num(k / n, one, exact=True), " %"),
+                            ("[", Num(lo, one), ", ", Num(hi, one), "] %"), (Num(g / n, one, exact=True), " %"),
+                            fixed(math.fsum(r["answer_logprob"] for r in cell.values()) / n, 3), test])
+        out += [P(f"task {task}", f"Task {task}:"), T(f"retrieval {task}", RETRIEVAL_HEADERS, 2, trs)]
+    depths = [float(d) for d in p["depths"]]
+    out.append(P("notes", "", [("trials", r"^(\S+) trials \(", text(len({r["case"] for r in rows}))),
+                               ("trials per cell", r"\((\S+) per task, length and depth", text(p["trials"])),
+                               ("depths", r"; (\S+) depths from", text(len(depths))),
+                               ("first depth", r"depths from (\S+) to", text(min(depths))),
+                               ("last depth", r" to (\S+)\), each its own", text(max(depths)))]))
+    return out
+
+
 _ANALYSES = {"observation": _observation, "ablation": _ablation, "mx_paths": _mx_paths,
              "residual_window": _residual_window}
 
@@ -729,6 +774,8 @@ def derive_document(ctx, rows: list, timings: list) -> dict:
         sel = [r for r in rows if r.get("study") == name]
         if proto.get("kind") == "live":
             sections = [("live_quality", _live(sel, proto["live"], timings, name))]
+        elif proto.get("kind") == "retrieval":
+            sections = [("retrieval", _retrieval(sel, retrieval_params(ctx, name)))]
         else:
             sections = []
             for analysis, params in proto["analyses"].items():

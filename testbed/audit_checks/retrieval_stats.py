@@ -12,7 +12,7 @@ Written again from the definitions, not from :mod:`testbed.retrieval`:
 - :func:`trial_problems`: a stored trial's asked needle ids sit at ``[needle_start, needle_end)``
   of its prefill, and its question and answer ids are non-empty integer ids.
 
-Not registered in ``CHECKS`` yet: the retrieval study that would store such rows does not exist.
+Used by ``audit_checks/retrieval.py`` (the rows and trials) and ``audit_checks/report_md.py`` (the tables).
 """
 
 from __future__ import annotations

@@ -1,0 +1,195 @@
+"""The needle retrieval study on SmolLM2 (issue #32): a finished tiny run, its rows against an
+independent computation, and forgeries the audit catches.
+
+Marked ``capture``: needs the capture extra and the SmolLM2 GGUF; skipped with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from testbed.audit import audit
+from testbed.sources import capture
+from tests import _arrays
+from tests._helpers import forge_results
+
+pytestmark = [pytest.mark.capture, pytest.mark.slow]
+
+ARMS = ["dynamic_cache", "float32", "int4", "streaming"]
+
+
+def _tiny_protocol(tmp_path: Path) -> Path:
+    proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "retrieval_small.json").read_text())
+    proto["name"] = "retrieval_tiny"
+    proto["default"] = False
+    proto["retrieval"].update({"tasks": ["passkey", "kv_needle"], "lengths": [128], "depths": [0.0, 1.0], "trials": 1,
+                               "batch": 2, "window": 16, "group": 16, "evict_window": 16,
+                               "policies": ["float32", "int4", "streaming"]})
+    path = tmp_path / "retrieval_tiny.json"
+    path.write_text(json.dumps(proto))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from testbed.run import main as run_main
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+    tmp = tmp_path_factory.mktemp("retrieval")
+    out = tmp / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(_tiny_protocol(tmp))]) == 0
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(run, dst)
+    return dst
+
+
+def _res(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())
+
+
+def _row(res: dict, arm: str, case: str = "t0000") -> dict:
+    return next(r for r in res["rows"] if r["arm"] == arm and r["case"] == case)
+
+
+def _forge_array(run: Path, rel: str, edit) -> None:
+    x = _arrays.load(run, rel).copy()
+    edit(x)
+    _arrays.save(run, rel, x)
+    m = json.loads((run / "manifest.json").read_text())
+    m["arrays"][rel]["sha256"] = _arrays.sha(run, rel)
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+def test_tiny_run_passes_its_audit_with_every_trial_and_arm(tiny_run):
+    ok, failures, _ = audit(tiny_run)
+    assert ok, failures[:5]
+    res = _res(tiny_run)
+    cases = res["cases"]["retrieval_tiny"]
+    assert sorted(cases) == ["t0000", "t0001", "t0002", "t0003"]
+    assert {(r["case"], r["arm"]) for r in res["rows"]} == {(c, a) for c in cases for a in ARMS}
+    assert [cases[c]["meta"]["task"] for c in sorted(cases)] == ["passkey", "passkey", "kv_needle", "kv_needle"]
+    report = (tiny_run / "report.md").read_text()
+    assert "Task passkey:" in report and "Task kv_needle:" in report and "McNemar" in report
+    assert "retrieval_heatmap/retrieval_tiny" in (tiny_run / "report.html").read_text()
+
+
+def test_float32_policy_scores_as_the_reference(tiny_run):
+    """The float32 policy stores what DynamicCache stores: the same argmaxes, generated tokens and
+    answer log-probs (up to float rounding of the chunking), so a broken hand-over of the shared
+    prefill or of the question through a policy cache shows here."""
+    res = _res(tiny_run)
+    for case in res["cases"]["retrieval_tiny"]:
+        ref, f32 = _row(res, "dynamic_cache", case), _row(res, "float32", case)
+        for name in ("argmax", "generated"):
+            assert np.array_equal(_arrays.load(tiny_run, ref["arrays"][name]), _arrays.load(tiny_run, f32["arrays"][name]))
+        assert f32["answer_logprob"] == pytest.approx(ref["answer_logprob"], abs=1e-3)
+
+
+def test_reference_logprobs_equal_one_full_forward(tiny_run):
+    """Independent of the cache machinery: the model over the whole sequence in one forward, no
+    cache, gives the stored reference log-probs of the answer and its argmaxes."""
+    model, _, _ = capture.load_model()
+    res = _res(tiny_run)
+    for case, rec in res["cases"]["retrieval_tiny"].items():
+        ids = _arrays.load(tiny_run, rec["arrays"]["token_ids"]).astype(np.int64)
+        n_a = rec["meta"]["answer_tokens"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(ids)[None], use_cache=False).logits[0].float()
+        logp = torch.log_softmax(logits[-n_a - 1:-1], -1)
+        answer = torch.from_numpy(ids[-n_a:])
+        row = _row(res, "dynamic_cache", case)
+        lp = _arrays.load(tiny_run, row["arrays"]["logprob"])
+        np.testing.assert_allclose(lp, logp.gather(-1, answer[:, None])[:, 0].numpy(), atol=2e-3)
+        assert np.array_equal(_arrays.load(tiny_run, row["arrays"]["argmax"]), logp.argmax(-1).numpy())
+
+
+def test_evicting_a_needle_costs_what_keeping_it_does_not(tiny_run):
+    """A needle at depth 0 of 128 tokens leaves streaming's sink + newest 16 tokens, so that arm
+    cannot copy the key from the needle; the reference (which keeps everything) is far more
+    confident in the answer."""
+    res = _res(tiny_run)
+    ref, stream = _row(res, "dynamic_cache", "t0000"), _row(res, "streaming", "t0000")
+    assert ref["answer_logprob"] > stream["answer_logprob"] + 5.0
+
+
+@pytest.mark.parametrize("what", ["argmax_and_em", "em_only", "needle_start", "row_deleted", "wilson_cell"])
+def test_forgeries_of_retrieval_fail(tiny_run, tmp_path, what):
+    run = _copy(tiny_run, tmp_path)
+    res = _res(run)
+    row = _row(res, "dynamic_cache")
+    label = f"retrieval {row['case']} arm={row['arm']}"
+    if what == "argmax_and_em":
+        # the reference's argmax at its most confident answer position made wrong, the row's EM and
+        # token count with it, results.csv, report.md and report.html rewritten to agree (re-hashed)
+        lp = _arrays.load(run, row["arrays"]["logprob"])
+        i = int(np.argmax(lp))
+        assert lp[i] > np.log(0.5) and row["tf_em"] == 1
+        _forge_array(run, row["arrays"]["argmax"], lambda x: x.__setitem__(i, x[i] + 1))
+        row["tf_em"], row["tf_tokens_correct"] = 0, row["tf_tokens_correct"] - 1
+        forge_results(run, res)
+        expect = f"argmax[{i}]"
+    elif what == "em_only":
+        row["tf_em"] = 1 - row["tf_em"]
+        forge_results(run, res, redraw=False)
+        expect = "tf_em"
+    elif what == "needle_start":  # the needle claimed one token later than where it sits
+        rec = res["cases"]["retrieval_tiny"][row["case"]]
+        rec["meta"]["needle_start"] += 1
+        rec["meta"]["needle_end"] += 1
+        forge_results(run, res)
+        expect, label = "needle", "cases.retrieval_tiny.t0000"
+    elif what == "row_deleted":  # a failing row taken out, its arrays with it, all re-hashed
+        victim = _row(res, "streaming")
+        res["rows"].remove(victim)
+        m = json.loads((run / "manifest.json").read_text())
+        for rel in victim["arrays"].values():
+            if not any(rel in json.dumps(r) for r in res["rows"]) and rel in m["arrays"]:
+                del m["arrays"][rel]
+                _arrays.delete(run, rel)
+        (run / "manifest.json").write_text(json.dumps(m, indent=1))
+        forge_results(run, res)
+        expect, label = "t0000 arm streaming is missing", "retrieval_tiny"
+    else:  # a narrower interval printed for the reference
+        doc = (run / "report.md").read_text()
+        line = next(ln for ln in doc.splitlines() if ln.startswith("| dynamic_cache "))
+        cells = line.split("|")
+        cells[5] = cells[5].replace("[", "[9", 1)
+        (run / "report.md").write_text(doc.replace(line, "|".join(cells), 1))
+        m = json.loads((run / "manifest.json").read_text())
+        m["files"]["report.md"] = hashlib.sha256((run / "report.md").read_bytes()).hexdigest()
+        (run / "manifest.json").write_text(json.dumps(m, indent=1))
+        expect, label = "Wilson 95 %", "(dynamic_cache, 128)"
+    ok, failures, _ = audit(run)
+    assert not ok
+    assert any(expect in f and label in f for f in failures), failures[:6]
+
+
+def test_protocol_errors_name_the_key(tmp_path):
+    from testbed.protocol import ProtocolError, load_protocol
+
+    base = json.loads(_tiny_protocol(tmp_path).read_text())
+    for edit, key in ((lambda p: p["retrieval"].update(tasks=["haystack"]), "retrieval.tasks"),
+                      (lambda p: p["retrieval"].update(lengths=[32]), "retrieval.lengths"),
+                      (lambda p: p["retrieval"].update(policies=["int3"]), "retrieval.policies"),
+                      (lambda p: p.update(extra=1), "extra")):
+        proto = copy.deepcopy(base)
+        edit(proto)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(proto))
+        with pytest.raises(ProtocolError, match=key.replace(".", r"\.")):
+            load_protocol(path)
