@@ -666,8 +666,9 @@ def _report_context(rows: list[dict], params: dict, timings: list | None = None)
     dims = MODELS[params["model"]]
     f16 = dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2  # float16 K + V bytes per token
     secs: dict[str, list] = {}
+    study = rows[0]["study"]  # a run's timings hold every study's, and arm names repeat across live studies
     for t in timings or []:
-        if t.get("op") == "decode" and t.get("arm") is not None and t.get("scored_tokens"):
+        if t.get("study") == study and t.get("op") == "decode" and t.get("arm") is not None and t.get("scored_tokens"):
             secs.setdefault(t["arm"], []).append((t["seconds"], t["scored_tokens"]))
     table = []
     for e in summarize(rows):

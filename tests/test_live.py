@@ -285,6 +285,21 @@ def test_summary_statistics_are_over_segments():
     assert lo < many["delta_pct"] < hi and many["worse"] == 8 and 12 >= MIN_CI_SEGMENTS
 
 
+def test_report_times_only_its_own_study():
+    """Two live studies in one run share arm names: each table's ms / scored token comes from its
+    own study's timings (the audit caught a run that mixed them)."""
+    from testbed.live import report
+
+    rows = [{"study": "a", "arm": arm, "kind": kind, "mode": "chunked", "case": "seg000", "nll": 2.0, "mean_kl": 0.0,
+             "top1_agreement": 1.0, "bytes_per_token": b, "context_final": 10, "forwards": 2}
+            for arm, kind, b in (("dynamic_cache", "reference", 2.0), ("int4", "policy", 1.0))]
+    timings = [{"study": s, "arm": "int4", "op": "decode", "seconds": sec, "scored_tokens": 10}
+               for s, sec in (("a", 0.05), ("b", 1.0))]
+    params = {"model": "SmolLM2-135M-Instruct.Q4_1", "prefill": 5, "steps": 5}
+    line = next(ln for ln in report(rows, params, timings).splitlines() if ln.startswith("| int4"))
+    assert float(line.strip(" |").split("|")[-1]) == 5.0, line  # 50 ms over 10 tokens; with study b's: 52.5
+
+
 def test_live_protocol_errors_name_the_key(tmp_path):
     from testbed.protocol import ProtocolError, validate_protocol
 
