@@ -23,6 +23,17 @@ TOLERANCES = {
     "float32_softmax": {"rtol": 1e-4, "atol": 1e-6},
     # KL of two float32 softmaxes summed in float64 may dip this far below zero
     "kl_floor": {"rtol": 0.0, "atol": 1e-6},
+    # the probabilities of one float32 log-softmax (exp of the stored log-probs) sum to 1 within
+    # this: a float32 sum of a ~50k-token vocabulary, accumulated in a few lanes, drifts ~1e-4 at
+    # worst (measured: under 2e-5 on random logits of 49,152 tokens). The live audit's bounds that
+    # need no model (log-prob vs argmax, KL vs the target token's probabilities) give this much slack
+    # to a mass they do not see
+    "float32_log_softmax": {"rtol": 0.0, "atol": 1e-3},
+    # a float32 cache holds the reference's own float32 K/V and runs the reference's chunks: its
+    # per-token KL can differ from zero only by float32 rounding of the same forward (logits 1e-5
+    # apart give a KL near 1e-10; the archived runs are bit-identical, a quantized arm's mean KL is
+    # 5e-4..3 per token)
+    "float32_same_cache": {"rtol": 0.0, "atol": 1e-4},
     # the coverage threshold of effective support (a sum of float64 masses against coverage x total)
     "coverage": {"rtol": 0.0, "atol": 1e-9},
     # a number of report.md, re-derived from the same float64 row values the run's report read (only

@@ -24,7 +24,21 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   against their recorded hashes, disjoint evenly spaced segment starts.
 
 What it cannot re-derive: the log-probabilities, KL and argmax themselves rest on model forward
-passes; they are checked for shape, finiteness and sign (KL ≥ 0 up to float rounding) only.
+passes. It checks their shape, finiteness and sign (KL ≥ 0 up to float rounding), and three bounds
+that hold for any model, every scored token of every row (the reference's too), the target of
+scored step i being token ``prefill + i + 1`` of the segment's stored ``token_ids``:
+
+- the log ½ bound: a token other than the argmax has at most the argmax's probability, so where
+  the stored argmax is not the target, log p(target) ≤ log ½ (equivalently, a log-prob above
+  log ½ belongs to the argmax);
+- the target-token KL bound: KL(ref ‖ arm) is at least the KL of the two distributions coarsened
+  to {target, every other token} (data processing; the log-sum inequality), computed from the
+  reference's and the arm's stored log-probs of the target;
+- the float32 cache bound: a ``float32`` policy holds the reference's own K/V and runs its chunks,
+  so its KL is zero up to float32 rounding at every token.
+
+Outputs swapped whole between two quantized arms (log-probs, argmax, KL and summaries together)
+satisfy every bound: each arm's outputs are a real arm's outputs against the same reference.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ POLICY_TABLE = {
 }
 HEADER = 16
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
+LOG_HALF = math.log(0.5)
 
 
 def _policy(name: str, live: dict) -> dict:
@@ -368,6 +383,8 @@ def check(row: dict, ctx) -> None:
     nll = -float(np.mean(lp.astype(np.float64)))
     ctx.close(row, "nll", row.get("nll"), nll)
     ctx.close(row, "perplexity", row.get("perplexity"), math.exp(nll))
+    target = _targets(ctx, study, row.get("case"), live)
+    _check_half_bound(row, ctx, lp, am, target)
     if kind == "reference":
         ctx.close(row, "mean_kl", row.get("mean_kl"), 0.0)
         ctx.close(row, "top1_agreement", row.get("top1_agreement"), 1.0)
@@ -377,14 +394,79 @@ def check(row: dict, ctx) -> None:
         ctx.fail(row, f"kl must be [{T}] finite values >= {KL_FLOOR:g}")
     ctx.close(row, "mean_kl", row.get("mean_kl"), float(np.mean(kl.astype(np.float64))))
     ref = _reference_row(ctx, study, row.get("case"))
-    ref_am = ctx.load(ref["arrays"]["argmax"])
+    ref_am, ref_lp = ctx.load(ref["arrays"]["argmax"]), ctx.load(ref["arrays"]["logprob"])
+    if ref_lp.shape != (T,) or ref_am.shape != (T,):
+        raise ValueError(f"the reference row of {row.get('case')} has logprob / argmax {list(ref_lp.shape)} / "
+                         f"{list(ref_am.shape)}, expected [{T}]")
     ctx.close(row, "top1_agreement", row.get("top1_agreement"), float(np.mean(am == ref_am)))
+    if kl.shape == (T,) and np.all(np.isfinite(kl)):
+        _check_kl_bound(row, ctx, kl, ref_lp, lp)
+        if kind == "policy" and _policy(arm, live)["middle"] == "float32":
+            same = TOLERANCES["float32_same_cache"]["atol"]
+            ctx.numbers += T
+            if np.any(kl > same):
+                i = int(np.argmax(kl))
+                ctx.fail(row, f"the float32 cache bound: kl[{i}] = {float(kl[i]):.6g} > {same:g}, though a float32 "
+                              "cache holds the reference's own K/V (its KL is zero up to float32 rounding)")
     first = segment_ids(row.get("case", "").rpartition("-")[0] if "-" in str(row.get("case")) else "", 1)[0]
     if "evidence_layer" in live and live["evidence_layer"] is None:  # the protocol stores none
         if row.get("evidence") is not None:
             ctx.fail(row, "evidence arrays, though the protocol's evidence_layer is null")
     elif kind == "policy" and _policy(arm, live)["middle"] != "float32" and row.get("case") == first:
         _check_evidence(row, ctx, _policy(arm, live), live)
+
+
+def _targets(ctx, study, case, live: dict) -> np.ndarray:
+    """The target of each scored step: step i feeds token ``prefill + i`` of the segment and scores
+    its prediction of token ``prefill + i + 1`` (the prefill's own last prediction is not scored)."""
+    def load():
+        rec = ctx.results.get("cases", {}).get(study, {}).get(case)
+        tok = ctx.load(rec.get("arrays", {}).get("token_ids")) if isinstance(rec, dict) else None
+        P, T = live["prefill"], live["steps"]
+        if tok is None or tok.shape != (P + T + 1,) or tok.dtype.kind not in "iu":
+            raise ValueError(f"segment {case} has no integer token_ids of {P + T + 1} tokens to score against")
+        return tok[P + 1:P + T + 1].astype(np.int64)
+
+    return ctx.cached(("live_targets", study, case), load)
+
+
+def _check_half_bound(row, ctx, lp: np.ndarray, am: np.ndarray, target: np.ndarray) -> None:
+    """Where the stored argmax is not the target, the target has at most the argmax's probability,
+    so at most ½ of a distribution (whose float32 probabilities sum to 1 within the tolerance)."""
+    limit = math.log((1.0 + TOLERANCES["float32_log_softmax"]["atol"]) / 2.0)
+    ctx.numbers += lp.size
+    bad = (am.astype(np.int64) != target) & (lp.astype(np.float64) > limit)
+    if bad.any():
+        i = int(np.argmax(bad))
+        ctx.fail(row, f"the log ½ bound: logprob[{i}] = {float(lp[i]):.6g} > log ½ where the stored argmax "
+                      f"{int(am[i])} is not the target token {int(target[i])} (a token other than the argmax has "
+                      "at most half the probability)")
+
+
+def binary_kl_bound(p_lp: np.ndarray, q_lp: np.ndarray, slack: float) -> np.ndarray:
+    """A lower bound of KL(P ‖ Q) from log P(t) and log Q(t) of one token t, per step: KL of the two
+    coarsened to {t, the rest} (data processing). The rest's masses are the complements, each
+    within ``slack`` (float32 probabilities sum to 1 only that closely): the bound takes the worst
+    such masses, Q's rest largest and P's rest where ``x log(x / y)`` is smallest."""
+    lp64, lq64 = p_lp.astype(np.float64), q_lp.astype(np.float64)
+    p = np.exp(lp64)
+    y = -np.expm1(lq64) + slack  # Q's rest at its largest: > 0
+    lo, hi = np.maximum(-np.expm1(lp64) - slack, 0.0), -np.expm1(lp64) + slack
+    x = np.clip(y / math.e, lo, hi)  # argmin of the convex x log(x / y) over [lo, hi]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rest = np.where(x > 0, x * np.log(x / y), 0.0)
+    return p * (lp64 - lq64) + rest
+
+
+def _check_kl_bound(row, ctx, kl: np.ndarray, ref_lp: np.ndarray, lp: np.ndarray) -> None:
+    bound = binary_kl_bound(ref_lp, lp, TOLERANCES["float32_log_softmax"]["atol"])
+    ctx.numbers += kl.size
+    bad = kl.astype(np.float64) < bound - TOLERANCES["kl_floor"]["atol"]
+    if bad.any():
+        i = int(np.argmax(bound - kl))
+        ctx.fail(row, f"the target-token KL bound: kl[{i}] = {float(kl[i]):.6g} is below {float(bound[i]):.6g}, the KL "
+                      f"of the target token's probabilities alone (reference logprob {float(ref_lp[i]):.6g}, this "
+                      f"arm's {float(lp[i]):.6g}): KL, log-probs or argmax do not belong together")
 
 
 def _reference_row(ctx, study, case) -> dict:
