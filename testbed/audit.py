@@ -113,6 +113,24 @@ def load_json(path: Path):
         raise AuditError(f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def repository_path(path: str, repo: Path = REPO_ROOT) -> str:
+    """A recorded protocol path as the repository-relative path it names, however it is spelled
+    (``./protocols/X.json``, ``protocols//X.json``, ``protocols/../protocols/X.json``, a backslash
+    separator, an absolute path inside ``repo``); any other path as recorded. Lexical only: the
+    file system is not consulted (no symlink is followed)."""
+    text = path.replace("\\", "/")
+    norm = os.path.normpath(text)
+    if os.path.isabs(norm):
+        for root in (repo, repo.resolve()):
+            try:
+                return Path(norm).relative_to(root).as_posix()
+            except ValueError:
+                continue
+        return path
+    norm = Path(norm).as_posix()
+    return path if norm == ".." or norm.startswith("../") else norm
+
+
 def _safe_relpath(root: Path, rel: str) -> Path:
     """Resolve ``rel`` inside ``root`` without following any symlink; refuse anything else.
 
@@ -569,6 +587,9 @@ class Audit:
                 if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
                     raise AuditError("protocol copy does not match its recorded sha256")
                 path = entry.get("path")
+                if isinstance(path, str) and path:
+                    # the repository's protocol is pinned by its source hash however the path is spelled
+                    path = repository_path(path)
                 if not isinstance(path, str) or not path:
                     self.fail(rel, "the protocol's path is not recorded (a run records where each protocol came from)")
                 elif path in sources:

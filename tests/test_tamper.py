@@ -748,6 +748,23 @@ def test_repo_protocol_copy_edit_with_path_blanked(tmp_path, reliability):
                      out, [rel, "path is not recorded"], "FAIL: the protocol's path is not recorded")
 
 
+@pytest.mark.parametrize("spelling", ["./protocols/residual_window.json", "protocols//residual_window.json",
+                                      "protocols/../protocols/residual_window.json", "absolute"])
+def test_repo_protocol_path_spelled_otherwise_is_still_pinned(run, reliability, spelling):
+    """A copy that is not the repository's protocols/residual_window.json (here: the small protocol
+    the fixture ran), its manifest path spelled another way for the same repository file: the
+    recorded source hash still pins it, where an unnormalized path read as "from outside the
+    repository: self-consistent only" and passed."""
+    rel = "protocols/residual_window.json"
+    m = manifest(run)
+    assert m["sources"][rel] != m["protocols"][0]["sha256"]  # the copy differs from the repository's file
+    m["protocols"][0]["path"] = str(DEFAULT_PROTOCOL) if spelling == "absolute" else spelling
+    write_manifest(run, m)
+    assert_fails(reliability, "tamper: consistent forger", f"repo protocol copy edited, path spelled {spelling}",
+                 run, ["protocol copy differs from protocols/residual_window.json as recorded in the manifest's sources"],
+                 "FAIL: copy differs from the recorded source")
+
+
 def test_outside_protocol_copy_edit_is_reported_self_consistent_only(run, reliability):
     """A protocol from outside the repository has nothing outside the run to vouch for it: the
     audit cannot tell an edited copy from the one that ran, and its verdict says so."""
