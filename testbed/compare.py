@@ -9,12 +9,16 @@ Floats are compared normwise (per array, and per field of one arm of an analysis
 looser tolerance for the analyses where one flipped code moves a number by a quantization step.
 docs/compare.md says what may differ and by how much, as measured between AVX2 and SSE4.2 kernels.
 
-- arrays: the same set of paths in both manifests; for each pair of equal dtype and shape, the
-  max absolute difference against the array's largest value (float arrays) or the count of
-  differing elements (integer and boolean arrays: quantization codes, argmax, token ids);
+- arrays, matched by what they are, not by the path the store chose: the array a row names
+  (``row study=... case=... arm=... arrays.logprob``), a case record names, or, named by neither,
+  its path. The store keeps equal arrays of a study once, and which arrays are equal to the last
+  bit differs between machines (two arrays 1 ulp apart on one, one path on the other), so paths
+  are the store's choice. For each pair of equal dtype and shape, the max absolute difference
+  against the array's largest value (float arrays) or the count of differing elements (integer and
+  boolean arrays: quantization codes, argmax, token ids);
 - results.json rows, matched by their identity fields (study, analysis, case, arm, ... not by
   position); every number of a row (nested fields and lists included) compared, the max abs and
-  rel difference kept per field; strings, booleans and nulls must be equal;
+  rel difference kept per field; strings (except arrays' paths), booleans and nulls must be equal;
 - the frozen protocol copies must be identical (a comparison of two different protocols means
   nothing). timings.json, report.md (it states the creation time; each run's own audit re-derives
   every cell of it from that run's results.json), results.csv (a view of results.json) and the
@@ -168,29 +172,73 @@ def _run(root: Path) -> tuple[dict, dict]:
     return manifest, results
 
 
-def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, out: Diffs, flip_studies: set) -> int:
-    a_set, b_set = set(ma["arrays"]), set(mb["arrays"])
-    for rel in sorted(a_set - b_set):
-        out.fail(rel, f"array only in {ra}")
-    for rel in sorted(b_set - a_set):
-        out.fail(rel, f"array only in {rb}")
+def array_names(manifest: dict, results: dict) -> dict[str, tuple[str, str | None]]:
+    """What each array of a run is -> (its path, the row or case that names it, or None):
+    ``row <identity> <field>`` for an array a row names
+    (``row study=smollm2_quality analysis=live_quality case=seg001 arm=int4 arrays.logprob``),
+    ``case study=S case=C <field>`` for one a case record names, and the path itself for an array
+    nothing names. One path may be several arrays: the store keeps equal arrays of a study once, and
+    which arrays are equal to the last bit differs between machines."""
+    arrays = manifest["arrays"]
+    names: dict[str, tuple[str, str | None]] = {}
+    for key, row in _keyed(results["rows"], Path(".")).items():
+        for field, v in _leaves(row):
+            if isinstance(v, str) and v in arrays:
+                names[f"{_label(key)} {field}"] = (v, _label(key))
+    cases = results.get("cases")
+    for study, recs in sorted(cases.items() if isinstance(cases, dict) else []):
+        for case, rec in sorted(recs.items() if isinstance(recs, dict) else []):
+            for field, v in _leaves(rec):
+                if isinstance(v, str) and v in arrays:
+                    names[f"case study={study} case={case} {field}"] = (v, f"case study={study} case={case}")
+    named = {path for path, _ in names.values()}
+    names.update({rel: (rel, None) for rel in arrays if rel not in named})
+    return names
+
+
+def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, res_a: dict, res_b: dict, out: Diffs,
+                    flip_studies: set) -> int:
+    """Arrays matched by what they are (:func:`array_names`), each distinct pair of paths compared once."""
+    na, nb = array_names(ma, res_a), array_names(mb, res_b)
+    owners_a, owners_b = {o for _, o in na.values()}, {o for _, o in nb.values()}
+
+    def where(name: str, pa: str, pb: str) -> str:
+        if name == pa == pb:
+            return name
+        return f"{name} ({pa})" if pa == pb else f"{name} ({pa} in {ra}, {pb} in {rb})"
+
+    # an array of a row (or case) that one run lacks altogether is that row's FAIL line, not its own;
+    # an array nothing names is missing when its path is
+    for name in sorted(set(na) - set(nb)):
+        path, owner = na[name]
+        if (owner in owners_b) if owner is not None else path not in mb["arrays"]:
+            out.fail(where(name, path, path), f"array only in {ra}")
+    for name in sorted(set(nb) - set(na)):
+        path, owner = nb[name]
+        if (owner in owners_a) if owner is not None else path not in ma["arrays"]:
+            out.fail(where(name, path, path), f"array only in {rb}")
+    pairs: dict[tuple[str, str], str] = {}
+    for name in sorted(set(na) & set(nb)):
+        pairs.setdefault((na[name][0], nb[name][0]), name)
     ca, cb = Containers(ra), Containers(rb)
-    for rel in sorted(a_set & b_set):
+    for (pa, pb), name in sorted(pairs.items(), key=lambda kv: kv[1]):
+        what = where(name, pa, pb)
         try:
-            x = ca.load(rel, ma["arrays"][rel], check_sha=False)
-            y = cb.load(rel, mb["arrays"][rel], check_sha=False)
+            x = ca.load(pa, ma["arrays"][pa], check_sha=False)
+            y = cb.load(pb, mb["arrays"][pb], check_sha=False)
         except AuditError as e:
-            out.fail(rel, f"cannot be read ({e}); audit both runs")
+            out.fail(what, f"cannot be read ({e}); audit both runs")
             continue
         if x.dtype != y.dtype or x.shape != y.shape:
-            out.fail(rel, f"{x.dtype.str} {list(x.shape)} in {ra}, {y.dtype.str} {list(y.shape)} in {rb}")
+            out.fail(what, f"{x.dtype.str} {list(x.shape)} in {ra}, {y.dtype.str} {list(y.shape)} in {rb}")
         elif x.dtype.kind == "f":
-            out.floats(rel, x, y, "flip_sensitive" if rel.split("/")[1:2] and rel.split("/")[1] in flip_studies else "float")
+            out.floats(what, x, y, "flip_sensitive" if pb.split("/")[1:2] and pb.split("/")[1] in flip_studies else "float")
         else:
-            out.integers(rel, x, y, exact=any(word in rel.rsplit("/", 1)[-1] for word in EXACT_ARRAYS))
+            words = (name.rsplit(" ", 1)[-1], pb.rsplit("/", 1)[-1])
+            out.integers(what, x, y, exact=any(word in w for word in EXACT_ARRAYS for w in words))
     ca.close()
     cb.close()
-    return len(a_set & b_set)
+    return len(set(na) & set(nb))
 
 
 def _identity(row: dict) -> str:
@@ -235,7 +283,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs) -> int:
+def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs, arrays_a=(), arrays_b=()) -> int:
     a, b = _keyed(res_a["rows"], ra), _keyed(res_b["rows"], rb)
     for key in sorted(set(a) - set(b)):
         out.fail(f"results.json {_label(key)}", f"only in {ra}")
@@ -257,6 +305,8 @@ def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs) -> i
                     _exact_ints(out, where, field, x, y)
                 else:
                     per_field.setdefault(_group(a[key], field), []).append((where, x, y))
+            elif isinstance(x, str) and isinstance(y, str) and x in arrays_a and y in arrays_b:
+                continue  # an array's path: the store's choice; the array is compared by what it is
             elif _is_number(x) and _is_number(y):
                 if isinstance(x, int) and isinstance(y, int):
                     _exact_ints(out, where, field, [x], [y])
@@ -314,8 +364,8 @@ def compare_runs(a: str | Path, b: str | Path) -> tuple[bool, list[str], str]:
     out = Diffs()
     _compare_protocols(ma, mb, out)
     flip_studies = {r.get("study") for r in res_b["rows"] if isinstance(r, dict) and r.get("analysis") == "live_quality"}
-    n_arrays = _compare_arrays(ra, rb, ma, mb, out, flip_studies)
-    n_rows = _compare_rows(ra, rb, res_a, res_b, out)
+    n_arrays = _compare_arrays(ra, rb, ma, mb, res_a, res_b, out, flip_studies)
+    n_rows = _compare_rows(ra, rb, res_a, res_b, out, set(ma["arrays"]), set(mb["arrays"]))
     lines = _table(out)
     summary = (f"{n_arrays} arrays and {n_rows} rows in both runs, {out.numbers} numbers compared "
                f"({len(out.worst)} items differ at all; floats normwise within rtol {TOLERANCES['float']['rtol']:g} "
@@ -329,7 +379,7 @@ def _table(out: Diffs) -> list[str]:
     if not out.worst:
         return ["no differences: every compared array and number is identical"]
     top = sorted(out.worst.items(), key=lambda kv: -kv[1]["ratio"])[:TOP]
-    width = min(80, max(len(w) for w, _ in top))
+    width = min(120, max(len(w) for w, _ in top))
     lines = [f"largest differences ({len(out.worst)} items differ; 'of scale' = max |a - b| / max |b| of the "
              "array or field (integer arrays: share of elements); 'moved' = elements beyond 1e-4 of the scale; "
              "ratio = difference / tolerance):",
