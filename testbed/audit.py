@@ -349,6 +349,7 @@ class Audit:
         self.results: dict = {}
         self.tolerances: dict[str, dict] = {}
         self.outside_protocols: dict[str, str] = {}
+        self.outside_models: dict[str, str] = {}  # study -> a live model given by path (self-consistent only)
         self.protocol_copies: dict[str, dict] = {}  # study -> its frozen protocol copy, once it passed its checks
         self.numbers = 0
         self.rows_checked = 0
@@ -883,7 +884,9 @@ def audit(root: str | Path, check_sources: bool = True, progress=None) -> tuple[
                + ", ".join(f"rtol {r:g} atol {t:g}" for r, t in tols) + ")"
                + ("" if check_sources else "; source hashes not checked (--no-sources)")
                + "".join(f"; protocol {n} from outside the repository ({p}): self-consistent only"
-                         for n, p in sorted(a.outside_protocols.items())))
+                         for n, p in sorted(a.outside_protocols.items()))
+               + "".join(f"; study {n} runs a model the audit does not know ({m}): its dimensions and bytes are "
+                         "self-consistent only" for n, m in sorted(a.outside_models.items())))
     return (not a.failures), a.failures, summary
 
 

@@ -44,8 +44,8 @@ import torch
 from .policies import PRESETS, Policy, preset
 from .policies.policy import sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
-from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software,
-                              load_model)
+from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs,
+                              _hardware, _software, load_model, model_dims)
 
 __all__ = ["validate", "plan", "run_unit", "report", "policies_of", "corpus_text", "segment_starts", "chunk_schedule",
            "quanto_bytes", "REFERENCE"]
@@ -61,10 +61,13 @@ CORPUS = Spec("live corpus", "The text the segments are cut from.", {
     "files": Key((list, type(None)), "UTF-8 text files instead (non-empty list of paths relative to the protocol "
                                      "file); give builtin null with them", None),
 }, rules=("exactly one of builtin and files is given",))
-SPEC = Spec("live", f"Cache policies inside {MODEL_ID} (float32), judged by its teacher-forced predictions against "
+SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-Instruct, Gemma-3-270M or your "
+            "own), judged by its teacher-forced predictions against "
             "DynamicCache: per step log-probability, KL, top-1 agreement, stored bytes. Protocol key \"live\" of a "
             "protocol with \"kind\": \"live\".", {
-    "model": Key(("choice", (MODEL_ID,)), "the model"),
+    "model": Key(str, f"the model: a known name ({', '.join(MODELS)}) or a path, relative to the protocol file, "
+                      "to a GGUF file (dequantized to float32 once) or a Hugging Face model folder (config.json and "
+                      "weights, loaded in float32)"),
     "corpus": Key(dict, "the corpus", see=CORPUS),
     "segments": Key(("range", int, 1, 4096), "disjoint segments, evenly spaced over the token stream"),
     "prefill": Key((int, type(None)), "prefill tokens per segment (1..8190); null with contexts", None),
@@ -121,14 +124,29 @@ def validate(params, where: str) -> dict:
         if prefill + p["steps"] + 1 > 8192:
             raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {prefill + p['steps'] + 1} exceeds the model's "
                                 "8,192 positions")
-    layers = MODELS[p["model"]]["layers"]
-    if p["evidence_layer"] is not None and not 0 <= p["evidence_layer"] < layers:
-        raise ProtocolError(f"{where}.evidence_layer: {p['model']} has layers 0..{layers - 1}, not {p['evidence_layer']}")
+    if p["model"] in MODELS:  # a model given by path is checked the same way once loaded (plan)
+        check_model(p, MODELS[p["model"]], where)
     try:
         policies_of(p)
     except ValueError as e:
         raise ProtocolError(f"{where}.policies: {e}") from None
     return p
+
+
+def check_model(p: dict, dims: dict, where: str) -> None:
+    """What the model's layers allow: the evidence layer is a full-attention layer (a sliding layer
+    keeps what DynamicCache keeps, not the policy); no quanto peer on a model with sliding layers
+    (transformers' QuantizedCache refuses them)."""
+    layers, full = dims["layers"], dims["full_layers"]
+    ev = p["evidence_layer"]
+    if ev is not None and not 0 <= ev < layers:
+        raise ProtocolError(f"{where}.evidence_layer: {p['model']} has layers 0..{layers - 1}, not {ev}")
+    if ev is not None and ev not in full:
+        raise ProtocolError(f"{where}.evidence_layer: layer {ev} of {p['model']} is a sliding-window layer, which keeps "
+                            f"what DynamicCache keeps; the policy runs on its full-attention layers {full}")
+    if dims.get("sliding_window") and p["peers"]:
+        raise ProtocolError(f"{where}.peers: transformers' QuantizedCache refuses models with sliding-window layers, "
+                            f"and {p['model']} has them (window {dims['sliding_window']}); drop the peers")
 
 
 def context_views(p: dict) -> list[tuple[str, int]]:
@@ -152,7 +170,8 @@ def estimate_bytes(p: dict) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
     one chunk (a prefill computes the last position's only), the prefill's activations, the caches
     (the shared prefill's K/V held beside one arm's cache)."""
-    dims = MODELS[p["model"]]
+    # a model given by path: SmolLM2's dimensions stand in until it is loaded (the guard is an estimate)
+    dims = MODELS.get(p["model"], MODELS[MODEL_ID])
     vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
     b = min(p["batch"], p["segments"])
     prefill = max(pre for _, pre in context_views(p))
@@ -324,36 +343,39 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
 
     n_layers = int(model.config.num_hidden_layers)
     scores: list = [None] * n_layers
+    keys: list = [None] * n_layers
+    values: list = [None] * n_layers
     query0: list = [None]
 
     def observe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                              dropout=dropout, **kwargs)
         i = module.layer_idx
-        scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
-        scores[i] = sink_scores(query, key, scale, candidates)
-        if i == record_layer:
-            query0[0] = query[0].detach().float().clone()
+        # the prefill's own K/V as the layer's cache returned them: all of them, also where the
+        # cache keeps only a sliding window afterwards
+        keys[i], values[i] = key, value
+        if candidates is not None:
+            scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
+            scores[i] = sink_scores(query, key, scale, candidates)
+            if i == record_layer:
+                query0[0] = query[0].detach().float().clone()
         return out
 
     cache = DynamicCache(config=model.config)
     t0 = time.perf_counter()
     previous = model.config._attn_implementation
+    if previous != "sdpa":
+        raise ValueError(f"the shared prefill records K/V from SDPA's attention calls; the model runs {previous!r}")
     with torch.no_grad():
-        if candidates is None:
+        AttentionInterface.register("testbed_prefill", observe)
+        AttentionMaskInterface.register("testbed_prefill", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        model.set_attn_implementation("testbed_prefill")
+        try:
             _forward(model, ids, cache, kw, last_only=True)
-        else:
-            if previous != "sdpa":
-                raise ValueError(f"the shared prefill's sink scores wrap SDPA; the model runs {previous!r} attention")
-            AttentionInterface.register("testbed_prefill", observe)
-            AttentionMaskInterface.register("testbed_prefill", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-            model.set_attn_implementation("testbed_prefill")
-            try:
-                _forward(model, ids, cache, kw, last_only=True)
-            finally:
-                model.set_attn_implementation(previous)
-    keys = [layer.keys for layer in cache.layers]
-    values = [layer.values for layer in cache.layers]
+        finally:
+            model.set_attn_implementation(previous)
+    if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
+        raise RuntimeError("the shared prefill did not see every layer's K/V of the whole prefill")
     shared = SharedPrefill(keys, values, None if candidates is None else scores, candidates, query0[0], record_layer,
                            time.perf_counter() - t0)
     return shared, cache
@@ -413,17 +435,23 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
     study = ctx.study
     progress = ctx.progress
     store = ctx.store
+    base = Path(protocol_path).resolve().parent if protocol_path is not None else None
+    hint = INSTALL_HINTS.get(p["model"], INSTALL_HINT)
     try:
-        model, tokenizer, info = load_model(progress=progress)
+        model, tokenizer, info = load_model(progress=progress, model=p["model"], base=base)
     except CaptureUnavailable as e:
-        entry = {"id": f"{study}/{p['model']}", "stage": e.stage, "error": f"{e}; install with: {INSTALL_HINT}"}
+        if p["model"] not in MODELS:  # the user's own model: a path that does not load is an error, not a skip
+            raise ProtocolError(f"{study}: live.model: {e}") from None
+        entry = {"id": f"{study}/{p['model']}", "stage": e.stage, "error": f"{e}; install with: {hint}"}
         ctx.excluded.append(entry)
-        print(f"[{study}] live study skipped: {e}; install with: {INSTALL_HINT}", file=sys.stderr, flush=True)
+        print(f"[{study}] live study skipped: {e}; install with: {hint}", file=sys.stderr, flush=True)
         return {}, []
     cfg = model.config
-    n_layers, kv_heads = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    base = Path(protocol_path).resolve().parent if protocol_path is not None else None
+    dims = model_dims(cfg)
+    known = MODELS.get(p["model"])
+    if known is not None and any(dims[k] != known[k] for k in dims):
+        raise ProtocolError(f"{study}: the loaded {p['model']} has {dims}, not the known {known}")
+    check_model(p, dims, f"{study}: live")
     text, corpus_info = corpus_text(p["corpus"], base)
     t0 = time.perf_counter()
     stream = tokenizer(text, return_tensors="pt").input_ids[0]
@@ -451,8 +479,7 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
         "experiment": f"{study}: cache policies inside {p['model']} (the Q4_1 GGUF dequantized to float32), "
                       "teacher-forced decoding",
         "model": {k: v for k, v in info.items() if k not in ("load_seconds", "loaded_from")},
-        "model_dims": {"layers": n_layers, "kv_heads": kv_heads, "head_dim": head_dim,
-                       "vocab": int(cfg.vocab_size)},
+        "model_dims": dims,
         "corpus": corpus_info, "corpus_tokens": int(stream.numel()),
         "segments": seg_starts,
         "arms": [a for a, _ in arms],
@@ -470,7 +497,8 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
                                                p["reference_chunk"])))
             units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "segments": batch,
                           "tokens": [seg_tokens[sid] for sid in batch], "arm": j, "needs": None if j == 0 else ref,
-                          "forwards": forwards, "prefill": prefill, "first_of_context": vi == 0})
+                          "forwards": forwards, "prefill": prefill, "first_of_context": vi == 0,
+                          "model_base": None if base is None else str(base), "model_dims": dims})
     return cases, units
 
 
@@ -482,7 +510,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     p["prefill"] = unit.get("prefill", p["prefill"])  # the view of this unit's context
     study = ctx.study
     store = ctx.store
-    model, _, _ = load_model()
+    model, _, _ = load_model(model=p["model"], base=None if unit.get("model_base") is None else Path(unit["model_base"]))
     kw = _forward_kwargs(model)
     cfg = model.config
     arm, what = _arms(p)[unit["arm"]]
@@ -547,6 +575,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
             arrays["kl"] = store.save(f"{prefix}/kl", kl)
         row = {"study": study, "analysis": "live_quality", "case": sid, "source": "corpus", "model": p["model"],
                "arm": arm, "kind": kind, "mode": mode, "forwards": len(schedule) + 1,
+               **({} if p["model"] in MODELS else {"model_dims": unit["model_dims"]}),  # a model given by path
                "scored_tokens": p["steps"], "context_final": int(res["context"][-1]),
                "bytes_final": int(res["bytes"][-1]),
                "bytes_per_token": float(res["bytes"][-1]) / float(res["context"][-1]),
@@ -663,8 +692,11 @@ def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
 def _report_context(rows: list[dict], params: dict, timings: list | None = None) -> str:
     from tabulate import tabulate
 
-    dims = MODELS[params["model"]]
-    f16 = dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2  # float16 K + V bytes per token
+    dims = MODELS.get(params["model"]) or rows[0]["model_dims"]
+    # float16 K + V bytes per token: the reference's (DynamicCache's layout, sliding layers included) halved
+    ref_rows = [r for r in rows if r["kind"] == "reference"]
+    f16 = (float(np.mean([r["bytes_per_token"] for r in ref_rows])) / 2 if ref_rows
+           else dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2)
     secs: dict[str, list] = {}
     study = rows[0]["study"]  # a run's timings hold every study's, and arm names repeat across live studies
     for t in timings or []:
@@ -686,9 +718,9 @@ def _report_context(rows: list[dict], params: dict, timings: list | None = None)
                                     "segments worse", "mean KL", "top-1 agree", "bytes / token", "÷ float16",
                                     "ms / scored token"], tablefmt="github")
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
-             "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all 30 layers "
-             "at the end of a segment, ÷ the tokens it has "
-             f"seen; float16 K+V would be {f16:,} B/token). Δ is the perplexity over all segments against the "
+             "forwards per segment batch (prefill included); sorted by bytes per token (the whole cache of all "
+             f"{dims['layers']} layers at the end of a segment, ÷ the tokens it has "
+             f"seen; float16 K+V would be {f16:,.0f} B/token). Δ is the perplexity over all segments against the "
              "DynamicCache reference (exp of the mean per-segment NLL difference, minus 1); its interval is a "
              f"bootstrap over segments of that mean difference, given from {MIN_CI_SEGMENTS} segments on; "
              "'segments worse' counts segments whose perplexity rose. KL is KL(p_float32 ‖ p_arm) per scored token, averaged. "

@@ -46,7 +46,13 @@ MODELS = {
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "gguf_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "parameter_count": 134515008,
-        "vocab": 49152, "positions": 8192,
+        "vocab": 49152, "positions": 8192, "sliding_window": None, "full_layers": list(range(30)),
+    },
+    "gemma-3-270m.Q4_K_M": {
+        "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "gguf_sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "layers": 18, "heads": 4, "kv_heads": 1, "head_dim": 256, "parameter_count": 268098176,
+        "vocab": 262144, "positions": 32768, "sliding_window": 512, "full_layers": [5, 11, 17],
     },
 }
 GATES = ("forwards", "observer_calls", "observer_calls_one_per_forward_layer", "records")
@@ -96,17 +102,28 @@ def _check_live_identity(ctx, study: str, proto: dict) -> None:
     name = proto.get("live", {}).get("model")
     known = MODELS.get(name)
     rel = f"{study}/live_manifest.json"
-    if known is None:
-        ctx.fail(rel, f"model {name!r} is not one the audit knows ({sorted(MODELS)})")
-        return
     m = _json(ctx, rel)
     model, dims = m.get("model", {}), m.get("model_dims", {})
+    if known is None:
+        # a model given by path: nothing here knows it; its identity is what the run recorded (the
+        # file's or folder's SHA-256), its dimensions are checked against every row's (self-consistent)
+        outside = getattr(ctx, "outside_models", None)
+        if isinstance(outside, dict):
+            outside[study] = f"{name} (sha256 {str(model.get('gguf_sha256'))[:12]}...)"
+        _compare(ctx, rel, {"model.model": (model.get("model"), name)})
+        for row in ctx.results.get("rows", []):
+            if isinstance(row, dict) and row.get("study") == study and row.get("model_dims") != dims:
+                ctx.fail(row, "model_dims are not the live manifest's")
+        _check_software(ctx, rel, m.get("software"))
+        return
     want = {"model.model": (model.get("model"), name), "model.gguf": (model.get("gguf"), known["gguf"]),
             "model.gguf_sha256": (model.get("gguf_sha256"), known["gguf_sha256"]),
             "model_dims.layers": (dims.get("layers"), known["layers"]),
             "model_dims.kv_heads": (dims.get("kv_heads"), known["kv_heads"]),
             "model_dims.head_dim": (dims.get("head_dim"), known["head_dim"]),
-            "model_dims.vocab": (dims.get("vocab"), known["vocab"])}
+            "model_dims.vocab": (dims.get("vocab"), known["vocab"]),
+            "model_dims.sliding_window": (dims.get("sliding_window"), known["sliding_window"]),
+            "model_dims.full_layers": (dims.get("full_layers"), known["full_layers"])}
     _compare(ctx, rel, want)
     _check_software(ctx, rel, m.get("software"))
 

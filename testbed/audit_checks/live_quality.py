@@ -53,7 +53,12 @@ from .common import TOLERANCES, encode_tensor, payload_differences
 __all__ = ["check", "MODELS", "POLICY_TABLE"]
 
 # Known models' cache dimensions (the audit's own table; a live row of any other model fails).
-MODELS = {"SmolLM2-135M-Instruct.Q4_1": {"layers": 30, "kv_heads": 3, "head_dim": 64}}
+# the audit's own table of the models it knows; a model given by path carries its dimensions in
+# its rows (``model_dims``), and its byte accounting is then self-consistent only
+MODELS = {"SmolLM2-135M-Instruct.Q4_1": {"layers": 30, "kv_heads": 3, "head_dim": 64, "sliding_window": None,
+                                         "full_layers": list(range(30))},
+          "gemma-3-270m.Q4_K_M": {"layers": 18, "kv_heads": 1, "head_dim": 256, "sliding_window": 512,
+                                  "full_layers": [5, 11, 17]}}
 # name -> (middle, sink from protocol?, window key, key axis[, sink selection]): the audit's own
 # statement of the presets
 POLICY_TABLE = {
@@ -159,10 +164,48 @@ def _packed_bytes(pol: dict, p: int, heads: int, d: int) -> int:
     return k + v
 
 
+def _full_layers(dims: dict) -> int:
+    return len(dims["full_layers"]) if dims.get("full_layers") is not None else dims["layers"]
+
+
+def sliding_bytes(n: int, dims: dict) -> int:
+    """What the sliding-window layers hold after n tokens, as DynamicCache keeps them (the policy
+    runs on full-attention layers only): the newest window - 1 tokens, float32 K and V, no header."""
+    w = dims.get("sliding_window")
+    if not w:
+        return 0
+    return (dims["layers"] - _full_layers(dims)) * min(n, w - 1) * 2 * dims["kv_heads"] * dims["head_dim"] * 4
+
+
 def policy_bytes(pol: dict, n: int, dims: dict) -> int:
     s, p, f = _spans(pol, n)
     h, d = dims["kv_heads"], dims["head_dim"]
-    return dims["layers"] * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d))
+    return _full_layers(dims) * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d)) + sliding_bytes(n, dims)
+
+
+def reference_bytes(n: int, dims: dict) -> int:
+    """DynamicCache in float32: every token on full-attention layers, the window on sliding ones."""
+    return _full_layers(dims) * n * 2 * dims["kv_heads"] * dims["head_dim"] * 4 + sliding_bytes(n, dims)
+
+
+def model_dims(live: dict, row: dict | None = None) -> dict:
+    """The audit's dimensions of the study's model; for a model given by path, the row's
+    ``model_dims`` (checked for form only: the audit cannot know another model)."""
+    known = MODELS.get(live.get("model"))
+    if known is not None:
+        return known
+    dims = (row or {}).get("model_dims")
+    keys = ("layers", "kv_heads", "head_dim")
+    if not isinstance(dims, dict) or not all(isinstance(dims.get(k), int) and dims[k] > 0 for k in keys):
+        raise ValueError(f"model {live.get('model')!r} is not one the audit knows and the row has no model_dims")
+    full = dims.get("full_layers")
+    if full is not None and (not isinstance(full, list) or not all(isinstance(i, int) and 0 <= i < dims["layers"]
+                                                                     for i in full)):
+        raise ValueError(f"model_dims.full_layers {full!r} are not layer indices")
+    return dims
+
+
+ONE_FULL_LAYER = {"layers": 1, "full_layers": [0], "sliding_window": None}
 
 
 def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dims: dict) -> int:
@@ -260,7 +303,7 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         if extra:
             ctx.fail(row, f"an evicting cache stores no packed arrays, found {extra}")
         total = sum(int(v.nbytes) for k, v in a.items() if not k.startswith("input."))
-        ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
+        ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
         return
     want = {}
     chosen = _chosen_sink(row, ctx, pol, live, a) if pol["sink_select"] == "mass" else None
@@ -284,7 +327,7 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     # the chosen sink's indices and scores are the audit's evidence, not the cache's bytes: attention
     # needs no positions of held keys (post-RoPE, all in the past)
     total = sum(int(v.nbytes) for k, v in stored.items())
-    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**MODELS[live["model"]], "layers": 1}))
+    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
 
 
 def _check_study(ctx, study: str, live: dict) -> bool:
@@ -343,9 +386,7 @@ def check(row: dict, ctx) -> None:
     whole = _live_params(ctx, study)
     ctx.cached(("live_study", study), lambda: _check_study(ctx, study, whole))
     live = view_of(whole, row.get("case"))
-    dims = MODELS.get(live.get("model"))
-    if dims is None:
-        raise ValueError(f"model {live.get('model')!r} is not one the audit knows")
+    dims = model_dims(live, row)
     arm, kind = row.get("arm"), row.get("kind")
     names = set(live.get("policies", []))
     peers = {f"quanto_int{p['bits']}": p for p in live.get("peers", [])}
@@ -372,7 +413,7 @@ def check(row: dict, ctx) -> None:
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol[key])
     elif kind == "reference":
-        want_b = [n * dims["layers"] * 2 * dims["kv_heads"] * dims["head_dim"] * 4 for n in want_ctx]
+        want_b = [reference_bytes(n, dims) for n in want_ctx]
     else:
         peer = peers[arm]
         want_b = [quanto_bytes(n, live["prefill"], live.get("window", 128), peer["bits"], live.get("peer_group", 64), dims)

