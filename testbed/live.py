@@ -306,6 +306,19 @@ class SharedPrefill:
     def tokens(self) -> int:
         return int(self.keys[0].shape[-2])
 
+    def _map(self, f) -> "SharedPrefill":
+        return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
+                             None if self.scores is None else [None if s is None else f(s) for s in self.scores],
+                             self.candidates, None if self.query0 is None else f(self.query0), self.record_layer,
+                             self.seconds)
+
+    def as_numpy(self) -> "SharedPrefill":
+        """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
+        return self._map(lambda t: t.numpy())
+
+    def as_torch(self) -> "SharedPrefill":
+        return self._map(lambda a: torch.from_numpy(a.copy()))
+
     def load_into(self, cache) -> None:
         """Give ``cache`` (any transformers cache, or a PolicyCache) the prefill through its own
         layers, as the model's prefill forward would (``update`` per layer; a policy layer whose

@@ -70,12 +70,13 @@ def _task(proto: dict, unit_json: str, threads, dep, fault_dir, base):
     if dep is not None:  # the live reference: numpy arrays from its task, as torch tensors again
         import torch
 
-        dep = tuple(torch.from_numpy(x.copy()) for x in dep)
+        dep = tuple(None if x is None else x.as_torch() if hasattr(x, "as_torch") else torch.from_numpy(x.copy())
+                    for x in dep)
     with pinned_torch(threads):
         result = run_unit(proto, unit, uc, dep)
     out = result.pop("out")
     if out is not None:
-        out = tuple(x.numpy() for x in out)
+        out = tuple(None if x is None else x.as_numpy() if hasattr(x, "as_numpy") else x.numpy() for x in out)
     lists = lists_of(uc)
     files = lists.pop("extra_files")
     text = json.dumps({"result": result, "lists": lists, **_identity()}, allow_nan=True)

