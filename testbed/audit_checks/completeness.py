@@ -446,17 +446,22 @@ def _check_fields(ctx, row: dict, want: dict) -> None:
             ctx.fail(row, f"{field}: row says {_show(got)}, the protocol gives {_show(val)}")
 
 
+def _excluded_model(ctx, study: str, whole: str, rows: list, accepted: set) -> bool:
+    """Whether the study's model could not load (an ``excluded`` entry ``whole``): then the study has
+    no cases and no rows (the audit cannot tell whether it really was missing where the run ran)."""
+    if whole not in _exclusions(ctx):
+        return False
+    accepted.add(whole)
+    for cid in sorted(ctx.results["cases"].get(study, {}) or {}):
+        ctx.fail(f"results.json cases.{study}.{cid}", "the study is excluded (its model did not load), yet has cases")
+    for row in rows:
+        ctx.fail(row, "the study is excluded (its model did not load), yet has rows")
+    return True
+
+
 def _check_live(ctx, study: str, proto: dict, rows: list, accepted: set) -> None:
     live = proto["live"]
-    whole = f"{study}/{live['model']}"
-    if whole in _exclusions(ctx):
-        # The model could not load: the study has no cases and no rows (the audit cannot tell
-        # whether it really was missing where the run ran).
-        accepted.add(whole)
-        for cid in sorted(ctx.results["cases"].get(study, {}) or {}):
-            ctx.fail(f"results.json cases.{study}.{cid}", "the study is excluded (its model did not load), yet has cases")
-        for row in rows:
-            ctx.fail(row, "the study is excluded (its model did not load), yet has rows")
+    if _excluded_model(ctx, study, f"{study}/{live['model']}", rows, accepted):
         return
     # The (segment, arm) grid and the segments: the live check's own study-level check (cached, so
     # it runs once whether a row triggered it or not).
@@ -473,13 +478,7 @@ def _check_retrieval(ctx, study: str, proto: dict, rows: list, accepted: set) ->
     """The retrieval study's grid of trials and (trial, arm) rows: the retrieval check's own
     study-level check (cached: it runs once whether a row triggered it or not); an excluded model
     leaves no cases and no rows."""
-    whole = f"{study}/SmolLM2-135M-Instruct.Q4_1"
-    if whole in _exclusions(ctx):
-        accepted.add(whole)
-        for cid in sorted(ctx.results["cases"].get(study, {}) or {}):
-            ctx.fail(f"results.json cases.{study}.{cid}", "the study is excluded (its model did not load), yet has cases")
-        for row in rows:
-            ctx.fail(row, "the study is excluded (its model did not load), yet has rows")
+    if _excluded_model(ctx, study, f"{study}/SmolLM2-135M-Instruct.Q4_1", rows, accepted):
         return
     p = retrieval_check.params_of(ctx, study)
     ctx.cached(("retrieval_study", study), lambda: retrieval_check.check_study(ctx, study, p))

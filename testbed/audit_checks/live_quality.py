@@ -341,20 +341,26 @@ def _check_study(ctx, study: str, live: dict) -> bool:
         ctx.fail(where, f"segments {sorted(cases)[:4]}... are not the protocol's {len(every)} ({every[0]}..)")
     for prefix, v in views(live):
         _check_segments(ctx, where, cases, segment_ids(prefix, live["segments"]), v["prefill"] + live["steps"] + 1)
+    check_grid(ctx, study, where, every, arms, "segment")
+    return True
+
+
+def check_grid(ctx, study: str, where: str, cases, arms, unit: str) -> None:
+    """Exactly one row per (case, arm) of the study: none missing, none the protocol does not
+    imply, none repeated (``unit`` names a case in the FAIL lines: segment, trial)."""
     seen: dict[tuple, int] = {}
     for r in ctx.results.get("rows", []):
         if isinstance(r, dict) and r.get("study") == study:
             key = (r.get("case"), r.get("arm"))
             seen[key] = seen.get(key, 0) + 1
-    want = {(sg, a) for sg in every for a in arms}
-    for key in sorted(want - set(seen)):
-        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is missing")
-    for key in sorted(set(seen) - want):
-        ctx.fail(where, f"row for segment {key[0]} arm {key[1]} is not one the protocol implies")
-    for key, count in sorted(seen.items()):
+    want = {(c, a) for c in cases for a in arms}
+    for key in sorted(want - set(seen), key=repr):
+        ctx.fail(where, f"row for {unit} {key[0]} arm {key[1]} is missing")
+    for key in sorted(set(seen) - want, key=repr):
+        ctx.fail(where, f"row for {unit} {key[0]} arm {key[1]} is not one the protocol implies")
+    for key, count in sorted(seen.items(), key=repr):
         if count > 1:
-            ctx.fail(where, f"segment {key[0]} arm {key[1]} has {count} rows")
-    return True
+            ctx.fail(where, f"{unit} {key[0]} arm {key[1]} has {count} rows")
 
 
 def _check_segments(ctx, where: str, cases: dict, segs: list, length: int) -> None:

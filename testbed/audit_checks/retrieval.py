@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from . import retrieval_stats
-from .live_quality import POLICY_TABLE, _policy
+from .live_quality import POLICY_TABLE, _policy, check_grid
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "REFERENCE", "DEFAULTS"]
 
@@ -121,19 +121,7 @@ def check_study(ctx, study: str, p: dict) -> bool:
                 ctx.fail(f"{where} {w['case']}", f"{name} {value!r} repeats trial {seen[value]}'s: trials must be independent")
             seen[value] = w["case"]
     arms = arms_of(p)
-    seen_rows: dict[tuple, int] = {}
-    for r in ctx.results.get("rows", []):
-        if isinstance(r, dict) and r.get("study") == study:
-            key = (r.get("case"), r.get("arm"))
-            seen_rows[key] = seen_rows.get(key, 0) + 1
-    want_rows = {(c, a) for c in names for a in arms}
-    for key in sorted(want_rows - set(seen_rows)):
-        ctx.fail(where, f"row for trial {key[0]} arm {key[1]} is missing")
-    for key in sorted(set(seen_rows) - want_rows, key=repr):
-        ctx.fail(where, f"row for trial {key[0]} arm {key[1]} is not one the protocol implies")
-    for key, count in sorted(seen_rows.items(), key=repr):
-        if count > 1:
-            ctx.fail(where, f"trial {key[0]} arm {key[1]} has {count} rows")
+    check_grid(ctx, study, where, names, arms, "trial")
     return True
 
 
