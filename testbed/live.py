@@ -296,21 +296,15 @@ class SharedPrefill:
     ``candidates`` tokens (:func:`testbed.policies.cache.sink_scores`) and the queries of batch row
     0 of the ``record_layer`` (the audit's evidence)."""
 
-    def __init__(self, keys, values, scores=None, candidates=None, query0=None, record_layer=None, seconds=0.0):
-        self.keys, self.values = keys, values
-        self.scores, self.candidates = scores, candidates
+    def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0):
+        self.keys, self.values, self.scores = keys, values, scores
         self.query0, self.record_layer = query0, record_layer
         self.seconds = seconds
-
-    @property
-    def tokens(self) -> int:
-        return int(self.keys[0].shape[-2])
 
     def _map(self, f) -> "SharedPrefill":
         return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
                              None if self.scores is None else [None if s is None else f(s) for s in self.scores],
-                             self.candidates, None if self.query0 is None else f(self.query0), self.record_layer,
-                             self.seconds)
+                             None if self.query0 is None else f(self.query0), self.record_layer, self.seconds)
 
     def as_numpy(self) -> "SharedPrefill":
         """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
@@ -389,7 +383,7 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
             model.set_attn_implementation(previous)
     if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
         raise RuntimeError("the shared prefill did not see every layer's K/V of the whole prefill")
-    shared = SharedPrefill(keys, values, None if candidates is None else scores, candidates, query0[0], record_layer,
+    shared = SharedPrefill(keys, values, None if candidates is None else scores, query0[0], record_layer,
                            time.perf_counter() - t0)
     return shared, cache
 
@@ -489,8 +483,7 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
                 "arrays": {"token_ids": arr}}
     ctx.extra_files[f"{study}/live_manifest.json"] = (json.dumps({
         "schema_version": 1,
-        "experiment": f"{study}: cache policies inside {p['model']} (the Q4_1 GGUF dequantized to float32), "
-                      "teacher-forced decoding",
+        "experiment": f"{study}: cache policies inside {p['model']} (float32), teacher-forced decoding",
         "model": {k: v for k, v in info.items() if k not in ("load_seconds", "loaded_from")},
         "model_dims": dims,
         "corpus": corpus_info, "corpus_tokens": int(stream.numel()),

@@ -30,6 +30,7 @@ where their prefill, question and answer token counts are equal (no padding anyw
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -38,9 +39,8 @@ import numpy as np
 import torch
 
 from . import retrieval
-from .live import REFERENCE, _forward, _warm_quanto, chunk_schedule, policies_of, shared_prefill
+from .live import REFERENCE, _arms, _forward, _mass_candidates, _warm_quanto, chunk_schedule, shared_prefill
 from .policies import Policy
-from .policies.policy import sink_candidates
 from .sources.capture import INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
 
 __all__ = ["estimate_bytes", "plan", "run_unit", "report", "summarize", "arms_of", "CHUNK", "REFERENCE", "ANALYSIS"]
@@ -50,9 +50,9 @@ CHUNK = 256  # tokens per forward of the reference (exact in any chunking)
 
 
 def arms_of(p: dict) -> list[tuple[str, object]]:
-    """(name, what) of every arm, the reference first: what is None, a Policy or a peer's dict."""
-    return ([(REFERENCE, None)] + [(pol.name, pol) for pol in policies_of(p)]
-            + [(f"quanto_int{x['bits']}", x) for x in p["peers"]])
+    """(name, what) of every arm, the reference first: the live study's arms (what is None, a Policy
+    or a peer's dict)."""
+    return _arms(p)
 
 
 def estimate_bytes(p: dict) -> int:
@@ -170,7 +170,7 @@ def _new_cache(model, what, p: dict):
     if isinstance(what, Policy):
         from .policies.cache import PolicyCache
 
-        return PolicyCache(what, int(cfg.num_hidden_layers))
+        return PolicyCache.for_model(what, cfg)
     from transformers import QuantizedCache
 
     return QuantizedCache("quanto", cfg, nbits=what["bits"], q_group_size=PEER_GROUP, residual_length=p["window"])
@@ -180,18 +180,13 @@ PEER_GROUP = 64  # quanto's q_group_size (the live study's default)
 
 
 def _schedule(what, start: int, n: int) -> list[int]:
-    if what is None:
-        return chunk_schedule(None, start, n, "chunked", CHUNK)
-    if isinstance(what, Policy):
-        return chunk_schedule(what, start, n, "chunked", CHUNK)
-    return [1] * n
+    """Tokens per forward: a peer one at a time; the reference and a policy in exact chunks."""
+    return chunk_schedule(what, start, n, "chunked", CHUNK) if what is None or isinstance(what, Policy) else [1] * n
 
 
 def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]:
     """One arm on one batch of trials: its rows (arrays into ``ctx.store``); the reference also
     returns the batch's :class:`~testbed.live.SharedPrefill` that the batch's other arms load."""
-    import contextlib
-
     p = proto["retrieval"]
     study, store = ctx.study, ctx.store
     model, _, _ = load_model()
@@ -206,13 +201,11 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     answer = ids[:, P + n_q:]
     if what is not None and not isinstance(what, Policy):
         _warm_quanto(model, kw, model.config)  # before the arm's clock starts
-    shared = ref
+    shared = None if ref is None else ref[0]  # the reference's output: (SharedPrefill,), a tuple as every unit's
     t0 = time.perf_counter()
     with torch.no_grad():
         if arm == REFERENCE:
-            mass = any(pol.sink_select == "mass" for pol in policies_of(p))
-            candidates = sink_candidates(P, p["sink"], p["window"]) if mass else None
-            shared, cache = shared_prefill(model, kw, ids[:, :P], candidates, None)
+            shared, cache = shared_prefill(model, kw, ids[:, :P], _mass_candidates({**p, "prefill": P}), None)
             ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                                 "seconds": shared.seconds, "trials": len(batch), "tokens": len(batch) * P,
                                 "forwards": 1})
@@ -220,14 +213,11 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
         else:
             cache = _new_cache(model, what, p)
             shared.load_into(cache)
-        inside = contextlib.nullcontext
-        if isinstance(what, Policy):
-            from .policies.cache import policy_attention
+        from .policies.cache import policy_attention  # transformers: needed only once a model runs
 
-            inside = lambda: policy_attention(model)  # noqa: E731
         tf_schedule = _schedule(what, P, n_q + n_a - 1)
         q_schedule = _schedule(what, P, n_q)
-        with inside():
+        with policy_attention(model) if isinstance(what, Policy) else contextlib.nullcontext():
             logp = _teacher_forced(model, kw, cache, fed, tf_schedule, n_q)
             del cache
             cache2 = _new_cache(model, what, p)
@@ -264,7 +254,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
         rows.append(row)
     em = sum(r["tf_em"] for r in rows)
     note = f"{arm} (batch {bi + 1}): {em}/{len(rows)} exact, {forwards} forwards, {seconds:.1f} s"
-    return rows, (shared if arm == REFERENCE else None), note
+    return rows, ((shared,) if arm == REFERENCE else None), note
 
 
 # -- the report -------------------------------------------------------------------------------------

@@ -156,3 +156,19 @@ def test_ctrl_c_cancels_the_tasks_and_writes_nothing(tmp_path):
     assert proc.returncode == 130, "".join(lines) + rest
     assert "interrupted: nothing was written" in rest and "Traceback" not in rest
     assert not out.exists() and not list(tmp_path.glob(".ray.partial-*"))
+
+
+def test_ray_run_of_a_retrieval_study_equals_serial(tmp_path):
+    """The retrieval study on Ray: every arm's task takes its batch's shared prefill from the
+    reference's task (the reference's output is a tuple, as every unit's; a bare object failed
+    there), and the run is the serial run's."""
+    _model_or_skip()
+    proto = json.loads((REPO / "protocols" / "retrieval_small.json").read_text())
+    proto["name"], proto["default"] = "retrieval_ray", False
+    proto["retrieval"].update({"lengths": [256], "depths": [0.0, 1.0], "trials": 1, "policies": ["int4", "streaming"]})
+    protocols = [_write(tmp_path, proto)]
+    assert _run(tmp_path / "serial", protocols) == 0
+    assert _run(tmp_path / "ray", protocols, "--backend", "ray", "--jobs", "2") == 0
+    _assert_same_run(tmp_path / "serial", tmp_path / "ray")
+    rows = json.loads((tmp_path / "ray" / "results.json").read_text())["rows"]
+    assert {r["arm"] for r in rows} == {"dynamic_cache", "int4", "streaming"} and len(rows) == 2 * 3

@@ -410,6 +410,7 @@ def _missing_modules() -> list[str]:
 
 
 _LOADED: dict = {}
+_RESOLVED: dict = {}  # (model key, base, gguf, cache, $TESTBED_SMOLLM2_GGUF) -> the _LOADED key it resolved to
 
 
 def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Callable[[str], None] | None = None,
@@ -427,6 +428,12 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     if missing:
         raise CaptureUnavailable("import", f"the capture extra is not installed (missing: {', '.join(missing)})")
     name = model  # the key; ``model`` is the loaded module below
+    # the same request again (every live unit asks): no second lookup, assembly or SHA-256 of the weights
+    request = (name, str(base), None if gguf is None else str(gguf), str(cache if cache is not None else cache_root()),
+               os.environ.get("TESTBED_SMOLLM2_GGUF"))
+    if _RESOLVED.get(request) in _LOADED:
+        model, tokenizer, info = _LOADED[_RESOLVED[request]]
+        return model, tokenizer, {**info, "loaded_from": "memory (already loaded by this process)", "load_seconds": 0.0}
     folder_model = None
     if gguf is None and model == GEMMA_ID:
         gguf = locate_gemma()
@@ -452,6 +459,7 @@ def load_model(gguf: Path | None = None, cache: Path | None = None, progress: Ca
     t0 = time.perf_counter()
     digest = sha256_file(gguf) if folder_model is None else _folder_sha256(folder_model)
     key = (digest, str(cache))
+    _RESOLVED[request] = key
     if key in _LOADED:
         model, tokenizer, info = _LOADED[key]
         return model, tokenizer, {**info, "loaded_from": "memory (already loaded by this process)",
