@@ -130,6 +130,24 @@ def heavy_imports(call: str, run: Path) -> tuple[str, list[str]]:
     return ok, bad
 
 
+def drop_row(run: Path, res: dict, victim: dict) -> None:
+    """A consistent forger deleting one row: it leaves ``res``, its arrays that no other row names
+    leave the manifest and their containers, and results, CSV and reports are rewritten
+    (:func:`forge_results`)."""
+    import json
+
+    from tests import _arrays
+
+    res["rows"].remove(victim)
+    m = json.loads((run / "manifest.json").read_text())
+    for rel in victim["arrays"].values():
+        if not any(rel in json.dumps(r) for r in res["rows"]) and rel in m["arrays"]:
+            del m["arrays"][rel]
+            _arrays.delete(run, rel)
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+    forge_results(run, res)
+
+
 def forge_results(run: Path, res: dict, redraw: bool = True) -> None:
     """What a consistent forger does to results.json: write ``res``, rewrite results.csv to say the
     same (the audit checks one against the other), redraw report.html and rewrite report.md from the

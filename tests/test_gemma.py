@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,24 @@ def gemma():
     except capture.CaptureUnavailable as e:
         pytest.skip(f"Gemma-3 unavailable: {e}")
     return model, tok
+
+
+def _protocol(name: str) -> dict:
+    return json.loads((Path(__file__).resolve().parent.parent / "protocols" / f"{name}.json").read_text())
+
+
+def _run_and_audit(proto: dict, tmp_path) -> tuple:
+    """Run ``proto`` (written beside its model folder, if any) into ``tmp_path/run``; the audit must
+    pass. Returns the run folder and the audit's summary line."""
+    from testbed.run import main as run_main
+
+    path = tmp_path / f"{proto['name']}.json"
+    path.write_text(json.dumps(proto))
+    out = tmp_path / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    ok, failures, summary = audit(out)
+    assert ok, failures[:5]
+    return out, summary
 
 
 def _ids(tok, n):
@@ -109,18 +128,11 @@ def test_every_preset_chunked_equals_step_and_bytes_follow_layer_types(gemma, na
 
 
 def test_gemma_live_run_passes_the_audit_and_counts_bytes_per_layer_type(gemma, tmp_path):
-    from testbed.run import main as run_main
-
-    proto = json.loads((capture.Path(__file__).resolve().parent.parent / "protocols" / "gemma3_quality.json").read_text())
+    proto = _protocol("gemma3_quality")
     proto["name"] = "gemma_tiny"
     proto["live"].update({"segments": 1, "prefill": PREFILL, "steps": STEPS, "batch": 1, "window": 16, "group": 16,
                           "evict_window": 32, "policies": ["float32", "int4", "int2_sinkmass4", "streaming"]})
-    path = tmp_path / "gemma_tiny.json"
-    path.write_text(json.dumps(proto))
-    out = tmp_path / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    ok, failures, _ = audit(out)
-    assert ok, failures[:5]
+    out, _ = _run_and_audit(proto, tmp_path)
     rows = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     n = PREFILL + STEPS
     per_token = 2 * 1 * 256 * 4  # float32 K + V of one layer, one KV head of 256
@@ -145,7 +157,7 @@ def test_gemma_live_run_passes_the_audit_and_counts_bytes_per_layer_type(gemma, 
 def test_refusals_name_the_layer_and_the_peer(gemma):
     from testbed.protocol import ProtocolError, validate_protocol
 
-    proto = json.loads((capture.Path(__file__).resolve().parent.parent / "protocols" / "gemma3_quality.json").read_text())
+    proto = _protocol("gemma3_quality")
     bad = json.loads(json.dumps(proto))
     bad["live"]["evidence_layer"] = 0
     with pytest.raises(ProtocolError, match="layer 0 of gemma-3-270m.Q4_K_M is a sliding-window layer"):
@@ -173,17 +185,13 @@ def test_a_model_given_by_path_runs_and_is_audited_self_consistently(tmp_path, c
     folder = tmp_path / "my_model"
     tf.LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
-    proto = json.loads((capture.Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
+    proto = _protocol("smollm2_quality")
     proto.update({"name": "my_model_live", "default": False})
     proto["live"].update({"model": "my_model", "segments": 1, "prefill": 40, "steps": 24, "batch": 1, "window": 8,
                           "group": 8, "evict_window": 16, "evidence_layer": 1, "policies": ["int4", "streaming"],
                           "peers": []})
-    path = tmp_path / "my_model_live.json"
-    path.write_text(json.dumps(proto))
-    out = tmp_path / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    ok, failures, summary = audit(out)
-    assert ok, failures[:5]
+    out, summary = _run_and_audit(proto, tmp_path)
+    path = tmp_path / f"{proto['name']}.json"
     assert "runs a model the audit does not know (my_model" in summary
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert {r["arm"] for r in rows} == {"dynamic_cache", "int4", "streaming"}

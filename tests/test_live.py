@@ -22,7 +22,7 @@ from testbed.audit import audit
 from testbed.policies import preset
 from testbed.sources import capture
 from tests import _arrays
-from tests._helpers import forge_results
+from tests._helpers import drop_row, forge_results
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -219,15 +219,7 @@ def test_forgeries_of_live_rows_fail(live_run, tmp_path, what):
         _forge_array(run, ev["float.k"], lambda x: x.__setitem__((0, 0, 0), x[0, 0, 0] + 1.0))
         expect, row = "kept tokens", _row(res, "streaming")
     elif what == "row_deleted":  # a bad segment's row taken out with its own arrays, all re-hashed
-        victim = _row(res, "int4", "seg001")
-        res["rows"].remove(victim)
-        m = json.loads((run / "manifest.json").read_text())
-        for rel in victim["arrays"].values():
-            if not any(rel in json.dumps(r) for r in res["rows"]) and rel in m["arrays"]:
-                del m["arrays"][rel]
-                _arrays.delete(run, rel)
-        (run / "manifest.json").write_text(json.dumps(m, indent=1))
-        _write_rows(run, res)
+        drop_row(run, res, _row(res, "int4", "seg001"))
         expect = "seg001 arm int4 is missing"
     elif what == "bytes":  # claim a smaller cache, arrays, row and manifest all consistent
         _forge_array(run, row["arrays"]["bytes"], lambda x: x.__setitem__(-1, x[-1] // 2))

@@ -19,7 +19,7 @@ import torch
 from testbed.audit import audit
 from testbed.sources import capture
 from tests import _arrays
-from tests._helpers import forge_results
+from tests._helpers import drop_row, forge_results
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -154,15 +154,7 @@ def test_forgeries_of_retrieval_fail(tiny_run, tmp_path, what):
         forge_results(run, res)
         expect, label = "needle", "cases.retrieval_tiny.t0000"
     elif what == "row_deleted":  # a failing row taken out, its arrays with it, all re-hashed
-        victim = _row(res, "streaming")
-        res["rows"].remove(victim)
-        m = json.loads((run / "manifest.json").read_text())
-        for rel in victim["arrays"].values():
-            if not any(rel in json.dumps(r) for r in res["rows"]) and rel in m["arrays"]:
-                del m["arrays"][rel]
-                _arrays.delete(run, rel)
-        (run / "manifest.json").write_text(json.dumps(m, indent=1))
-        forge_results(run, res)
+        drop_row(run, res, _row(res, "streaming"))
         expect, label = "t0000 arm streaming is missing", "retrieval_tiny"
     else:  # a narrower interval printed for the reference
         doc = (run / "report.md").read_text()
