@@ -118,11 +118,11 @@ def test_archived_kv_heads_are_case_indices_in_ascending_order():
     case and the audit record them); with a subset of KV heads recorded, indices into that subset."""
     raw = protocol({"prompts": ["ledger"], "kv_heads": [2, 0]})
     src = validate_protocol(raw)["source"]
-    assert capture.archived_kv_heads(src, "ledger") == [0, 2] and capture.archived_kv_heads(src, "digits") == []
+    assert capture.archived_kv_heads(src, "ledger", 3) == [0, 2] and capture.archived_kv_heads(src, "digits", 3) == []
     raw["source"].update(kv_heads=[1, 2], archive={"prompts": ["ledger"], "kv_heads": [2]})
-    assert capture.archived_kv_heads(validate_protocol(raw)["source"], "ledger") == [1]
+    assert capture.archived_kv_heads(validate_protocol(raw)["source"], "ledger", 3) == [1]
     raw["source"]["archive"] = None
-    assert capture.archived_kv_heads(validate_protocol(raw)["source"], "ledger") is None
+    assert capture.archived_kv_heads(validate_protocol(raw)["source"], "ledger", 3) is None
 
 
 # -- the two tiers --------------------------------------------------------------------------------

