@@ -362,14 +362,18 @@ def _ecdf(ax, x, **kw):
 
 def _draw_heatmap(plt, d):
     n = len(d["panels"])
-    fig, axes = plt.subplots(1, n, figsize=(min(3.0 * n + 0.6, _MAX_W), 3.2), squeeze=False)
-    for ax, p in zip(axes[0], d["panels"]):
+    cols = min(n, 4)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(min(2.7 * cols + 0.6, _MAX_W), 3.2 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for ax, p in zip(axes.flat, d["panels"]):
         im = ax.imshow(np.asarray(p["mean"]), aspect="auto", cmap="viridis", vmin=0)
         ax.set_title(f"{p['distribution']} ({len(p['cases'])} cases)")
         ax.set_xlabel(f"key block ({p['frame']} tokens)")
         ax.set_ylabel("query block")
         ax.set_yticks(range(len(p["mean"])))
-        fig.colorbar(im, ax=ax, fraction=0.05, label="attention mass" if ax is axes[0][-1] else None)
+        fig.colorbar(im, ax=ax, fraction=0.05, label="attention mass" if ax is axes.flat[n - 1] else None)
     return fig
 
 
@@ -487,10 +491,11 @@ def _draw_residual(plt, d):
     return fig
 
 
-def _place_labels(ax, points, labels):
+def _place_labels(ax, points, labels, colors):
     """Label each point (display-free data coordinates) without overlap: beside the marker if that
     spot is free, else at the nearest free spot on rings around it with a leader line; labels stay
-    inside the axes. Call after the axes' limits and the figure's layout are final."""
+    inside the axes; a leader line has its point's colour. Call after the axes' limits and the
+    figure's layout are final."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     box = ax.get_window_extent(renderer)
@@ -529,7 +534,7 @@ def _place_labels(ax, points, labels):
         dx, dy, ha, va, b = best
         far = math.hypot(dx, dy) > marker + gap + 0.5
         ax.annotate(labels[i], tuple(points[i]), xytext=(dx / px, dy / px), textcoords="offset points", ha=ha, va=va,
-                    arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.6, "shrinkA": 0, "shrinkB": 3}
+                    arrowprops={"arrowstyle": "-", "color": colors[i], "lw": 1.0, "shrinkA": 0, "shrinkB": 3}
                     if far else None, gid="data-label")
         taken.append(b)
 
@@ -560,7 +565,7 @@ def _draw_live(plt, d):
         for ax, y in ((a1, e["delta_pct"]), (a2, e["mean_kl"])):
             if y is not None:
                 ax.plot(e["bytes_per_token"], y, shape(e["arm"]), color=color[b], ms=6)
-                pts[ax].append(((e["bytes_per_token"], y), b))
+                pts[ax].append(((e["bytes_per_token"], y), b, color[b]))
     for ax, label, lin in ((a1, "perplexity change vs reference (%)", 0.1), (a2, "mean KL (nats / token)", 1e-3)):
         ax.set_xlabel("bytes per token")
         ax.set_ylabel(label)
@@ -596,7 +601,8 @@ def _draw_live(plt, d):
     fig.canvas.draw()  # the layout, then labels placed in it, then no more layout
     fig.set_layout_engine("none")
     for ax in (a1, a2):
-        _place_labels(ax, [p for p, _ in pts[ax]], [n for _, n in pts[ax]])
+        if pts[ax]:
+            _place_labels(ax, *zip(*pts[ax]))
     return fig
 
 

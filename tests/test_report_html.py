@@ -357,7 +357,7 @@ def test_live_labels_are_placed_not_stacked():
                                     + [e["arm"] for e in d["arms"]])
     import testbed.report_html as rh
 
-    def beside(ax, points, names):
+    def beside(ax, points, names, colors):
         for p, name in zip(points, names):
             ax.annotate(name, p, gid="data-label")
 
