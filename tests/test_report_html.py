@@ -21,6 +21,7 @@ import pytest
 
 from testbed.audit import audit
 from testbed.audit_checks.report_html import CSP, parse_report, png_size
+from testbed.report_html import figure_layout
 from tests._helpers import REPO, figure_run
 from tests.test_tamper import assert_fails, check, manifest, rehash, write_manifest
 
@@ -271,3 +272,127 @@ def test_browser_check_sees_an_outside_request(finished, tmp_path):
     _, problems = browser_check(html, tmp_path / "browser")
     assert any(p.startswith("console:") and "example.com/x.png" in p for p in problems), problems
     assert any(p.startswith("image ") and "not rendered" in p for p in problems), problems
+
+
+# -- readable at the page's width (issue #37) -------------------------------------------------
+
+WINDOW_PX = 1400  # the browser window the figures must read well in
+MIN_TEXT_PX = 11  # the smallest text a figure may show at that width
+EVIDENCE_REPORT = REPO / "evidence" / "report.html"
+
+
+def shown_width(page: str, window: int = WINDOW_PX) -> float:
+    """The widest an image is shown, in CSS px, from the page's own style: ``img{max-width:100%}``
+    of the body's content box, which is its max-width (em of the browser's 16 px) or the window less
+    the body's side padding, whichever is smaller."""
+    style = re.search(r"<style>(.*?)</style>", page, re.S).group(1)
+    assert "img{max-width:100%" in style
+    body = re.search(r"body\{([^}]*)\}", style).group(1)
+    max_w = float(re.search(r"max-width:([\d.]+)em", body).group(1)) * 16
+    side = float(re.search(r"padding:[\d.]+(?:em)? ([\d.]+)em", body).group(1)) * 16
+    return min(max_w, window - 2 * side)
+
+
+def _overlap(a, b, tol: float = 1.0) -> bool:
+    return a[0] < b[2] - tol and b[0] < a[2] - tol and a[1] < b[3] - tol and b[1] < a[3] - tol
+
+
+def unreadable(layout: dict, shown_px: float) -> list[str]:
+    """What makes a drawn figure (``figure_layout``) hard to read when shown ``shown_px`` wide."""
+    w, h = layout["size"]
+    scale = layout["dpi"] / 72 * min(w, shown_px) / w  # px on the page per pt of font
+    texts = layout["texts"]
+    out = [f"{t['role']} {t['text']!r} is {t['size_pt'] * scale:.1f} px high" for t in texts
+           if t["size_pt"] * scale < MIN_TEXT_PX]
+    out += [f"{a['role']} {a['text']!r} overlaps {b['role']} {b['text']!r}" for i, a in enumerate(texts)
+            for b in texts[i + 1:] if _overlap(a["bbox"], b["bbox"])]
+    out += [f"{t['role']} {t['text']!r} is cut off" for t in texts
+            if min(t["bbox"][:2]) < -1 or t["bbox"][2] > w + 1 or t["bbox"][3] > h + 1]
+    out += [f"legend {i} covers panel {k}" for i, lg in enumerate(layout["legends"])
+            for k, ax in enumerate(layout["axes"]) if _overlap(lg, ax, 0.0)]
+    out += [f"panel {i}: log {name} axis with {n} labelled tick(s)" for i, name, n in layout["log_axes"] if n < 2]
+    out += [f"panel {i} plots only zeros" for i in layout["all_zero_axes"]]
+    return out
+
+
+def evidence_figures() -> list[dict]:
+    if not EVIDENCE_REPORT.is_file():
+        pytest.skip("no evidence/report.html")
+    return [json.loads(f["data"][0]) for f in parse_report(EVIDENCE_REPORT.read_text(encoding="utf-8")).figures]
+
+
+def evidence_figure(key: str) -> dict:
+    return next(d for d in evidence_figures() if d["key"] == key)
+
+
+def test_run_figures_read_at_page_width(finished):
+    """Every figure of the run's report, as the page shows it in a 1400 px window: text at least
+    11 px high, no two texts overlapping, nothing cut off, no legend over a panel, two labels on a
+    log axis, no panel of zeros; and the measured drawing is the embedded PNG (same size)."""
+    text = (finished / REL).read_text(encoding="utf-8")
+    shown = shown_width(text)
+    assert shown == 1120  # 70em at 16 px: the window is wider than the body
+    for fig in page_of(finished).figures:
+        layout = figure_layout(json.loads(fig["data"][0]))
+        assert tuple(layout["size"]) == png_size(fig["imgs"][0]), fig["key"]
+        assert layout["size"][0] <= shown, fig["key"]  # not shrunk by the page: no pixels wasted
+        assert unreadable(layout, shown) == [], fig["key"]
+
+
+def test_evidence_figures_read_at_page_width():
+    """The same for every figure of the archived default run (its live-quality figures have 15 and
+    18 labelled points, its retrieval figure one panel per arm), drawn from their embedded data."""
+    figures = evidence_figures()
+    assert {"live_quality", "retrieval_heatmap", "mx_paths"} <= {d["kind"] for d in figures}
+    problems = {d["key"]: unreadable(figure_layout(d), 1120) for d in figures}
+    assert {k: v for k, v in problems.items() if v} == {}
+
+
+def test_live_labels_are_placed_not_stacked():
+    """Each point of the live figure carries its arm's name (both panels), all apart; with the
+    labels pinned beside their points instead (the old drawing) the check finds the overlaps."""
+    d = evidence_figure("live_quality/smollm2_quality")
+    labels = [t["text"] for t in figure_layout(d)["texts"] if t["role"] == "label"]
+    assert sorted(labels) == sorted([e["arm"] for e in d["arms"] if e["delta_pct"] is not None]
+                                    + [e["arm"] for e in d["arms"]])
+    import testbed.report_html as rh
+
+    def beside(ax, points, names, colors):
+        for p, name in zip(points, names):
+            ax.annotate(name, p, gid="data-label")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rh, "_place_labels", beside)
+        problems = unreadable(figure_layout(d), 1120)
+    assert any("'float32' overlaps" in p or "overlaps label 'float32'" in p for p in problems), problems
+
+
+def test_readability_check_sees_small_text_and_bare_log_axes(monkeypatch):
+    """The check fails the old drawing's faults: 7 pt tick labels, and a log axis over less than a
+    decade with matplotlib's plain log ticks (one label)."""
+    import testbed.report_html as rh
+
+    d = evidence_figure("ablation_pairs/ablation")
+    assert unreadable(figure_layout(d), 1120) == []
+    monkeypatch.setitem(rh._RC, "ytick.labelsize", 7)
+    assert any(p.startswith("tick ") and "px high" in p for p in unreadable(figure_layout(d), 1120))
+    monkeypatch.setitem(rh._RC, "ytick.labelsize", 8.5)
+
+    def plain_log(ax, which="y"):
+        from matplotlib.ticker import NullLocator
+
+        getattr(ax, f"set_{which}scale")("log")
+        getattr(ax, f"{which}axis").set_minor_locator(NullLocator())
+
+    monkeypatch.setattr(rh, "_log", plain_log)
+    assert "panel 1: log y axis with 1 labelled tick(s)" in unreadable(figure_layout(d), 1120)
+
+
+def test_all_zero_panel_says_so():
+    """The MX figure of the synthetic layouts has no strict zero anywhere: the panel says "all
+    zero" in words instead of plotting zeros on an axis."""
+    d = evidence_figure("mx_paths/mx_paths")
+    assert all(z == 0 for z in d["p"]["zero_rate_mean"])
+    layout = figure_layout(d)
+    assert layout["all_zero_axes"] == []
+    assert any(t["text"].startswith("all zero") for t in layout["texts"])
