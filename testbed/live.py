@@ -720,7 +720,7 @@ def _report_context(rows: list[dict], params: dict, timings: list | None = None)
                       f"{e['mean_kl']:.5f}", f"{100 * e['top1']:.2f} %", f"{e['bytes_per_token']:,.0f}",
                       f"{e['bytes_per_token'] / f16:.3f}", f"{ms:.1f}"])
     n_seg = len({r["case"] for r in rows})
-    text = tabulate(table, headers=["arm", "mode, forwards", "perplexity", "Δ ppl vs float32", "95 % CI (segments)",
+    text = tabulate(table, headers=["arm", "mode, forwards", "perplexity", "Δ ppl vs DynamicCache", "95 % CI (segments)",
                                     "segments worse", "mean KL", "top-1 agree", "bytes / token", "÷ float16",
                                     "ms / scored token"], tablefmt="github")
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "
