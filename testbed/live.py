@@ -525,7 +525,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     ids = torch.tensor(unit["tokens"], dtype=torch.int64)
     ref_logp, ref_argmax, shared = (None, None, None) if ref is None else ref
     if what is not None and not isinstance(what, Policy):
-        _warm_quanto(model, kw, cfg, ctx.progress)  # before the arm's clock starts
+        ctx.one_off += _warm_quanto(model, kw, cfg, ctx.progress)  # before the arm's clock starts
     evidence_layer = p["evidence_layer"] if unit.get("first_of_context", bi == 0) else None  # None: none stored
     if arm == REFERENCE and p["shared_prefill"]:
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
@@ -636,18 +636,21 @@ def _dynamic_bytes(cache) -> int:
 _QUANTO_WARM = []
 
 
-def _warm_quanto(model, kw, cfg, progress=None) -> None:
-    """quanto compiles its CPU extension on first use (about 20-80 s, silent): say so on the
-    progress callback, then do it before any arm is timed. Once per process."""
+def _warm_quanto(model, kw, cfg, progress=None) -> float:
+    """quanto compiles its CPU extension on first use (a silent minute or more): say so on the
+    progress callback, then do it before any arm is timed. Once per process; returns its seconds
+    (0 once warm), which a unit adds to its context's ``one_off`` for the progress estimate."""
     if _QUANTO_WARM:
-        return
+        return 0.0
     say = progress or (lambda m: None)
-    say("quanto: compiling optimum-quanto's CPU extension and warming it up before its first arm is timed "
-        "(once per process, about 20-80 s; nothing else prints meanwhile)")
+    say("[quanto] compiling optimum-quanto's CPU extension and warming it up before its first arm is timed "
+        "(once per process: about a minute, several on a busy machine; nothing else prints meanwhile)")
     t0 = time.perf_counter()
     _quanto_warmup(model, kw, cfg)
     _QUANTO_WARM.append(True)
-    say(f"quanto: ready ({time.perf_counter() - t0:.1f} s)")
+    seconds = time.perf_counter() - t0
+    say(f"[quanto] ready ({seconds:.1f} s)")
+    return seconds
 
 
 def _quanto_warmup(model, kw, cfg) -> None:

@@ -41,7 +41,8 @@ def weighted_left(done: list[tuple[str, float]], todo: dict[str, int], prior: di
     steps costs the mean of its own steps (``learn``); any other class costs its prior times the
     seconds per unit of prior of all finished steps. Without ``learn`` (steps that ran in parallel,
     whose gaps are not their costs) every class is priced by its prior that way. None before the
-    first step. A one-off cost inside a step (a compile on first use) stays in its class's mean."""
+    first step. A one-off cost inside a step (a compile on first use) is best left out of its
+    seconds (`Progress.step`'s ``one_off``)."""
     if not done:
         return None
     prior = prior or {}
@@ -118,13 +119,16 @@ class Progress:
             text += f", ~{format_seconds(left)} left"
         return text
 
-    def step(self, note: str = "", kind: str | None = None) -> None:
+    def step(self, note: str = "", kind: str | None = None, one_off: float = 0.0) -> None:
+        """One more step done; ``kind``: its cost class (with ``kinds``); ``one_off``: seconds of it
+        that later steps of its class will not spend again (a compile on first use), left out of
+        that class's cost but not out of the elapsed time."""
         self.done += 1
         if self.todo is not None:
             if kind not in self.todo:
                 raise ValueError(f"a step of kind {kind!r}, not one of {sorted(self.todo)}")
             now = self.clock()
-            self.timed.append((kind, now - self.t_last))
+            self.timed.append((kind, max(0.0, now - self.t_last - one_off)))
             self.t_last = now
             self.todo[kind] -= 1
         if self.interval:  # at most one line per interval; the last only when the work took that long

@@ -202,7 +202,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     question, fed = ids[:, P:P + n_q], ids[:, P:P + n_q + n_a - 1]
     answer = ids[:, P + n_q:]
     if what is not None and not isinstance(what, Policy):
-        _warm_quanto(model, kw, model.config, ctx.progress)  # before the arm's clock starts
+        ctx.one_off += _warm_quanto(model, kw, model.config, ctx.progress)  # before the arm's clock starts
     shared = None if ref is None else ref[0]  # the reference's output: (SharedPrefill,), a tuple as every unit's
     t0 = time.perf_counter()
     with torch.no_grad():

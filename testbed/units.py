@@ -275,7 +275,7 @@ def run_serial(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, 
     for u in units:
         uc = unit_context(ctx.store, ctx.study, proto, u, ctx.progress, ctx.base)
         result = run_unit(proto, u, uc, outs.get(u.needs))
-        bar.step(result["note"], kind=cost_of(u))
+        bar.step(result["note"], kind=cost_of(u), one_off=uc.one_off)
         absorb(ctx, proto, result, lists_of(uc), cases, rows)
         if u.index in last_use:
             outs[u.index] = result["out"]

@@ -105,12 +105,24 @@ def test_the_quanto_warm_up_is_announced_before_it_runs(monkeypatch):
     lines, calls = [], []
     monkeypatch.setattr(live, "_QUANTO_WARM", [])
     monkeypatch.setattr(live, "_quanto_warmup", lambda model, kw, cfg: calls.append(list(lines)))
-    live._warm_quanto(None, {}, None, lines.append)
+    assert live._warm_quanto(None, {}, None, lines.append) >= 0.0
     assert len(calls) == 1 and len(calls[0]) == 1  # one line was out when the warm-up began
     assert "quanto" in calls[0][0] and "compil" in calls[0][0]
     assert len(lines) == 2 and "ready" in lines[1]
-    live._warm_quanto(None, {}, None, lines.append)  # once per process: no second warm-up, no line
+    assert live._warm_quanto(None, {}, None, lines.append) == 0.0  # once per process: no second warm-up, no line
     assert len(calls) == 1 and len(lines) == 2
+
+
+def test_a_one_off_inside_a_step_is_left_out_of_its_class_cost():
+    """The first quanto arm took 100 s of which 80 s compiling: the next quanto arm is priced at 20 s."""
+    clock = Clock()
+    bar = Progress(3, "live", None, clock=clock, kinds=["testbed", "quanto", "quanto"], prior={"quanto": 8.0})
+    clock.t += 5
+    bar.step(kind="testbed")
+    clock.t += 100
+    bar.step(kind="quanto", one_off=80.0)
+    assert bar.left() == 20.0
+    assert bar.elapsed() == 105.0  # the one-off still counts as time spent
 
 
 def test_a_live_units_note_names_its_batch_among_the_batches():
