@@ -643,8 +643,9 @@ def _warm_quanto(model, kw, cfg, progress=None) -> float:
     if _QUANTO_WARM:
         return 0.0
     say = progress or (lambda m: None)
-    say("[quanto] compiling optimum-quanto's CPU extension and warming it up before its first arm is timed "
-        "(once per process: about a minute, several on a busy machine; nothing else prints meanwhile)")
+    say("[quanto] warming up before its first arm is timed: optimum-quanto compiles its CPU extension on a "
+        "machine's first use (a minute or more, several on a busy machine; nothing else prints meanwhile), "
+        "later loads it from its cache")
     t0 = time.perf_counter()
     _quanto_warmup(model, kw, cfg)
     _QUANTO_WARM.append(True)
