@@ -1,10 +1,13 @@
 """Plot one figure from a run folder's results.csv with matplotlib (installed with testbed: it draws report.html).
 
-    python examples/plot_run.py target/first --out rw.png            # residual window: error vs R
+    python examples/plot_run.py target/first --out rw.png            # residual window: error per arm
     python examples/plot_run.py evidence --analysis live_quality --x arm --y perplexity --by study --out ppl.png
 
 Rows of ``--analysis`` with a number in column ``--y`` are grouped by ``--by`` (one line per
-group) and averaged per value of ``--x``. Columns are those of results.csv (nested fields are
+group) and averaged per value of ``--x``. A point never mixes arms: rows of different ``arm``
+that share an x value are refused (plot ``--x arm``, split them with ``--by arm`` or keep some
+with ``--arm NAME``), since two arms can share a column value (the residual window's ``first16``
+arm and its ``R=0`` arm both have residual 0). Columns are those of results.csv (nested fields are
 dotted: ``quant.key.bits``). The figure is written to ``--out``, never into the run folder (the
 audit would refuse a file the manifest does not name).
 """
@@ -26,12 +29,21 @@ def _number(cell: str):
 
 
 def series(rows: list[dict], x: str, y: str, by: str) -> dict[str, list[tuple]]:
-    """{group: [(x value, mean y), ...]} in the order the x values first appear."""
+    """{group: [(x value, mean y), ...]} in the order the x values first appear.
+
+    Raises ValueError when one point would average rows of different arms."""
     sums: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    arms: dict[tuple[str, str], set] = defaultdict(set)
     for r in rows:
         val = _number(r.get(y, ""))
         if val is not None and r.get(x, "") != "":
-            sums[r.get(by, "") or "(none)"][r[x]].append(val)
+            group = r.get(by, "") or "(none)"
+            sums[group][r[x]].append(val)
+            arms[group, r[x]].add(r.get("arm", ""))
+    for (group, xv), names in arms.items():
+        if len(names) > 1:
+            raise ValueError(f"the point {x}={xv} of {by}={group} would average the arms {sorted(names)}; "
+                             "plot --x arm, split with --by arm, or keep one with --arm NAME")
     out = {}
     for group, per_x in sums.items():
         keys = list(per_x)
@@ -41,22 +53,38 @@ def series(rows: list[dict], x: str, y: str, by: str) -> dict[str, list[tuple]]:
     return out
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a run folder (holds results.csv)")
     ap.add_argument("--out", required=True, help="PNG file to write")
     ap.add_argument("--analysis", default="residual_window")
-    ap.add_argument("--x", default="residual")
+    ap.add_argument("--x", default="arm", help="column of the x axis (default: arm, selected by name)")
     ap.add_argument("--y", default="rel_l2")
     ap.add_argument("--by", default="distribution")
-    args = ap.parse_args(argv)
+    ap.add_argument("--arm", action="append", default=None, help="keep only rows of this arm (repeatable)")
+    return ap
+
+
+def plot_data(args) -> dict[str, list[tuple]]:
+    """The points `main` plots for parsed ``args``: {group: [(x value, mean y), ...]}.
+
+    Raises FileNotFoundError without results.csv and ValueError for a point mixing arms."""
     path = Path(args.run) / "results.csv"
     if not path.is_file():
-        print(f"error: {path}: no such file (a run folder of this testbed version holds one)", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"{path}: no such file (a run folder of this testbed version holds one)")
     with open(path, newline="", encoding="utf-8") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("analysis") == args.analysis]
-    data = series(rows, args.x, args.y, args.by)
+        rows = [r for r in csv.DictReader(f) if r.get("analysis") == args.analysis
+                and (not args.arm or r.get("arm") in args.arm)]
+    return series(rows, args.x, args.y, args.by)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        data = plot_data(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not data:
         print(f"error: no {args.analysis} rows with a number in column {args.y!r} and a value in {args.x!r}",
               file=sys.stderr)

@@ -403,8 +403,9 @@ def _table(out: Diffs) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m testbed.compare", description=__doc__.split("\n\n")[0],
                                  epilog="Tolerances and what may differ across machines: docs/compare.md.")
-    ap.add_argument("a", metavar="A", help="a run folder")
-    ap.add_argument("b", metavar="B", help="the run folder to compare it with (the reference)")
+    ap.add_argument("a", metavar="A", help="the run folder to check (e.g. a run made on another machine)")
+    ap.add_argument("b", metavar="B", help="the reference run folder to compare it with (e.g. the archived "
+                    "evidence/): every tolerance is relative to B's values")
     args = ap.parse_args(argv)
     try:
         ok, lines, summary = compare_runs(args.a, args.b)

@@ -42,6 +42,7 @@ class RunContext:
     case_arrays: dict = field(default_factory=dict)
     extra_files: dict = field(default_factory=dict)
     base: Path | None = None  # the protocol file's folder: relative paths in the protocol resolve against it
+    one_off: float = 0.0  # seconds of one-off work (quanto's first-use compile): left out of progress estimates, never recorded
 
     def __post_init__(self):
         self.rng = random.Random(self.timing_seed)

@@ -501,7 +501,8 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
             forwards = 1 + (p["steps"] if what is not None and not isinstance(what, Policy) else
                             len(chunk_schedule(what, prefill, p["steps"], "chunked" if what is None else p["mode"],
                                                p["reference_chunk"])))
-            units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "segments": batch,
+            units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "batches": len(batches),
+                          "cost": cost_kind(what), "segments": batch,
                           "tokens": [seg_tokens[sid] for sid in batch], "arm": j, "needs": None if j == 0 else ref,
                           "forwards": forwards, "prefill": prefill, "first_of_context": vi == 0,
                           "model_base": None if base is None else str(base), "model_dims": dims})
@@ -524,7 +525,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     ids = torch.tensor(unit["tokens"], dtype=torch.int64)
     ref_logp, ref_argmax, shared = (None, None, None) if ref is None else ref
     if what is not None and not isinstance(what, Policy):
-        _warm_quanto(model, kw, cfg)  # before the arm's clock starts
+        ctx.one_off += _warm_quanto(model, kw, cfg, ctx.progress)  # before the arm's clock starts
     evidence_layer = p["evidence_layer"] if unit.get("first_of_context", bi == 0) else None  # None: none stored
     if arm == REFERENCE and p["shared_prefill"]:
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
@@ -597,9 +598,22 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
             row["evidence"] = {"layer": evidence_layer,
                                "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
         rows.append(row)
-    note = (f"{arm} (batch {bi + 1}): {len(schedule) + 1} forwards, {seconds:.1f} s, "
+    note = (f"{arm}, {batch_note(unit, len(batch), 'segments')}: {len(schedule) + 1} forwards, {seconds:.1f} s, "
             f"{1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token")
     return rows, ((ref_logp, ref_argmax, shared) if arm == REFERENCE else None), note
+
+
+def cost_kind(what) -> str:
+    """The cost class of an arm for the progress estimate (testbed.units.COST_PRIOR): the reference
+    (it holds the batch's prefill), a testbed policy, or a quanto peer (one token per forward)."""
+    return "reference" if what is None else "testbed" if isinstance(what, Policy) else "quanto"
+
+
+def batch_note(unit: dict, items: int, word: str) -> str:
+    """Which batch of its study a unit decodes, for the progress line: ``batch 2/3 (4 segments)``
+    (the batch's index among the study's batches and how many segments or trials it holds)."""
+    total = unit.get("batches")
+    return f"batch {unit['batch'] + 1}" + (f"/{total}" if total else "") + f" ({items} {word})"
 
 
 def _mass_candidates(p: dict) -> int | None:
@@ -622,10 +636,26 @@ def _dynamic_bytes(cache) -> int:
 _QUANTO_WARM = []
 
 
-def _warm_quanto(model, kw, cfg) -> None:
-    """quanto compiles its CPU extension on first use (about 20-60 s): do it before any arm is timed."""
+def _warm_quanto(model, kw, cfg, progress=None) -> float:
+    """quanto compiles its CPU extension on first use (a silent minute or more): say so on the
+    progress callback, then do it before any arm is timed. Once per process; returns its seconds
+    (0 once warm), which a unit adds to its context's ``one_off`` for the progress estimate."""
     if _QUANTO_WARM:
-        return
+        return 0.0
+    say = progress or (lambda m: None)
+    say("[quanto] warming up before its first arm is timed: optimum-quanto compiles its CPU extension on a "
+        "machine's first use (a minute or more, several on a busy machine; nothing else prints meanwhile), "
+        "later loads it from its cache")
+    t0 = time.perf_counter()
+    _quanto_warmup(model, kw, cfg)
+    _QUANTO_WARM.append(True)
+    seconds = time.perf_counter() - t0
+    say(f"[quanto] ready ({seconds:.1f} s)")
+    return seconds
+
+
+def _quanto_warmup(model, kw, cfg) -> None:
+    """Four one-token forwards through a 4-bit QuantizedCache: quanto's first use, untimed."""
     from transformers import QuantizedCache
 
     with torch.no_grad():
@@ -633,7 +663,6 @@ def _warm_quanto(model, kw, cfg) -> None:
         ids = torch.zeros(1, 4, dtype=torch.int64)
         for i in range(4):
             _forward(model, ids[:, i:i + 1], cache, kw)
-    _QUANTO_WARM.append(True)
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -720,7 +749,7 @@ def _report_context(rows: list[dict], params: dict, timings: list | None = None)
                       f"{e['mean_kl']:.5f}", f"{100 * e['top1']:.2f} %", f"{e['bytes_per_token']:,.0f}",
                       f"{e['bytes_per_token'] / f16:.3f}", f"{ms:.1f}"])
     n_seg = len({r["case"] for r in rows})
-    text = tabulate(table, headers=["arm", "mode, forwards", "perplexity", "Δ ppl vs float32", "95 % CI (segments)",
+    text = tabulate(table, headers=["arm", "mode, forwards", "perplexity", "Δ ppl vs DynamicCache", "95 % CI (segments)",
                                     "segments worse", "mean KL", "top-1 agree", "bytes / token", "÷ float16",
                                     "ms / scored token"], tablefmt="github")
     notes = (f"\n\n{n_seg} segments × {params['steps']} teacher-forced steps after a {params['prefill']}-token prefill; "

@@ -53,7 +53,9 @@ ATTENTION = Spec("protocol (attention study)", "A protocol file: a JSON object. 
     "name": Key(str, "the study's name"),
     "source": Key(dict, "which Cases to make: an object whose \"kind\" is one of the sources below"),
     "analyses": Key(dict, "what to measure on each Case: {analysis name: its parameters object}, at least one"),
-    "kind": Key(("choice", ("attention",)), "attention (the default) or live (see the live study)", "attention"),
+    "kind": Key(("choice", ("attention", "live", "retrieval")), "attention (the default; the keys of this table), live "
+                "(see the live study) or retrieval (see the retrieval study): the other kinds have their own tables",
+                "attention"),
     **_COMMON,
 }, rules=(NAME_RULE,))
 LIVE = Spec("protocol (live study)", "A protocol with \"kind\": \"live\": policies inside the model.", {

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from .progress import Progress
 from .evidence import ArrayStore, RecordingStore, environment, replay, sha256_bytes, source_hashes
-from .units import (Unit, absorb, dependents, lists_of, pinned_torch, plan, run_unit, study_context, study_entry,
-                    study_result, unit_context)
+from .units import (COST_PRIOR, Unit, absorb, cost_of, dependents, lists_of, pinned_torch, plan, run_unit,
+                    study_context, study_entry, study_result, unit_context)
 
 __all__ = ["run_studies", "BackendError", "RETRIES", "INSTALL_HINT"]
 
@@ -171,7 +171,9 @@ def _run(ray, root, protocols, threads, progress, fault_dir, *, owns_ray: bool) 
     # its output), each group heaviest first: quanto's one token per forward does not end the run alone.
     for si, u in sorted(order, key=lambda x: (x[1].needs is not None, -x[1].weight)):
         submit(si, u)
-    bar = Progress(total, "ray", progress, unit="unit")
+    # units finish in parallel, so the gaps between them are not their costs: the prior weighs them
+    bar = Progress(total, "ray", progress, unit="unit", kinds=[cost_of(u) for _, u in order], prior=COST_PRIOR,
+                   learn=False)
     # A failing unit does not end the run at once: every unit before it in the serial order is awaited
     # first, and the earliest failure is the one raised, so the error is the serial run's whichever
     # task failed first.
@@ -198,7 +200,7 @@ def _run(ray, root, protocols, threads, progress, fault_dir, *, owns_ray: bool) 
             for i in {u.index, u.needs} - {None}:  # drop outputs (the reference's log-probs) nobody waits for
                 if all(j in st["done"] for j in st["users"].get(i, ())):
                     st["refs"][i] = None
-            bar.step(f"{st['proto']['name']} {u.label} done")
+            bar.step(f"{st['proto']['name']} {u.label} done", kind=cost_of(u))
         if failed is not None:
             raise failed[1]
     except BaseException:

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from . import retrieval
-from .live import REFERENCE, _arms, _forward, _mass_candidates, _warm_quanto, chunk_schedule, shared_prefill
+from .live import (REFERENCE, _arms, _forward, _mass_candidates, _warm_quanto, batch_note, chunk_schedule, cost_kind,
+                   shared_prefill)
 from .policies import Policy
 from .sources.capture import INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
 
@@ -126,7 +127,8 @@ def plan(proto: dict, ctx, protocol_path=None) -> tuple[dict, list[dict]]:
         for j, (arm, what) in enumerate(arms):
             step = what is not None and not isinstance(what, Policy)
             forwards = 1 + (n_q + n_a - 1 + n_q + n_a - 1 if step else 2 * n_a + 2)
-            units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "trials": batch, "arm": j,
+            units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "batches": len(batches),
+                          "cost": cost_kind(what), "trials": batch, "arm": j,
                           "needs": None if j == 0 else ref, "forwards": forwards})
     return cases, units
 
@@ -200,7 +202,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     question, fed = ids[:, P:P + n_q], ids[:, P:P + n_q + n_a - 1]
     answer = ids[:, P + n_q:]
     if what is not None and not isinstance(what, Policy):
-        _warm_quanto(model, kw, model.config)  # before the arm's clock starts
+        ctx.one_off += _warm_quanto(model, kw, model.config, ctx.progress)  # before the arm's clock starts
     shared = None if ref is None else ref[0]  # the reference's output: (SharedPrefill,), a tuple as every unit's
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -253,7 +255,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                            "residual_length": p["window"]}
         rows.append(row)
     em = sum(r["tf_em"] for r in rows)
-    note = f"{arm} (batch {bi + 1}): {em}/{len(rows)} exact, {forwards} forwards, {seconds:.1f} s"
+    note = f"{arm}, {batch_note(unit, len(batch), 'trials')}: {em}/{len(rows)} exact, {forwards} forwards, {seconds:.1f} s"
     return rows, ((shared,) if arm == REFERENCE else None), note
 
 

@@ -24,7 +24,7 @@ from .progress import Progress
 from .protocol import ProtocolError
 
 __all__ = ["Unit", "plan", "unit_word", "dependents", "run_unit", "unit_context", "absorb", "run_serial",
-           "pinned_torch", "study_entry", "study_result", "study_context"]
+           "pinned_torch", "study_entry", "study_result", "study_context", "COST_PRIOR", "cost_of"]
 
 
 @contextlib.contextmanager
@@ -118,6 +118,17 @@ def plan(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, list[U
     word = unit_word(proto)
     return {}, [Unit(i, f"{word} {i + 1}/{len(slices)}", "cases", {"source": sub}, None, cpu)
                 for i, sub in enumerate(slices)]
+
+
+# Relative cost of one unit per cost class, for the progress estimate until the run has timed units
+# of a class (then their own mean is used): a quanto peer's batch took 8 times a testbed policy's in
+# the archived evidence (smollm2_quality, timings.json: 8.1 s against 0.6-1.3 s), one token per forward.
+COST_PRIOR = {"unit": 1.0, "reference": 1.0, "testbed": 1.0, "quanto": 8.0}
+
+
+def cost_of(unit: Unit) -> str:
+    """A unit's cost class (testbed.live.cost_kind for a live or retrieval arm, else "unit")."""
+    return unit.spec.get("cost", "unit") if isinstance(unit.spec, dict) else "unit"
 
 
 def unit_word(proto: dict) -> str:
@@ -259,11 +270,12 @@ def run_serial(proto: dict, ctx: RunContext, protocol_path=None) -> tuple[dict, 
     cases, units = plan(proto, ctx, protocol_path)
     rows, outs = [], {}
     last_use = {i: max(users) for i, users in dependents(units).items()}
-    bar = Progress(len(units), ctx.study, ctx.progress, unit=unit_word(proto))
+    bar = Progress(len(units), ctx.study, ctx.progress, unit=unit_word(proto), kinds=[cost_of(u) for u in units],
+                   prior=COST_PRIOR)
     for u in units:
         uc = unit_context(ctx.store, ctx.study, proto, u, ctx.progress, ctx.base)
         result = run_unit(proto, u, uc, outs.get(u.needs))
-        bar.step(result["note"])
+        bar.step(result["note"], kind=cost_of(u), one_off=uc.one_off)
         absorb(ctx, proto, result, lists_of(uc), cases, rows)
         if u.index in last_use:
             outs[u.index] = result["out"]

@@ -478,3 +478,22 @@ def test_cell_comparison_is_at_the_printed_precision():
     exact = report_md.fixed(0.03125, 4, exact=True)
     assert report_md.cell_ok("0.0312", exact, tol) and not report_md.cell_ok("0.0313", exact, tol)
     assert report_md.cell_ok("n/a", report_md.pct(None), tol) and not report_md.cell_ok("0.00%", report_md.pct(None), tol)
+
+
+def test_live_delta_column_names_its_reference_on_both_sides():
+    """The live table's Δ is against the DynamicCache reference (testbed.live.summarize), not a
+    float32 arm: the run writes that header and the audit expects the same one."""
+    from testbed import live
+    from testbed.protocol import load_protocol
+
+    assert live.REFERENCE == report_md.REFERENCE_ARM == "dynamic_cache"
+    proto, _ = load_protocol(EVIDENCE / "protocols" / "smollm2_quality.json")
+    rows = [r for r in load_json(EVIDENCE / "results.json")["rows"]
+            if r.get("study") == "smollm2_quality" and r.get("analysis") == "live_quality"]
+    assert rows
+    text = live.report(rows, proto["live"], [])
+    header = next(ln for ln in text.splitlines() if ln.startswith("| arm "))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells == report_md.LIVE_HEADERS
+    delta = next(c for c in cells if c.startswith("Δ"))
+    assert "DynamicCache" in delta and "float32" not in delta

@@ -268,3 +268,18 @@ def test_a_flip_sensitive_group_allows_one_percent_of_outliers_and_no_more():
         d = Diffs()
         d.floats("g", moved, ref, kind, [f"r{i}" for i in range(144)])
         assert (d.failures == []) is ok, (kind, d.failures)
+
+
+def test_help_readme_and_docs_agree_that_b_is_the_reference(capsys):
+    """The tolerances scale with B's values (Diffs.floats: max |b|), so B is the reference: --help,
+    the README's sentence and docs/compare.md all say so, and none calls A the reference."""
+    with pytest.raises(SystemExit):
+        compare_main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    b_help = help_text.split(" B ", 2)[-1]
+    assert "reference" in b_help and "reference" not in help_text.split("A B")[-1].split(" B ")[0]
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    sentence = readme.split("`python -m testbed.compare A B` (numpy + stdlib)", 1)[1].split(":", 1)[0]
+    assert "A reproduces B, the reference" in sentence and "reproduced A" not in readme
+    doc = " ".join((REPO / "docs" / "compare.md").read_text(encoding="utf-8").split())
+    assert "B is the reference" in doc

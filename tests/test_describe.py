@@ -106,3 +106,25 @@ def test_a_relative_trace_path_is_relative_to_the_protocol_file(tmp_path, monkey
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["memory_guard"]["estimated_peak_bytes"]["trace_rel"] > 256 << 20  # the estimate found the file
     assert audit(out, check_sources=False)[0]
+
+
+def test_the_protocol_kind_lists_every_kind_the_loader_accepts():
+    """The shipped protocols use every study kind the loader dispatches on; --describe's `kind`
+    allows each of them (it said only "attention" while live and retrieval protocols loaded)."""
+    from testbed.schema import spec_allowed
+
+    kinds = {json.loads(p.read_text(encoding="utf-8")).get("kind", "attention")
+             for p in (REPO / "protocols").glob("*.json")}
+    assert {"attention", "live", "retrieval"} <= kinds
+    for k in kinds:  # the loader accepts the kind: whatever it refuses next, it is not the kind
+        with pytest.raises(ProtocolError) as info:
+            validate_protocol({"name": "x", "kind": k}, "p")
+        assert not str(info.value).startswith("p.kind"), str(info.value)
+    with pytest.raises(ProtocolError, match=r"^p\.kind"):
+        validate_protocol({**synthetic_protocol("x"), "kind": "zz_not_a_kind"}, "p")
+    allowed = spec_allowed(spec_of("protocol").keys["kind"].spec)
+    for k in kinds:
+        assert json.dumps(k) in allowed, (k, allowed)
+    kind_line = next(ln for ln in (REPO / "docs" / "protocols.md").read_text(encoding="utf-8").splitlines()
+                     if ln.startswith("| `kind` | string | `\"attention\"`"))
+    assert all(json.dumps(k) in kind_line for k in kinds), kind_line

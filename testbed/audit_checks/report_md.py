@@ -81,7 +81,7 @@ TV_HIGH = 0.05  # the MX table's "rows TV>5%"
 # seed): the audit's own copy, so that a changed quotation fails.
 SEED_STUDY = {"qk_tv_median": 0.0152, "qk_argmax": 0.9433, "p_tv_median": 0.0106, "p_zero_median": 0.0,
               "p_zero_mean": 0.0245, "p_rows_with_zero": 0.3663, "p_row_sum_median": 0.999392}
-LIVE_HEADERS = ["arm", "mode, forwards", "perplexity", "Δ ppl vs float32", "95 % CI (segments)", "segments worse",
+LIVE_HEADERS = ["arm", "mode, forwards", "perplexity", "Δ ppl vs DynamicCache", "95 % CI (segments)", "segments worse",
                 "mean KL", "top-1 agree", "bytes / token", "÷ float16", "ms / scored token"]
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+(?:\.\d*)?[eE][+-]?\d+)")
 _INT = re.compile(r"[+-]?\d+")
