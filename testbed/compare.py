@@ -356,18 +356,45 @@ def _compare_protocols(ma: dict, mb: dict, out: Diffs) -> None:
             out.fail(f"protocol {name}", "the frozen protocol copies differ (or one run lacks it)")
 
 
-def compare_runs(a: str | Path, b: str | Path) -> tuple[bool, list[str], str]:
+def _studies(manifest: dict, results: dict) -> set[str]:
+    rows = {r.get("study") for r in results["rows"] if isinstance(r, dict)}
+    protos = {e.get("name") for e in manifest.get("protocols", []) if isinstance(e, dict)}
+    return {s for s in rows | protos if isinstance(s, str)}
+
+
+def _restrict(manifest: dict, results: dict, studies: set[str]) -> tuple[dict, dict]:
+    """The part of a run that belongs to ``studies``: their rows, case records, protocol copies and
+    arrays (a study's arrays live under ``arrays/<study>/``)."""
+    arrays = {rel: v for rel, v in manifest["arrays"].items() if rel.split("/")[1:2] and rel.split("/")[1] in studies}
+    m = {**manifest, "arrays": arrays,
+         "protocols": [e for e in manifest.get("protocols", []) if isinstance(e, dict) and e.get("name") in studies]}
+    cases = results.get("cases")
+    r = {**results, "rows": [row for row in results["rows"] if isinstance(row, dict) and row.get("study") in studies],
+         "cases": {k: v for k, v in cases.items() if k in studies} if isinstance(cases, dict) else cases}
+    return m, r
+
+
+def compare_runs(a: str | Path, b: str | Path, studies=None) -> tuple[bool, list[str], str]:
     """Compare run ``a`` with run ``b`` (the reference); returns (passed, lines to print, summary).
-    Raises BadInput for folders that are not runs."""
+    ``studies``: compare only these studies (each must be in both runs), e.g. a run of some
+    protocols against the archived default run. Raises BadInput for folders that are not runs."""
     ra, rb = Path(a), Path(b)
     (ma, res_a), (mb, res_b) = _run(ra), _run(rb)
+    if studies:
+        studies = set(studies)
+        for root, m, r in ((ra, ma, res_a), (rb, mb, res_b)):
+            missing = sorted(studies - _studies(m, r))
+            if missing:
+                raise BadInput(f"{root} has no study {', '.join(missing)} (its studies: {', '.join(sorted(_studies(m, r)))})")
+        (ma, res_a), (mb, res_b) = _restrict(ma, res_a, studies), _restrict(mb, res_b, studies)
     out = Diffs()
     _compare_protocols(ma, mb, out)
     flip_studies = {r.get("study") for r in res_b["rows"] if isinstance(r, dict) and r.get("analysis") == "live_quality"}
     n_arrays = _compare_arrays(ra, rb, ma, mb, res_a, res_b, out, flip_studies)
     n_rows = _compare_rows(ra, rb, res_a, res_b, out, set(ma["arrays"]), set(mb["arrays"]))
     lines = _table(out)
-    summary = (f"{n_arrays} arrays and {n_rows} rows in both runs, {out.numbers} numbers compared "
+    summary = ((f"studies {', '.join(sorted(studies))} only: " if studies else "")
+               + f"{n_arrays} arrays and {n_rows} rows in both runs, {out.numbers} numbers compared "
                f"({len(out.worst)} items differ at all; floats normwise within rtol {TOLERANCES['float']['rtol']:g} "
                f"of their array's or field's largest value, {TOLERANCES['flip_sensitive']['rtol']:g} where a flipped "
                f"code moves them ({', '.join(FLIP_SENSITIVE)}), integer arrays <= "
@@ -406,9 +433,12 @@ def main(argv=None) -> int:
     ap.add_argument("a", metavar="A", help="the run folder to check (e.g. a run made on another machine)")
     ap.add_argument("b", metavar="B", help="the reference run folder to compare it with (e.g. the archived "
                     "evidence/): every tolerance is relative to B's values")
+    ap.add_argument("--study", action="append", metavar="NAME",
+                    help="compare only this study (repeatable; each must be in both runs): e.g. a run of some "
+                         "protocols against the archived default run")
     args = ap.parse_args(argv)
     try:
-        ok, lines, summary = compare_runs(args.a, args.b)
+        ok, lines, summary = compare_runs(args.a, args.b, args.study)
     except BadInput as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

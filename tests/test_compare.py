@@ -283,3 +283,66 @@ def test_help_readme_and_docs_agree_that_b_is_the_reference(capsys):
     assert "A reproduces B, the reference" in sentence and "reproduced A" not in readme
     doc = " ".join((REPO / "docs" / "compare.md").read_text(encoding="utf-8").split())
     assert "B is the reference" in doc
+
+
+def test_study_selection_compares_only_those_studies(small_run, tmp_path, capsys):
+    """``--study`` keeps one study's rows and arrays: a run holding an extra study compares clean
+    against one without it when only the shared study is named, fails without the option, and a
+    study one run lacks is bad input naming it."""
+    (tmp_path / "o").mkdir()
+    other = synthetic_run(tmp_path / "o", "other", distributions=["clean"])
+    merged = copy_run(small_run, tmp_path / "merged")
+    res, extra = json.loads((merged / "results.json").read_text()), json.loads((other / "results.json").read_text())
+    res["rows"] += extra["rows"]
+    (merged / "results.json").write_text(json.dumps(res))
+    code, lines = run_compare(merged, small_run, capsys)
+    assert code == 1 and any("only in" in x and "study=other" in x for x in lines)
+    assert compare_main([str(merged), str(small_run), "--study", "cmp"]) == 0
+    assert "studies cmp only" in capsys.readouterr().out
+    assert compare_main([str(small_run), str(merged), "--study", "cmp", "--study", "other"]) == 2
+    assert "has no study other" in capsys.readouterr().err
+
+
+def _one_level_down() -> dict:
+    """Environment that makes this machine compute like an older CPU: torch's ATen kernels and MKL
+    one instruction-set level below what they would pick, numpy's dispatch without it, numba
+    compiled for a generic x86-64."""
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512":
+        return {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "NPY_DISABLE_CPU_FEATURES": "X86_V4",
+                "NUMBA_CPU_NAME": "x86-64"}
+    if cap == "AVX2":
+        return {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                "NPY_DISABLE_CPU_FEATURES": "X86_V3", "NUMBA_CPU_NAME": "x86-64"}
+    pytest.skip(f"no lower instruction set to fall back to from {cap}")
+
+
+@pytest.mark.slow
+@pytest.mark.capture
+def test_a_run_on_another_instruction_set_and_thread_count_passes_against_evidence(tmp_path):
+    """What a user on another CPU does: run protocols and compare against the archived evidence/.
+    Here the other CPU is this one with its kernels one instruction-set level down (another sum
+    order in every float kernel) and 2 threads instead of 1. The studies where a code flips at a
+    rounding boundary are the ones run: MX paths on synthetic and captured attention, the ablation
+    and residual-window quantizers, and the live study 30 layers deep with quanto's peers. Their
+    audit passes and compare finds them within its tolerances."""
+    import os
+
+    env = {**os.environ, **_one_level_down(), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    names = ["mx_paths", "ablation", "residual_window", "smollm2", "smollm2_quality"]
+    out = tmp_path / "other_cpu"
+    cmd = [sys.executable, "-m", "testbed.run", "--quiet", "--threads", "2", "--out", str(out)]
+    for n in names:
+        cmd += ["--protocol", str(REPO / "protocols" / f"{n}.json")]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if r.returncode != 0 and "capture skipped" in r.stderr:
+        pytest.skip("the capture extra or SmolLM2 is missing")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ok, failures, _ = audit(out)
+    assert ok, failures[:5]
+    c = subprocess.run([sys.executable, "-m", "testbed.compare", str(out), str(REPO / "evidence")]
+                       + [x for n in names for x in ("--study", n)], cwd=REPO, capture_output=True, text=True)
+    assert c.returncode == 0, c.stdout[-3000:]
+    assert "PASS: studies" in c.stdout
