@@ -67,6 +67,7 @@ TOLERANCES = {
     "cross": {"float_atol": 5e-2, "integer_fraction": 1e-3},
 }
 KINDS = ("live", "retrieval")
+PRIORITY = ("logprob", "argmax", "generated", "kl")  # the array a FAIL line names first, when it differs
 
 
 class BadInput(Exception):
@@ -266,7 +267,7 @@ def _diff(name: str, stored: np.ndarray, new: np.ndarray, tol: dict) -> dict | N
         i = int(np.argmax(d))
         ok = bool(d[i] <= tol["float_atol"])
         return {"name": name, "ok": ok, "index": i, "ratio": float(d[i]) / tol["float_atol"],
-                "text": f"{name}[{i}] stored {a[i]!r}, replayed {b[i]!r}: |Δ| {d[i]:.3g} "
+                "text": f"{name}[{i}] stored {a[i].item():.9g}, replayed {b[i].item():.9g}: |Δ| {d[i]:.3g} "
                         f"({'within' if ok else 'beyond'} {tol['float_atol']:g})"}
     bad = np.flatnonzero(a != b)
     allowed = int(tol["integer_fraction"] * a.size)
@@ -443,7 +444,9 @@ def _compare(root: Path, manifest: dict, stored_row: dict, u: Unit, st: Study, u
     bad = [d for d in diffs if not d["ok"]]
     if not bad:
         return True, 0, ""
-    worst = max(bad, key=lambda d: d.get("ratio", math.inf))
+    # the line names the per-token outputs first (log-prob, then argmax, generated, KL), else the worst
+    worst = min(bad, key=lambda d: (PRIORITY.index(d["name"]) if d["name"] in PRIORITY else len(PRIORITY),
+                                    -d.get("ratio", math.inf)))
     where = _chunk(st, unit, new_row, new_arrays, worst["name"], worst["index"])
     others = [d["name"] for d in bad if d is not worst]
     return False, 0, (f"FAIL: {label}{' ' + where if where else ''}: {worst['text']}"
