@@ -44,6 +44,7 @@ import json
 import math
 import random
 import sys
+import textwrap
 import time
 import zipfile
 from dataclasses import dataclass
@@ -456,16 +457,15 @@ def _compare(root: Path, manifest: dict, stored_row: dict, u: Unit, st: Study, u
 # -- command line -----------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    doc = __doc__.split("\n\n")
-    ap = argparse.ArgumentParser(prog="python -m testbed.replay", description=doc[0],
+    same, cross = TOLERANCES["same"], TOLERANCES["cross"]
+    epilog = (f"Tolerance: same (the run's torch, CPU instruction set, threads and sources; expected bit-identical): "
+              f"floats within {same['float_atol']:g}, integer arrays exact; cross (anything else): floats within "
+              f"{cross['float_atol']:g}, integer arrays in at most {cross['integer_fraction']:g} of their elements. "
+              "A forged unit escapes with probability 1 - N/T (k forged: C(T-k, N) / C(T, N)). "
+              "Exit 0 PASS, 1 FAIL, 2 bad input. See docs/replay.md.")
+    ap = argparse.ArgumentParser(prog="python -m testbed.replay", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=(f"Tolerance: same (the run's torch, CPU instruction set, threads and sources; "
-                                         f"expected bit-identical): floats within {TOLERANCES['same']['float_atol']:g}, "
-                                         f"integer arrays exact; cross (anything else): floats within "
-                                         f"{TOLERANCES['cross']['float_atol']:g}, integer arrays in at most "
-                                         f"{TOLERANCES['cross']['integer_fraction']:g} of their elements. A forged unit "
-                                         "escapes with probability 1 - N/T (k forged: C(T-k, N) / C(T, N)). "
-                                         "Exit 0 PASS, 1 FAIL, 2 bad input. See docs/replay.md."))
+                                 epilog=textwrap.fill(epilog, width=100))
     ap.add_argument("run_dir", metavar="RUN", help="a finished run folder")
     ap.add_argument("--sample", type=int, default=8, metavar="N",
                     help="units (study, segment or trial, arm) to replay, drawn without replacement (default 8; "
