@@ -138,12 +138,7 @@ def test_forged_logprob_fails_when_sampled(run, tmp_path, capsys, where):
     row = _row(res, study, case, "int4")
     i = 3 if where == "live" else 1
     _forge_array(forged, row["arrays"]["logprob"], lambda x: x.__setitem__(i, x[i] - np.float32(0.5)))
-    lp = _arrays.load(forged, row["arrays"]["logprob"]).astype(np.float64)
-    if where == "live":
-        row["nll"] = -float(lp.mean())
-        row["perplexity"] = float(np.exp(row["nll"]))
-    else:
-        row["answer_logprob"] = float(lp.sum())
+    _resummarize(forged, row)
     forge_results(forged, res)
     n = 2
     code, out, _ = _replay(capsys, forged, "--sample", n, "--seed", _seed_picking(forged, n, study, case, "int4"))
@@ -152,6 +147,37 @@ def test_forged_logprob_fails_when_sampled(run, tmp_path, capsys, where):
     assert len(fails) == 1, out
     assert f"logprob[{i}]" in fails[0] and "|Δ| 0.5" in fails[0], fails[0]
     assert out[-1].startswith(f"FAIL: 1 of {n} replayed units differ")
+
+
+def _resummarize(run: Path, row: dict) -> None:
+    """The row's numbers that follow from its log-probs, re-derived as a consistent forger would."""
+    lp = _arrays.load(run, row["arrays"]["logprob"]).astype(np.float64)
+    if row["analysis"] == "live_quality":
+        row["nll"] = -float(lp.mean())
+        row["perplexity"] = float(np.exp(row["nll"]))
+    else:
+        row["answer_logprob"] = float(lp.sum())
+
+
+def test_logprobs_raised_toward_the_reference_fail(run, tmp_path, capsys):
+    """The audit's known gap (tests/test_live.py, test_gap_consistently_rewritten_logprobs): int4's
+    log-probs raised to the reference's wherever their argmaxes agree keep every bound that needs
+    no model; the replay tells them from the model's."""
+    forged = _copy(run, tmp_path)
+    res = _res(forged)
+    row, ref = _row(res, LIVE, "seg000", "int4"), _row(res, LIVE, "seg000", "dynamic_cache")
+    ref_lp = _arrays.load(forged, ref["arrays"]["logprob"])
+    same = _arrays.load(forged, row["arrays"]["argmax"]) == _arrays.load(forged, ref["arrays"]["argmax"])
+    before = _arrays.load(forged, row["arrays"]["logprob"])
+    assert (np.maximum(before, ref_lp) - before)[same].max() > 1e-3, "int4 is the reference here: nothing to raise"
+    _forge_array(forged, row["arrays"]["logprob"], lambda x: np.copyto(x, np.maximum(x, ref_lp), where=same))
+    _resummarize(forged, row)
+    forge_results(forged, res)
+    code, out, _ = _replay(capsys, forged, "--sample", 100)
+    assert code == 1, out
+    fails = [line for line in out if line.startswith("FAIL: ") and " replayed units differ" not in line]
+    assert len(fails) == 1 and fails[0].startswith(f"FAIL: {LIVE} case seg000 arm int4 chunk "), out
+    assert "logprob[" in fails[0]
 
 
 def test_forged_generated_token_fails(run, tmp_path, capsys):
@@ -185,22 +211,24 @@ def test_forged_generated_token_fails(run, tmp_path, capsys):
 
 
 def test_swapped_arms_fail(run, tmp_path, capsys):
-    """The int4 and streaming rows of one segment trade their arrays and numbers (each row still
-    self-consistent, results rewritten and re-hashed): both units fail."""
+    """The int4 and streaming rows of one segment trade their outputs (log-probs, argmaxes, KL and
+    the numbers that follow from them; each row stays self-consistent, results rewritten and
+    re-hashed), the audit's known gap (tests/test_live.py, test_gap_swapped_outputs_of_two_quantized_arms):
+    both units fail, on their log-probs."""
     forged = _copy(run, tmp_path)
     res = _res(forged)
     a, b = _row(res, LIVE, "seg000", "int4"), _row(res, LIVE, "seg000", "streaming")
-    keep = ("arm", "kind", "mode", "forwards", "policy", "evidence")  # what the arm is; the evidence layer stays
-    sa, sb = {k: v for k, v in a.items() if k not in keep}, {k: v for k, v in b.items() if k not in keep}
-    assert not np.array_equal(_arrays.load(forged, sa["arrays"]["logprob"]), _arrays.load(forged, sb["arrays"]["logprob"]))
-    a.update(sb)
-    b.update(sa)
+    assert not np.array_equal(_arrays.load(forged, a["arrays"]["logprob"]), _arrays.load(forged, b["arrays"]["logprob"]))
+    for k in ("nll", "perplexity", "mean_kl", "top1_agreement"):
+        a[k], b[k] = b[k], a[k]
+    for k in ("logprob", "argmax", "kl"):
+        a["arrays"][k], b["arrays"][k] = b["arrays"][k], a["arrays"][k]
     forge_results(forged, res)
     code, out, _ = _replay(capsys, forged, "--sample", 100)
     assert code == 1, out
     for arm in ("int4", "streaming"):
         line = next((x for x in out if x.startswith(f"FAIL: {LIVE} case seg000 arm {arm} chunk ")), None)
-        assert line is not None and "logprob[" in line, out  # the outputs themselves, not only their shapes
+        assert line is not None and "logprob[" in line, out
     assert out[-1].startswith("FAIL: 2 of 12 replayed units differ")
 
 
