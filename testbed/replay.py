@@ -59,7 +59,7 @@ from .evidence import REPO_ROOT, RecordingStore, array_rel, container_of, enviro
 from .progress import Progress
 from .protocol import ProtocolError, validate_protocol
 from .sources.capture import INSTALL_HINT, CaptureUnavailable, load_model, model_dims
-from .units import pinned_torch
+from .units import COST_PRIOR, pinned_torch
 
 __all__ = ["main", "replay", "plan_units", "escape_chance", "TOLERANCES", "BadInput"]
 
@@ -364,20 +364,29 @@ def replay(root: str | Path, n: int, seed: int = 0, threads: int | None = None, 
                              "frozen protocol plans")
                 continue
             groups.setdefault((u.study, u.batch), {}).setdefault(u.arm_index, []).append(u)
-        runs = sum(1 + sum(1 for j in arms if j != 0) for arms in groups.values())
-        bar = Progress(runs, "replay", progress, unit="arm run")
-        progress(f"[replay] {len(picked)} units of {total}: {runs} arm runs over {len(groups)} batches")
+        # the cost class of every arm run, in the order they run (the progress line's time left)
+        kinds = [_unit(studies[study], batch, j).get("cost", "unit") for (study, batch), arms in groups.items()
+                 for j in [0] + sorted(j for j in arms if j != 0)]
+        progress(f"[replay] {len(picked)} units of {total}: {len(kinds)} arm runs over {len(groups)} batches")
+        t_load = time.perf_counter()
+        for study in dict.fromkeys(study for study, _ in groups):  # before the clock of the first arm run
+            _load(studies[study])
+        if groups:
+            progress(f"[replay] model(s) loaded ({time.perf_counter() - t_load:.1f} s)")
+        bar = Progress(len(kinds), "replay", progress, unit="arm run", kinds=kinds, prior=COST_PRIOR)
         for (study, batch), arms in groups.items():
             st = studies[study]
             mod, ref_unit = _module(st), _unit(st, batch, 0)
-            rows_ref, out, saves = _run(st, mod, ref_unit, None)
-            bar.step(f"{study} batch {batch + 1} {_arms(st)[0][0]}")
+            rows_ref, out, saves, one_off = _run(st, mod, ref_unit, None)
+            bar.step(f"{study} batch {batch + 1} {_arms(st)[0][0]}", kind=ref_unit.get("cost", "unit"), one_off=one_off)
             for j in sorted(arms):
                 if j == 0:
                     rows, arr = rows_ref, saves
                 else:
-                    rows, _, arr = _run(st, mod, _unit(st, batch, j), out)
-                    bar.step(f"{study} batch {batch + 1} {_arms(st)[j][0]}")
+                    unit = _unit(st, batch, j)
+                    rows, _, arr, one_off = _run(st, mod, unit, out)
+                    bar.step(f"{study} batch {batch + 1} {_arms(st)[j][0]}", kind=unit.get("cost", "unit"),
+                             one_off=one_off)
                 for u in arms[j]:
                     ok, exact, line = _compare(root, manifest, results["rows"][u.row], u, st, _unit(st, batch, j),
                                                rows, arr, tol)
@@ -405,18 +414,28 @@ def _unit(st: Study, batch: int, arm: int) -> dict:
     return next(u for u in st.units if u["batch"] == batch and u["arm"] == arm)
 
 
+def _load(st: Study) -> None:
+    """Load the study's model (memoized per process); a live unit also carries the model's
+    dimensions, which its rows record for a model given by path."""
+    if st.kind == "retrieval":
+        load_model()
+        return
+    model, _, _ = load_model(model=st.proto["live"]["model"], base=st.base)
+    dims = model_dims(model.config)
+    for u in st.units:
+        u["model_dims"] = dims
+
+
 def _run(st: Study, mod, unit: dict, dep):
     """One run unit through the run's own ``run_unit``, into a store that keeps the arrays in
-    memory: (rows, the output its dependents take, {run-relative path: .npy bytes})."""
+    memory: (rows, the output its dependents take, {run-relative path: .npy bytes}, seconds of
+    one-off work such as quanto's first-use compile)."""
     if st.kind == "live" and unit.get("model_dims") is None:
-        model, _, _ = load_model(model=st.proto["live"]["model"], base=st.base)
-        dims = model_dims(model.config)
-        for u in st.units:
-            u["model_dims"] = dims
+        _load(st)
     store = RecordingStore()
     ctx = RunContext(store, study=st.name, timing_repeats=0, timing_seed=0, progress=lambda m: None, base=st.base)
     rows, out, _ = mod.run_unit(st.proto, unit, ctx, dep)
-    return rows, out, {array_rel(rel)[1]: data for rel, data in store.saves}
+    return rows, out, {array_rel(rel)[1]: data for rel, data in store.saves}, ctx.one_off
 
 
 def _compare(root: Path, manifest: dict, stored_row: dict, u: Unit, st: Study, unit: dict, rows: list, saves: dict,
