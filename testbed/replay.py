@@ -377,14 +377,14 @@ def replay(root: str | Path, n: int, seed: int = 0, threads: int | None = None, 
         for (study, batch), arms in groups.items():
             st = studies[study]
             mod, ref_unit = _module(st), _unit(st, batch, 0)
-            rows_ref, out, saves, one_off = _run(st, mod, ref_unit, None)
+            rows_ref, out, saves, one_off = _run(st, mod, ref_unit, None, progress)
             bar.step(f"{study} batch {batch + 1} {_arms(st)[0][0]}", kind=ref_unit.get("cost", "unit"), one_off=one_off)
             for j in sorted(arms):
                 if j == 0:
                     rows, arr = rows_ref, saves
                 else:
                     unit = _unit(st, batch, j)
-                    rows, _, arr, one_off = _run(st, mod, unit, out)
+                    rows, _, arr, one_off = _run(st, mod, unit, out, progress)
                     bar.step(f"{study} batch {batch + 1} {_arms(st)[j][0]}", kind=unit.get("cost", "unit"),
                              one_off=one_off)
                 for u in arms[j]:
@@ -426,14 +426,14 @@ def _load(st: Study) -> None:
         u["model_dims"] = dims
 
 
-def _run(st: Study, mod, unit: dict, dep):
+def _run(st: Study, mod, unit: dict, dep, progress):
     """One run unit through the run's own ``run_unit``, into a store that keeps the arrays in
     memory: (rows, the output its dependents take, {run-relative path: .npy bytes}, seconds of
     one-off work such as quanto's first-use compile)."""
     if st.kind == "live" and unit.get("model_dims") is None:
         _load(st)
     store = RecordingStore()
-    ctx = RunContext(store, study=st.name, timing_repeats=0, timing_seed=0, progress=lambda m: None, base=st.base)
+    ctx = RunContext(store, study=st.name, timing_repeats=0, timing_seed=0, progress=progress, base=st.base)
     rows, out, _ = mod.run_unit(st.proto, unit, ctx, dep)
     return rows, out, {array_rel(rel)[1]: data for rel, data in store.saves}, ctx.one_off
 
