@@ -47,8 +47,8 @@ from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs,
                               _hardware, _software, load_model, model_dims)
 
-__all__ = ["validate", "plan", "run_unit", "report", "policies_of", "corpus_text", "segment_starts", "chunk_schedule",
-           "quanto_bytes", "REFERENCE"]
+__all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "corpus_text", "segment_starts",
+           "chunk_schedule", "quanto_bytes", "REFERENCE"]
 
 REFERENCE = "dynamic_cache"
 PEER = Spec("live peer", "A cache users know, run as one more arm: transformers' QuantizedCache.", {
@@ -491,6 +491,15 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
         "arms": [a for a, _ in arms],
         "software": _software(), "hardware": _hardware(),
     }, indent=1) + "\n").encode("utf-8")
+    return cases, batch_units(p, views, seg_tokens, base, dims)
+
+
+def batch_units(p: dict, views: list[tuple[int, list[str]]], seg_tokens: dict[str, list[int]], base: Path | None,
+                dims: dict) -> list[dict]:
+    """The units of a live study, one per (batch of segments, arm), the reference of each batch
+    first: ``views`` is (prefill, segment ids) per context, ``seg_tokens`` each segment's token ids
+    (:func:`plan`; :mod:`testbed.replay` rebuilds the same units from a finished run's arrays)."""
+    arms = _arms(p)
     batches = [(prefill, vi, seg_ids[i:i + p["batch"]]) for prefill, seg_ids in views
                for vi, i in enumerate(range(0, len(seg_ids), p["batch"]))]
     units = []
@@ -506,7 +515,7 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
                           "tokens": [seg_tokens[sid] for sid in batch], "arm": j, "needs": None if j == 0 else ref,
                           "forwards": forwards, "prefill": prefill, "first_of_context": vi == 0,
                           "model_base": None if base is None else str(base), "model_dims": dims})
-    return cases, units
+    return units
 
 
 def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None, str]:

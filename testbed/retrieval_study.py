@@ -44,7 +44,8 @@ from .live import (REFERENCE, _arms, _forward, _mass_candidates, _warm_quanto, b
 from .policies import Policy
 from .sources.capture import INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
 
-__all__ = ["estimate_bytes", "plan", "run_unit", "report", "summarize", "arms_of", "CHUNK", "REFERENCE", "ANALYSIS"]
+__all__ = ["estimate_bytes", "plan", "batch_units", "run_unit", "report", "summarize", "arms_of", "CHUNK", "REFERENCE",
+           "ANALYSIS"]
 
 ANALYSIS = "retrieval"
 CHUNK = 256  # tokens per forward of the reference (exact in any chunking)
@@ -119,6 +120,13 @@ def plan(proto: dict, ctx, protocol_path=None) -> tuple[dict, list[dict]]:
         "fed_as": retrieval.FED_AS, "arms": [a for a, _ in arms], "trials": len(trials),
         "software": _software(), "hardware": _hardware(),
     }, indent=1) + "\n").encode("utf-8")
+    return cases, batch_units(p, trials)
+
+
+def batch_units(p: dict, trials: list[dict]) -> list[dict]:
+    """The units of a retrieval study, one per (batch of trials, arm), the reference of each batch
+    first (:func:`plan`; :mod:`testbed.replay` rebuilds the same units from a finished run's arrays)."""
+    arms = arms_of(p)
     batches = _batches(trials, p["batch"])
     units = []
     for bi, batch in enumerate(batches):
@@ -130,7 +138,7 @@ def plan(proto: dict, ctx, protocol_path=None) -> tuple[dict, list[dict]]:
             units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "batches": len(batches),
                           "cost": cost_kind(what), "trials": batch, "arm": j,
                           "needs": None if j == 0 else ref, "forwards": forwards})
-    return cases, units
+    return units
 
 
 def _logp_rows(logits: torch.Tensor) -> torch.Tensor:
