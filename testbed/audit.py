@@ -23,7 +23,8 @@ metrics. It checks, in order:
    cases, rows, row parameters and exclusions are exactly those the frozen protocols produce
    (``audit_checks/completeness.py``, see docs/audit.md);
 7. ``report.html``: no outside reference or executable script, one intact inline PNG per figure,
-   and every figure's embedded data recomputed from the rows (``audit_checks/report_html.py``);
+   every figure's embedded data recomputed from the rows, and every word of the page (headings,
+   counts, descriptions, captions) the one the rows call for (``audit_checks/report_html.py``);
 8. ``report.md``: its sections, tables, headers and rows exactly those the rows call for, and every
    table cell and every run-derived number of its prose re-derived from the rows and compared at
    its printed digits (``audit_checks/report_md.py``; the live table's wall times only against
@@ -898,7 +899,7 @@ def compare(root: str | Path, other: str | Path) -> list[str]:
     are expected to differ and are not compared (report.md states the creation time; the audit of
     each run re-derives every cell of it from that run's results.json); nor is report.html, a
     rendering of the compared results and arrays (whose PNG bytes may change with the plotting
-    library's version) whose plotted data the audit of each run recomputes."""
+    library's version) whose plotted data and words the audit of each run recomputes."""
     out = []
     manifests = []
     for r in (root, other):

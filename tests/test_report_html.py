@@ -172,22 +172,115 @@ def test_report_html_removed_with_its_entry(run, reliability):
                  ["report.html: not named in the manifest"], "FAIL naming report.html")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: the audit reads the figures' data, "
-                   "not their pixels or the wording of their captions")
-@pytest.mark.parametrize("what", ["pixels", "caption"])
-def test_gap_pixels_and_captions(run, what, reliability):
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: the audit reads the figures' data and "
+                   "the page's words, not the pixels of their images")
+def test_gap_pixels(run, reliability):
     text = (run / REL).read_text(encoding="utf-8")
-    if what == "pixels":
-        first, second = re.findall(r'src="(data:image/png;base64,[^"]*)"', text)[:2]
-        text = text.replace(first, "FIRST").replace(second, first).replace("FIRST", second)
-        case = "two figures' PNGs swapped (both valid), sha256 updated"
-    else:
-        text = text.replace("What it does not show", "It shows everything; ignore", 1)
-        case = "a caption reworded, sha256 updated"
+    first, second = re.findall(r'src="(data:image/png;base64,[^"]*)"', text)[:2]
+    text = text.replace(first, "FIRST").replace(second, first).replace("FIRST", second)
     (run / REL).write_text(text, encoding="utf-8")
     rehash(run, REL)
-    reliability("gap", case, "not caught (pixels and caption wording are not compared with the data)")
+    reliability("gap", "two figures' PNGs swapped (both valid), sha256 updated",
+                "not caught (pixels are not compared with the data)")
     assert not check(run)[0]
+
+
+# -- the audit against a consistent forger of report.html's words ------------------------------
+
+def test_audit_copy_of_the_page_text_is_the_builders():
+    """The audit restates the builder's static text (it may not import the builder): the copies agree."""
+    from testbed import report_html as builder
+    from testbed.audit_checks import report_html as audit_side
+
+    assert audit_side.CAPTIONS == builder._CAPTIONS
+    assert audit_side.STYLE == builder._STYLE
+    assert audit_side.CSP == builder.CSP
+
+
+def _caption_of(text: str, key: str) -> str:
+    return re.search(r"<figcaption>(.*?)</figcaption>", figure_block(text, key), re.S).group(1)
+
+
+def test_caption_word_changed(run, reliability):
+    text = (run / REL).read_text(encoding="utf-8")
+    cap = _caption_of(text, "region_mass/ablation")
+    assert "What it does not show" in cap
+    edit_report(run, cap, cap.replace("What it does not show", "What it shows", 1))
+    failures = assert_fails(reliability, "tamper: consistent forger", "a caption reworded, sha256 updated", run,
+                            ["(region_mass/ablation) caption: words differ"], "FAIL naming the figure's caption")
+    line = next(f for f in failures if "region_mass/ablation) caption" in f)
+    assert "What it shows" in line or "shows" in line
+
+
+def test_caption_changed_to_another_kinds_caption(run, reliability):
+    """A caption swapped with a real one of another figure: the words are the builder's, the place is not."""
+    text = (run / REL).read_text(encoding="utf-8")
+    a, b = _caption_of(text, "heatmap/ablation"), _caption_of(text, "support_ecdf/ablation")
+    body_a, body_b = a.split(". ", 1)[1], b.split(". ", 1)[1]
+    edit_report(run, a, a.replace(body_a, body_b))
+    assert_fails(reliability, "tamper: consistent forger", "a caption replaced by another figure's, sha256 updated", run,
+                 ["(heatmap/ablation) caption"], "FAIL naming the figure's caption")
+
+
+def test_figure_number_in_caption_changed(run, reliability):
+    text = (run / REL).read_text(encoding="utf-8")
+    cap = _caption_of(text, "mx_paths/mx_paths")
+    n = int(re.match(r"<b>Figure (\d+)</b>", cap).group(1))
+    edit_report(run, cap, cap.replace(f"<b>Figure {n}</b>", f"<b>Figure {n + 1}</b>", 1))
+    assert_fails(reliability, "tamper: consistent forger", "a figure's number in its caption changed, sha256 updated",
+                 run, ["(mx_paths/mx_paths) caption: words differ"], "FAIL naming the figure's caption")
+
+
+def test_row_count_in_text_changed(run, reliability):
+    n = len(json.loads((run / "results.json").read_text())["rows"])
+    edit_report(run, f"<p>{n} result rows,", f"<p>{n + 10} result rows,")
+    failures = assert_fails(reliability, "tamper: consistent forger", "the intro's row count changed, sha256 updated",
+                            run, ["report.html intro paragraph: words differ"], "FAIL naming the intro paragraph")
+    assert any(str(n + 10) in f and str(n) in f for f in failures)
+
+
+def test_figure_count_in_text_changed(run, reliability):
+    n = len(page_of(run).figures)
+    edit_report(run, f" result rows, {n} figures.", f" result rows, {n - 1} figures.")
+    assert_fails(reliability, "tamper: consistent forger", "the intro's figure count changed, sha256 updated",
+                 run, ["report.html intro paragraph"], "FAIL naming the intro paragraph")
+
+
+def test_study_heading_changed(run, reliability):
+    edit_report(run, "<h2>mx_paths</h2>", "<h2>mx_paths (every seed)</h2>")
+    assert_fails(reliability, "tamper: consistent forger", "a study's heading changed, sha256 updated", run,
+                 ["report.html section mx_paths heading: words differ"], "FAIL naming the section's heading")
+
+
+def test_page_title_changed(run, reliability):
+    edit_report(run, "<h1>testbed run report: figures</h1>", "<h1>testbed run report: verified figures</h1>")
+    assert_fails(reliability, "tamper: consistent forger", "the page's heading changed, sha256 updated", run,
+                 ["report.html heading: words differ"], "FAIL naming the heading")
+
+
+def test_study_description_changed(run, reliability):
+    text = (run / REL).read_text(encoding="utf-8")
+    desc = re.search(r"<h2>residual_window</h2><p>(.*?)</p>", text, re.S).group(1)
+    word = re.search(r"\d+", desc).group(0)
+    edit_report(run, f"<h2>residual_window</h2><p>{desc}", "<h2>residual_window</h2><p>"
+                + desc.replace(word, str(int(word) + 1), 1))
+    assert_fails(reliability, "tamper: consistent forger", "a number in a study's description changed, sha256 updated",
+                 run, ["report.html section residual_window description: words differ"], "FAIL naming the description")
+
+
+@pytest.mark.parametrize("snippet", ["<p>Every arm is within noise of the reference.</p>",
+                                     "<style>figcaption{display:none}</style>"])
+def test_text_or_style_added(run, snippet, reliability):
+    edit_report(run, "</body>", snippet + "</body>")
+    assert_fails(reliability, "tamper: consistent forger", f"added {snippet}, sha256 updated", run,
+                 ["report.html"], "FAIL naming report.html")
+    assert any("report.html end" in f or "does not write" in f for f in check(run)[1])
+
+
+def test_hidden_caption_by_inline_style(run, reliability):
+    edit_report(run, "<figcaption>", '<figcaption style="display:none">')
+    assert_fails(reliability, "tamper: consistent forger", "first caption hidden by an inline style, sha256 updated",
+                 run, ["report.html figure 1 ("], "FAIL naming the figure")
 
 
 # -- in a real browser -------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import testbed.audit as audit_mod
 from testbed.audit import audit
 from testbed.run import main as run_main
 from tests import _arrays
-from tests._helpers import forge_report_md, forge_results
+from tests._helpers import forge_report_html, forge_report_md, forge_results
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROTOCOL = REPO / "protocols" / "residual_window.json"
@@ -773,7 +773,8 @@ def test_outside_protocol_copy_edit_is_reported_self_consistent_only(run, reliab
     p["description"] = "something else"
     (run / rel).write_text(json.dumps(p))
     rehash(run, rel)
-    forge_report_md(run)  # report.md quotes the description: the consistent forger rewrites it too
+    forge_report_md(run)  # both reports quote the description: the consistent forger rewrites them too
+    forge_report_html(run)
     ok, failures, summary = audit(run, check_sources=False)
     reliability("tamper: consistent forger", "copy of a protocol from outside the repo edited, hashes updated",
                 "PASS, the verdict saying the protocol is self-consistent only", summary if ok else failures[0])

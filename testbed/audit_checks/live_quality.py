@@ -408,6 +408,8 @@ def check(row: dict, ctx) -> None:
     if not np.all(np.isfinite(lp)) or np.any(lp > 0):
         ctx.fail(row, "logprob holds a non-finite or positive log-probability")
     want_ctx = schedule(kind, arm, live)
+    # the reference always runs chunked, quanto one token per forward, a policy in the protocol's mode
+    ctx.equal(row, "mode", row.get("mode"), {"reference": "chunked", "peer": "step"}.get(kind, live.get("mode", "chunked")))
     ctx.equal(row, "context schedule", [int(x) for x in cx], want_ctx)
     ctx.equal(row, "forwards", row.get("forwards"), len(want_ctx))
     ctx.equal(row, "scored_tokens", row.get("scored_tokens"), T)
@@ -418,6 +420,7 @@ def check(row: dict, ctx) -> None:
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol[key])
+        ctx.equal(row, "policy.name", cfg.get("name"), arm)
     elif kind == "reference":
         want_b = [reference_bytes(n, dims) for n in want_ctx]
     else:

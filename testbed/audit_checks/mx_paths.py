@@ -118,6 +118,14 @@ def _summaries(row, audit, tv, agree, zero, row_sum) -> None:
     audit.close(row, "row_sum_max", row["row_sum_max"], float(np.max(row_sum)))
 
 
+def scheme_name(cfg: dict) -> str:
+    """The scheme label of an MX config, as the quantizer names itself: family, element, block size,
+    and ``_rceil`` / ``_hadamard`` where the scale rule / rotation says so (e.g. ``mxfp8_e4m3_b32``)."""
+    family = "mxfp4" if MX_ELEMENTS[cfg["element"]][0] == 4 else "mxfp8"
+    return (f"{family}_{cfg['element']}_b{cfg['block_size']}" + ("_rceil" if cfg.get("scale_rule") == "rceil" else "")
+            + ("_hadamard" if cfg.get("rotation") else ""))
+
+
 def check(row: dict, audit) -> None:
     case = audit.case(row)
     q, k, v = case["q"], case["k"], case["v"]
@@ -127,6 +135,7 @@ def check(row: dict, audit) -> None:
     audit.equal(row, "element", row["element"], cfg["element"])
     audit.equal(row, "block_size", row["block_size"], cfg["block_size"])
     audit.equal(row, "scale_rule", row["scale_rule"], cfg.get("scale_rule"))
+    audit.equal(row, "scheme", row["scheme"], scheme_name(cfg))
     clamped: list = []
     loaded = {part: ({name: audit.load(path) for name, path in paths.items()} if isinstance(paths, dict) else None)
               for part, paths in row["arrays"].items()}

@@ -240,6 +240,8 @@ def check(row: dict, ctx) -> None:
                      lambda: derive(case, frame, coverage, row["case"], block))
     rows = der["rows"]
     h, tq = rows["support"].shape
+    ctx.equal(row, "heads", row["heads"], h)  # the case's query heads (a head row carries them too)
+    ctx.equal(row, "queries", row["queries"], tq)
     ctx.equal(row, "key_blocks", row["key_blocks"], der["nkb"])
     ctx.equal(row, "query_blocks", row["query_blocks"], der["blocks"])
     ctx.equal(row, "keys", row["keys"], case["k"].shape[1])
@@ -257,18 +259,7 @@ def check(row: dict, ctx) -> None:
             ctx.close(row, f"head_set_{key}", row.get(f"head_set_{key}"), _finite_mean(val))
         mean_heat = der["heat"].mean(axis=0)
         ctx.close(row, "heatmap", row["heatmap"], mean_heat if mean_heat.size <= HEATMAP_INLINE_MAX else None)
-        ctx.close(row, "arrays.heatmap", ctx.load(row["arrays"]["heatmap"]), der["heat"])
         ctx.close(row, "heatmap row sums", der["heat"].sum(axis=-1), np.ones(der["heat"].shape[:-1]))
-        if "rows" in row["arrays"]:
-            stored = ctx.load(row["arrays"]["rows"])
-            fields = row["row_fields"]
-            ctx.equal(row, "row_fields", fields, [f for f in ("visible_keys", "support", "top1", "top5", "top10", "zero_rate",
-                                                              *[f"{r}_mass" for r in REGIONS]) if f in rows])
-            for i, f in enumerate(fields):
-                if f == "zero_rate":
-                    _zero_close(ctx, row, f"arrays.rows[{f}]", stored[i], rows[f])
-                else:
-                    ctx.close(row, f"arrays.rows[{f}]", stored[i].astype(np.float64), rows[f])
         by = row["by_query_block"]
         ctx.equal(row, "by_query_block.block", by["block"], der["blocks"])
         for i in range(len(der["blocks"])):
@@ -291,6 +282,17 @@ def check(row: dict, ctx) -> None:
             ctx.close(row, f"jaccard_query_{key}", row.get(f"jaccard_query_{key}"), _finite_mean(der[key][hh]))
         for key, val in der["fit"].items():
             ctx.close(row, f"head_set_{key}", row.get(f"head_set_{key}"), _finite_mean(val[hh]))
+    # the case's stored heatmap and per-row statistics: named by its case row and by each head row
+    ctx.close(row, "arrays.heatmap", ctx.load(row["arrays"]["heatmap"]), der["heat"])
+    ctx.equal(row, "row_fields", row["row_fields"], [f for f in ("visible_keys", "support", "top1", "top5", "top10",
+                                                                 "zero_rate", *[f"{r}_mass" for r in REGIONS]) if f in rows])
+    if "rows" in row["arrays"]:
+        stored = ctx.load(row["arrays"]["rows"])
+        for i, f in enumerate(row["row_fields"]):
+            if f == "zero_rate":
+                _zero_close(ctx, row, f"arrays.rows[{f}]", stored[i], rows[f])
+            else:
+                ctx.close(row, f"arrays.rows[{f}]", stored[i].astype(np.float64), rows[f])
     for key, val in _expected_stats(rows, sel, der["hist_uniform"]).items():
         ctx.close(row, key, row.get(key), val)
     z = rows["zero_rate"][sel].ravel()

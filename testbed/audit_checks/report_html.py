@@ -11,16 +11,26 @@ checks that:
   zero, a caption, and one JSON data block;
 - the set of figures is exactly the one the rows call for, and each figure's data equals the
   audit's own recomputation from ``results.json`` (and the stored arrays the rows name) within
-  ``RTOL``/``ATOL``. The run's builder (testbed/report_html.py) is never imported.
+  ``RTOL``/``ATOL``. The run's builder (testbed/report_html.py) is never imported;
+- every word of the page: the audit writes the page the rows call for itself (``expected_page``:
+  the title, style sheet and intro paragraph with its row and figure counts; per study its heading
+  and its frozen protocol copy's description; per figure its number, key, alt text and caption,
+  whose layer/distribution word, block size and segment count are derived from the figure's data),
+  with every PNG payload and JSON block replaced by a placeholder (both checked above), and
+  compares it line by line with the page: each differing line is a FAIL naming the intro, the
+  section's heading or description, or the figure's caption or markup, with the words that differ.
+  Static text (captions, style, intro) is the audit's own copy of the builder's, kept equal by a test.
 
 What it cannot check: that the pixels of a PNG depict its data (a consistent forger can draw a
-different picture beside the right numbers); docs/reliability.md lists that gap.
+different picture beside the right numbers and words); docs/reliability.md lists that gap.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import difflib
+import html
 import json
 import math
 import re
@@ -32,7 +42,8 @@ import numpy as np
 
 from .common import TOLERANCES
 
-__all__ = ["check_run", "derive_figures", "parse_report", "CSP"]
+__all__ = ["check_run", "derive_figures", "parse_report", "expected_page", "page_lines", "caption", "CSP",
+           "CAPTIONS", "STYLE", "INTRO", "TITLE"]
 
 REL = "report.html"
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -395,6 +406,173 @@ def _first_difference(where: str, got, want):
     return None
 
 
+# ---------------------------------------------------------------------------------------------
+# the page's words: what the run's builder (testbed/report_html.py) writes, restated here
+# ---------------------------------------------------------------------------------------------
+
+# The audit's own copy of the builder's static text (tests/test_report_html.py keeps them equal):
+# the title, the style sheet (a changed one could hide words), the intro paragraph (its two counts
+# are derived) and each kind of figure's caption (its {dist_word}, {block} and {segments} derived).
+TITLE = "testbed run report: figures"
+STYLE = ("body{font-family:sans-serif;max-width:70em;margin:1em auto;padding:0 1em;color:#222}"
+         "figure{margin:1.5em 0;border-top:1px solid #ccc;padding-top:.5em}img{max-width:100%;height:auto}"
+         "figcaption{font-size:.9em;max-width:60em}")
+INTRO = ("<p>{rows} result rows, {figures} figures. The tables are in report.md; every plotted value is embedded "
+         "beside its figure as JSON and recomputed from results.json by <code>python -m testbed.audit</code>. "
+         "Statistics are over seeds, prompts or segments; rows inside one of them are not independent.</p>")
+CAPTIONS = {
+    "heatmap": ("Temporal attention heatmap per {dist_word}: query block (rows) x key block (columns), each row's "
+                "mass summing to 1, the mean over the cases (seeds or prompts) and heads of each case's heatmap. "
+                "What it does not show: the spread between cases or heads (a mean can hide opposite patterns), "
+                "single queries, or anything about a quantized cache (this is the float64 reference attention)."),
+    "support_ecdf": ("Empirical CDF of effective support (exp(entropy) / visible keys) over every query-head row, "
+                     "pooled over the cases of each {dist_word}; low support = concentrated attention. What it does "
+                     "not show: independent samples. Rows within one seed or prompt are not independent, so the curve "
+                     "describes rows and is no confidence band; cases are not weighted separately."),
+    "region_mass": ("Attention mass of the float64 reference in each key region: bars are the mean over cases of each "
+                    "case's mean, dots one case (seed, or prompt x layer). History is every cached key (it contains "
+                    "sink, middle and recent), so bars do not sum to 1; a missing bar is a region the layout lacks. "
+                    "What it does not show: per-head differences, or whether the mass matters for the output (see the "
+                    "ablation figure)."),
+    "mx_paths": ("MXFP8 (E4M3, blocks of 32) against the float64 reference: ECDF of the total-variation distance per "
+                 "softmax row on the Q/K path without and with the signed Hadamard rotation, and on the P path, for "
+                 "each block-scale rule of the protocol (FLOOR, the OCP rule; RCEIL, the smallest scale that needs no "
+                 "clamping); the P path's strict-zero rate per case and its row sums (ECDF over rows, 1 = a proper "
+                 "distribution), for the protocol's first scale rule. "
+                 "What it does not show: independent samples (rows within a case are not independent), other element "
+                 "formats or block sizes, or the effect on model quality."),
+    "ablation_pairs": ("Each ablation against its same-size seeded control on the float32 cache: attention-output "
+                       "relative L2 against the float64 full attention, one line per unit (seed or prompt; the cases "
+                       "of one unit, e.g. layers, averaged first) joining the ablation (left) and its control (right), "
+                       "per {dist_word}. What it does not show: the quantized arms or a significance test (report.md "
+                       "has the Wilcoxon signed-rank test over these units); few units per panel."),
+    "residual_window": ("Attention-output relative L2 against the float64 reference per arm (float32, 4-bit with the "
+                        "R most recent tokens kept float32, or the first tokens instead), per distribution: one dot per "
+                        "seed (its lengths averaged), the bar the median over seeds. What it does not show: other bit "
+                        "widths or group sizes, model quality; synthetic attention only."),
+    "live_quality": ("Live quality study: left, perplexity change against the DynamicCache reference (exp of the mean "
+                     "per-segment NLL difference, minus 1) and right, mean KL(reference || arm), both against the "
+                     "cache's bytes per token at the end of a segment (mean over segments), one point per arm; below, "
+                     "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
+                     "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
+                     "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
+    "retrieval_heatmap": ("Needle retrieval: teacher-forced exact-match accuracy per needle depth (rows, 0 = the "
+                          "haystack's start) and prefill length (columns), one panel per task and arm; each cell is "
+                          "the share of its trials whose every answer token was the model's argmax (the number of "
+                          "trials per cell is in the embedded data). What it does not show: intervals (report.md has "
+                          "the Wilson intervals per length and the McNemar tests against the reference), other models "
+                          "(one small model, SmolLM2-135M), or natural tasks (synthetic needles)."),
+}
+
+IMG, DATA = "data:image/png;base64,@", "@"  # what the page's PNG payloads and JSON blocks are replaced by
+_IMG_SRC = re.compile(r'src="data:image/png;base64,[A-Za-z0-9+/=]*"')
+_DATA_BLOCK = re.compile(r'(<script type="application/json" id="figdata-\d+">)(.*?)(</script>)', re.S)
+_FIG_KEY = re.compile(r'<figure id="fig-\d+" data-key="([^"]*)"')
+
+
+def caption(d: dict) -> str:
+    """The caption the builder writes under figure data ``d``: its kind's text, with "layer" where a
+    plotted group is a layer (``L0``, ...), and the block size and segment count of a live figure."""
+    groups = [item.get("distribution") for key in ("panels", "lines", "groups", "pairs", "cells")
+              for item in d.get(key, [])]
+    dist_word = "layer" if any(str(x).startswith("L") for x in groups) else "distribution or layout"
+    segments = len(d["arms"][0]["segments"]) if d["kind"] == "live_quality" else 0
+    return CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
+
+
+def expected_page(n_rows: int, figures: list[dict], descriptions: dict) -> list[tuple[str, str]]:
+    """The page the rows call for, as ``(what, line)`` pairs in order (``what`` names the line in a
+    FAIL), every PNG payload ``IMG`` and every JSON block ``DATA`` (both checked on their own)."""
+    esc = html.escape
+    out = [("doctype", "<!DOCTYPE html>"), ("head", '<html lang="en"><head><meta charset="utf-8">'),
+           ("head", f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'),
+           ("title", f"<title>{TITLE}</title>"), ("style sheet", f"<style>{STYLE}</style></head><body>"),
+           ("heading", f"<h1>{TITLE}</h1>"), ("intro paragraph", INTRO.format(rows=n_rows, figures=len(figures)))]
+    current = None
+    for n, d in enumerate(figures, 1):
+        if d["study"] != current:
+            current = d["study"]
+            part = f"<h2>{esc(str(current))}</h2><p>{esc(str(descriptions.get(current, '')))}</p>"
+            out += [(f"section {current}", line) for line in part.split("\n")]
+        key = esc(d["key"])
+        part = (f'<figure id="fig-{n}" data-key="{key}"><img src="{IMG}" alt="{key}">'
+                f"<figcaption><b>Figure {n}</b> ({key}). {esc(caption(d))}</figcaption>"
+                f'<script type="application/json" id="figdata-{n}">{DATA}</script></figure>')
+        out += [(f"figure {n} ({d['key']})", line) for line in part.split("\n")]
+    out.append(("end", "</body></html>"))
+    return out
+
+
+def page_lines(text: str) -> list[str]:
+    """The page's lines with every PNG payload and JSON block replaced (blank lines dropped)."""
+    text = _IMG_SRC.sub(f'src="{IMG}"', text)
+    text = _DATA_BLOCK.sub(lambda m: m.group(1) + DATA + m.group(3), text)
+    return [line for line in text.split("\n") if line.strip()]
+
+
+def _part_of(what: str, line: str, at: int) -> str:
+    """Which part of an expected line the character ``at`` falls in."""
+    spans = (("caption", "<figcaption>", "</figcaption>"), ("heading", "<h2>", "</h2>"),
+             ("description", "<p>", "</p>")) if what.startswith(("figure", "section")) else ()
+    for name, start, end in spans:
+        i, j = line.find(start), line.find(end)
+        if 0 <= i and i + len(start) <= at <= j:
+            return f"{what} {name}"
+    return f"{what} markup" if what.startswith(("figure", "section")) else what
+
+
+def _words_differ(got: str, want: str) -> tuple[int, str]:
+    """(index where they part, 'page says X, the audit writes Y') with X, Y whole words."""
+    k = 0
+    while k < min(len(got), len(want)) and got[k] == want[k]:
+        k += 1
+    s = 0
+    while s < min(len(got), len(want)) - k and got[-1 - s] == want[-1 - s]:
+        s += 1
+    a = k
+    while a > 0 and not want[a - 1].isspace():
+        a -= 1
+    gb, wb = len(got) - s, len(want) - s
+    while gb < len(got) and not got[gb].isspace():
+        gb += 1
+    while wb < len(want) and not want[wb].isspace():
+        wb += 1
+    return k, f"page says {got[a:gb][:100]!r}, the rows and the builder's text call for {want[a:wb][:100]!r}"
+
+
+def check_text(ctx, text: str, figures: list[dict]) -> None:
+    """Every line of the page but its PNG payloads and JSON blocks must be what the builder writes
+    for these rows: one FAIL per differing line, naming the figure or section and its part."""
+    rows = ctx.results.get("rows", []) if isinstance(ctx.results, dict) else []
+    descriptions = {name: (p.get("description") or "") for name, p in ctx.protocol_copies.items()}
+    want = expected_page(len(rows) if isinstance(rows, list) else 0, figures, descriptions)
+    got = page_lines(text)
+    on_page = {m.group(1) for m in map(_FIG_KEY.match, got) if m}
+    keys = {d["key"] for d in figures}
+
+    def reported(line: str, wanted: bool) -> bool:  # a figure the structural checks already named
+        m = _FIG_KEY.match(line)
+        return bool(m) and (html.unescape(m.group(1)) not in on_page if wanted else html.unescape(m.group(1)) not in keys)
+
+    ops = difflib.SequenceMatcher(None, got, [line for _, line in want], autojunk=False).get_opcodes()
+    for op, g0, g1, w0, w1 in ops:
+        if op == "equal":
+            continue
+        pairs = min(g1 - g0, w1 - w0) if op == "replace" else 0
+        for i in range(pairs):
+            g, (what, w) = got[g0 + i], want[w0 + i]
+            if reported(w, True) or reported(g, False):
+                continue
+            at, words = _words_differ(g, w)
+            ctx.fail(f"{REL} {_part_of(what, w, at)}", f"words differ from what the rows call for: {words}")
+        for line in got[g0 + pairs:g1]:
+            if not reported(line, False):
+                ctx.fail(REL, f"a line the run's builder does not write: {line[:120]!r}")
+        for what, line in want[w0 + pairs:w1]:
+            if not reported(line, True):
+                ctx.fail(f"{REL} {what}", f"missing: {line[:120]!r}")
+
+
 def check_run(ctx) -> None:
     """Check report.html of the run (see the module docstring); problems go to ``ctx.fail``."""
     if REL not in ctx.manifest.get("files", {}):
@@ -450,3 +628,7 @@ def check_run(ctx) -> None:
     for key in expected:
         if key not in seen:
             ctx.fail(f"{REL} figure {key}", "missing: the rows of results.json call for it")
+    try:
+        check_text(ctx, text, list(expected.values()))
+    except Exception as e:  # noqa: BLE001 - rows the other checks already refused; still a FAIL line
+        ctx.fail(REL, f"the page's text cannot be derived from results.json ({type(e).__name__}: {str(e)[:200]})")

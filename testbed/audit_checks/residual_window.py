@@ -28,6 +28,7 @@ def check(row: dict, ctx) -> None:
             ctx.fail(row, f"float32 arm: rel_l2 {row['rel_l2']:.3g} / max_abs {row['max_abs']:.3g} not reproduced "
                           f"within float32 rounding ({rel_l2(out, ref):.3g} / {max_abs(out, ref):.3g})")
         ctx.equal(row, "payload_bytes", row["payload_bytes"], baseline)
+        ctx.equal(row, "arrays.packed", row["arrays"]["packed"], {})  # float32 stores no payload
         spans = [(0, n)]
     else:
         cfg = row["quant"]
@@ -50,8 +51,8 @@ def check(row: dict, ctx) -> None:
     ctx.close(row, "protected_mass", row["protected_mass"],
               sum(float(probs[..., a:b].sum(-1).mean()) for a, b in spans if b > a))
     focus = case["meta"].get("focus_span")
-    if focus:
-        ctx.close(row, "focus_mass", row["focus_mass"], float(probs[..., focus[0]:focus[1]].sum(-1).mean()))
+    ctx.close(row, "focus_mass", row.get("focus_mass"),
+              float(probs[..., focus[0]:focus[1]].sum(-1).mean()) if focus else None)
 
 
 def check_reencoded(row: dict, ctx, stored: dict, want: dict, what: str) -> None:
