@@ -262,9 +262,10 @@ def _diff(name: str, stored: np.ndarray, new: np.ndarray, tol: dict) -> dict | N
     a, b = stored.ravel(), new.ravel()
     if stored.dtype.kind == "f":
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        d = np.abs(a64 - b64)
+        with np.errstate(invalid="ignore"):  # inf - inf: set below
+            d = np.abs(a64 - b64)
+        d[(a64 == b64) | (np.isnan(a64) & np.isnan(b64))] = 0.0  # equal infinities, NaN in both
         d[np.isnan(a64) != np.isnan(b64)] = np.inf
-        d[np.isnan(a64) & np.isnan(b64)] = 0.0
         i = int(np.argmax(d))
         ok = bool(d[i] <= tol["float_atol"])
         return {"name": name, "ok": ok, "index": i, "ratio": float(d[i]) / tol["float_atol"],
