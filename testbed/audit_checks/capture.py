@@ -142,6 +142,17 @@ def _outside_model(ctx, study: str, name: str, cfg: dict, mc: dict, load: dict) 
             "gguf_sha256": load.get("gguf_sha256"), **_scales(mc, cfg.get("head_dim"))}
 
 
+def _config_head_dim(mc: dict):
+    """The head dimension a model's config implies, as the capture reads it: its ``head_dim``, or
+    hidden_size / heads for the many configs that store none (Qwen2, Phi-3, OLMo, Granite)."""
+    d = mc.get("head_dim")
+    if d is not None:
+        return d
+    hidden, heads = mc.get("hidden_size"), mc.get("num_attention_heads")
+    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (hidden, heads)) and heads > 0
+    return hidden // heads if ok else None
+
+
 def _scales(mc: dict, head_dim) -> dict:
     """The score scale a model's config implies, and the factor a Case folds into q to keep
     softmax(q k^T / sqrt(D)) (1.0 when within 1e-6 of it, as the capture snaps it)."""
@@ -205,7 +216,7 @@ def _check_capture(ctx, study: str, p: dict) -> None:
         "model_config.num_hidden_layers": (mc.get("num_hidden_layers"), known["layers"]),
         "model_config.num_attention_heads": (mc.get("num_attention_heads"), known["heads"]),
         "model_config.num_key_value_heads": (mc.get("num_key_value_heads"), known["kv_heads"]),
-        "model_config.head_dim": (mc.get("head_dim"), known["head_dim"]),
+        "model_config.head_dim": (_config_head_dim(mc), known["head_dim"]),
         "model_config.vocab_size": (mc.get("vocab_size"), known["vocab"]),
         "model_config.max_position_embeddings": (mc.get("max_position_embeddings"), known["positions"]),
         "load.model": (load.get("model"), p["model"]),
