@@ -289,3 +289,24 @@ def test_a_capture_from_a_path_model_whose_config_omits_head_dim(tmp_path):
     assert "runs a model the audit does not know (my_qwen2" in summary
     cases = json.loads((out / "results.json").read_text())["cases"]["my_capture"]
     assert len(cases) == 2 and next(iter(cases.values()))["meta"]["scaling"] == pytest.approx(32 ** -0.5)
+
+
+def test_a_capture_from_a_path_model_with_granites_attention_multiplier(tmp_path):
+    """Granite scales its scores by its config's attention_multiplier, not 1/sqrt(D): the capture
+    records that scale (and folds it into q); the audit expects it instead of failing every case."""
+    import transformers as tf
+
+    try:
+        _, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    torch.manual_seed(0)
+    cfg = tf.GraniteConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                           num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=512,
+                           attention_multiplier=0.25)
+    folder = tmp_path / "my_granite"
+    tf.GraniteForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out, _ = _run_and_audit(_capture_protocol("my_granite", [0]), tmp_path)
+    meta = next(iter(json.loads((out / "results.json").read_text())["cases"]["my_capture"].values()))["meta"]
+    assert meta["scaling"] == 0.25 and meta["q_prescale"] == pytest.approx(0.25 * 32 ** 0.5)

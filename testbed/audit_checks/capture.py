@@ -154,10 +154,15 @@ def _config_head_dim(mc: dict):
 
 
 def _scales(mc: dict, head_dim) -> dict:
-    """The score scale a model's config implies, and the factor a Case folds into q to keep
-    softmax(q k^T / sqrt(D)) (1.0 when within 1e-6 of it, as the capture snaps it)."""
+    """The score scale a model's config implies (Granite's ``attention_multiplier`` is the scale
+    itself; Gemma's ``query_pre_attn_scalar`` replaces D in 1/sqrt(D)), and the factor a Case folds
+    into q to keep softmax(q k^T / sqrt(D)) (1.0 when within 1e-6 of it, as the capture snaps it)."""
     d = float(head_dim or 1)
-    scaling = float(mc.get("query_pre_attn_scalar") or d) ** -0.5
+    multiplier = mc.get("attention_multiplier")
+    if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool):
+        scaling = float(multiplier)
+    else:
+        scaling = float(mc.get("query_pre_attn_scalar") or d) ** -0.5
     prescale = scaling * math.sqrt(d)
     return {"scaling": scaling, "q_prescale": 1.0 if abs(prescale - 1.0) < 1e-6 else prescale}
 
