@@ -310,3 +310,24 @@ def test_a_capture_from_a_path_model_with_granites_attention_multiplier(tmp_path
     out, _ = _run_and_audit(_capture_protocol("my_granite", [0]), tmp_path)
     meta = next(iter(json.loads((out / "results.json").read_text())["cases"]["my_capture"].values()))["meta"]
     assert meta["scaling"] == 0.25 and meta["q_prescale"] == pytest.approx(0.25 * 32 ** 0.5)
+
+
+def test_a_capture_from_a_path_model_that_does_not_load_is_an_error(tmp_path, capsys):
+    """A model folder that is found but cannot load (here: a config.json without weights) is an
+    error naming source.model, as in the live study, not a study skipped with exit 0; nothing is written."""
+    from testbed.run import main as run_main
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    folder = tmp_path / "broken_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    path = tmp_path / "my_capture.json"
+    path.write_text(json.dumps(_capture_protocol("broken_model", [0])))
+    capsys.readouterr()
+    assert run_main(["--quiet", "--out", str(tmp_path / "run"), "--protocol", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "source.model" in err and "broken_model" in err and "could not load" in err, err
+    assert not (tmp_path / "run").exists()
