@@ -178,11 +178,16 @@ def plan_units(root: str | Path) -> tuple[dict, dict, dict[str, Study], list[Uni
     if not isinstance(manifest, dict) or not isinstance(manifest.get("protocols"), list) \
             or not isinstance(results, dict) or not isinstance(results.get("rows"), list):
         raise BadInput(f"{root}: not a run folder (manifest.json protocols or results.json rows missing)")
+    all_cases = results.get("cases", {})
+    if not isinstance(all_cases, dict):
+        raise BadInput(f"{root}: results.json cases must be an object (study -> case records)")
     studies: dict[str, Study] = {}
     for e in manifest["protocols"]:
-        if not isinstance(e, dict) or not isinstance(e.get("copy"), str) or ".." in e["copy"].split("/"):
-            raise BadInput(f"{root}: manifest.json protocols: an entry without a frozen copy")
-        raw = (root / e["copy"]).read_bytes() if (root / e["copy"]).is_file() else None
+        copy = e.get("copy") if isinstance(e, dict) else None
+        if not isinstance(copy, str) or Path(copy).is_absolute() or ".." in Path(copy).parts:
+            raise BadInput(f"{root}: manifest.json protocols: an entry without a frozen copy inside the run")
+        path = root / copy
+        raw = path.read_bytes() if path.is_file() and not path.is_symlink() else None
         if raw is None:
             raise BadInput(f"{root}: the frozen protocol copy {e['copy']} is missing")
         if hashlib.sha256(raw).hexdigest() != e.get("sha256"):
@@ -194,13 +199,15 @@ def plan_units(root: str | Path) -> tuple[dict, dict, dict[str, Study], list[Uni
         kind = proto.get("kind")
         if kind not in KINDS:
             continue
-        cases = results.get("cases", {}).get(proto["name"], {})
+        cases = all_cases.get(proto["name"], {})
+        if not isinstance(cases, dict):
+            raise BadInput(f"{root}: results.json cases.{proto['name']} must be an object (case id -> record)")
         if not cases:  # the model was missing when it ran: an exclusion, nothing to replay
             continue
         try:
             units = (_live_units(root, manifest, cases, proto, _base(e)) if kind == "live"
                      else _retrieval_units(root, manifest, cases, proto))
-        except (KeyError, TypeError, ValueError, OSError, zipfile.BadZipFile) as err:
+        except (KeyError, TypeError, AttributeError, ValueError, OSError, zipfile.BadZipFile) as err:
             raise BadInput(f"{root}: {proto['name']}: cannot rebuild the run's units ({type(err).__name__}: {err})") \
                 from None
         studies[proto["name"]] = Study(proto["name"], kind, proto, units, _base(e))
@@ -262,9 +269,10 @@ def _diff(name: str, stored: np.ndarray, new: np.ndarray, tol: dict) -> dict | N
     a, b = stored.ravel(), new.ravel()
     if stored.dtype.kind == "f":
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        d = np.abs(a64 - b64)
+        with np.errstate(invalid="ignore"):  # inf - inf: set below
+            d = np.abs(a64 - b64)
+        d[(a64 == b64) | (np.isnan(a64) & np.isnan(b64))] = 0.0  # equal infinities, NaN in both
         d[np.isnan(a64) != np.isnan(b64)] = np.inf
-        d[np.isnan(a64) & np.isnan(b64)] = 0.0
         i = int(np.argmax(d))
         ok = bool(d[i] <= tol["float_atol"])
         return {"name": name, "ok": ok, "index": i, "ratio": float(d[i]) / tol["float_atol"],

@@ -266,3 +266,68 @@ def test_gemma_capture_refuses_a_sliding_layer_before_loading():
     with pytest.raises(ProtocolError, match=r"layers\[1\]: layer 0 of gemma-3-270m.Q4_K_M is a sliding-window layer "
                                             r"\(window 512\).*\[5, 11, 17\]"):
         validate_protocol(_capture_protocol(capture.GEMMA_ID, [5, 0]))
+
+
+def test_a_capture_from_a_path_model_whose_config_omits_head_dim(tmp_path):
+    """Many configs (Qwen2, Phi-3, OLMo, StableLM, Granite) do not store head_dim: the model uses
+    hidden_size / heads, and so does the capture's config.head_dim. The audit of such a capture
+    derives it the same way instead of failing a genuine run on model_config.head_dim = None."""
+    import transformers as tf
+
+    try:
+        _, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=512)
+    assert "head_dim" not in cfg.to_dict()
+    folder = tmp_path / "my_qwen2"
+    tf.Qwen2ForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out, summary = _run_and_audit(_capture_protocol("my_qwen2", [0]), tmp_path)
+    assert "runs a model the audit does not know (my_qwen2" in summary
+    cases = json.loads((out / "results.json").read_text())["cases"]["my_capture"]
+    assert len(cases) == 2 and next(iter(cases.values()))["meta"]["scaling"] == pytest.approx(32 ** -0.5)
+
+
+def test_a_capture_from_a_path_model_with_granites_attention_multiplier(tmp_path):
+    """Granite scales its scores by its config's attention_multiplier, not 1/sqrt(D): the capture
+    records that scale (and folds it into q); the audit expects it instead of failing every case."""
+    import transformers as tf
+
+    try:
+        _, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    torch.manual_seed(0)
+    cfg = tf.GraniteConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                           num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=512,
+                           attention_multiplier=0.25)
+    folder = tmp_path / "my_granite"
+    tf.GraniteForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out, _ = _run_and_audit(_capture_protocol("my_granite", [0]), tmp_path)
+    meta = next(iter(json.loads((out / "results.json").read_text())["cases"]["my_capture"].values()))["meta"]
+    assert meta["scaling"] == 0.25 and meta["q_prescale"] == pytest.approx(0.25 * 32 ** 0.5)
+
+
+def test_a_capture_from_a_path_model_that_does_not_load_is_an_error(tmp_path, capsys):
+    """A model folder that is found but cannot load (here: a config.json without weights) is an
+    error naming source.model, as in the live study, not a study skipped with exit 0; nothing is written."""
+    from testbed.run import main as run_main
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    folder = tmp_path / "broken_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    path = tmp_path / "my_capture.json"
+    path.write_text(json.dumps(_capture_protocol("broken_model", [0])))
+    capsys.readouterr()
+    assert run_main(["--quiet", "--out", str(tmp_path / "run"), "--protocol", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "source.model" in err and "broken_model" in err and "could not load" in err, err
+    assert not (tmp_path / "run").exists()

@@ -142,11 +142,27 @@ def _outside_model(ctx, study: str, name: str, cfg: dict, mc: dict, load: dict) 
             "gguf_sha256": load.get("gguf_sha256"), **_scales(mc, cfg.get("head_dim"))}
 
 
+def _config_head_dim(mc: dict):
+    """The head dimension a model's config implies, as the capture reads it: its ``head_dim``, or
+    hidden_size / heads for the many configs that store none (Qwen2, Phi-3, OLMo, Granite)."""
+    d = mc.get("head_dim")
+    if d is not None:
+        return d
+    hidden, heads = mc.get("hidden_size"), mc.get("num_attention_heads")
+    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (hidden, heads)) and heads > 0
+    return hidden // heads if ok else None
+
+
 def _scales(mc: dict, head_dim) -> dict:
-    """The score scale a model's config implies, and the factor a Case folds into q to keep
-    softmax(q k^T / sqrt(D)) (1.0 when within 1e-6 of it, as the capture snaps it)."""
+    """The score scale a model's config implies (Granite's ``attention_multiplier`` is the scale
+    itself; Gemma's ``query_pre_attn_scalar`` replaces D in 1/sqrt(D)), and the factor a Case folds
+    into q to keep softmax(q k^T / sqrt(D)) (1.0 when within 1e-6 of it, as the capture snaps it)."""
     d = float(head_dim or 1)
-    scaling = float(mc.get("query_pre_attn_scalar") or d) ** -0.5
+    multiplier = mc.get("attention_multiplier")
+    if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool):
+        scaling = float(multiplier)
+    else:
+        scaling = float(mc.get("query_pre_attn_scalar") or d) ** -0.5
     prescale = scaling * math.sqrt(d)
     return {"scaling": scaling, "q_prescale": 1.0 if abs(prescale - 1.0) < 1e-6 else prescale}
 
@@ -205,7 +221,7 @@ def _check_capture(ctx, study: str, p: dict) -> None:
         "model_config.num_hidden_layers": (mc.get("num_hidden_layers"), known["layers"]),
         "model_config.num_attention_heads": (mc.get("num_attention_heads"), known["heads"]),
         "model_config.num_key_value_heads": (mc.get("num_key_value_heads"), known["kv_heads"]),
-        "model_config.head_dim": (mc.get("head_dim"), known["head_dim"]),
+        "model_config.head_dim": (_config_head_dim(mc), known["head_dim"]),
         "model_config.vocab_size": (mc.get("vocab_size"), known["vocab"]),
         "model_config.max_position_embeddings": (mc.get("max_position_embeddings"), known["positions"]),
         "load.model": (load.get("model"), p["model"]),

@@ -812,6 +812,9 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         _write_manifest(ctx, manifest)
         return
     except Exception as e:  # noqa: BLE001 - anything before the first forward is an exclusion, not a result
+        if params["model"] not in MODELS:  # the user's own model, found but not loadable: an error, as in live
+            raise ProtocolError(f"{study}: source.model: {params['model']!r} could not load "
+                                f"({type(e).__name__}: {e})") from None
         print(f"[{study}] capture skipped: the model could not load ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         exclude(f"{study}/{params['model']}", "load_model", f"{type(e).__name__}: {e}")
         _write_manifest(ctx, manifest)
