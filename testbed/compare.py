@@ -58,6 +58,15 @@ TOLERANCES = {
     # elements (at least one) may lie beyond rtol, none beyond outlier_rtol: measured, one SmolLM2
     # layer-9 row of 144 at 6.1e-2 of its group's scale, every other element within 5e-2
     "flip_sensitive": {"rtol": 5e-2, "outliers": 0.01, "outlier_rtol": 0.5},
+    # the per-token arrays of a model study (log-probs, KL, argmax, generated tokens of the live and
+    # retrieval studies): a 2-bit cache re-quantized at every flush turns a flipped code into a
+    # changed prediction at a few tokens. Measured one instruction-set level down (AVX2 against the
+    # AVX-512 evidence, 2 threads against 1): quanto int2's log-probs moved beyond 5e-2 of their
+    # scale at 5 of 96 tokens (at most 8.3e-2), its KL at 1, its argmax at 1 of 96 tokens; every
+    # testbed arm stayed within 1.4e-2. So up to 6 % of elements may lie beyond rtol (at least one),
+    # none beyond outlier_rtol; integer arrays up to 2 % of elements, at least one
+    "per_token": {"rtol": 5e-2, "outliers": 0.06, "outlier_rtol": 0.5},
+    "per_token_integer_fraction": 0.02,
     # quantization codes and argmax flip only where a value sits on a rounding boundary or a tie
     # (measured at most 3.3e-4 of an array's elements)
     "integer_array_fraction": 1e-3,
@@ -66,8 +75,12 @@ TOLERANCES = {
 }
 ATOL_FLOOR = 1e-12
 FIELD_FLOOR = 1e-2
-# analyses whose numbers (and, for the live study, arrays) are flip-sensitive
-FLIP_SENSITIVE = ("mx_paths", "live_quality")
+# analyses whose numbers are flip-sensitive (the model studies' arrays are "per_token")
+FLIP_SENSITIVE = ("mx_paths", "live_quality", "retrieval")
+# fields of other analyses that come out of a selection a flipped comparison changes: the
+# mass-matched control picks keys until its mass is within 0.01 of the target, so its mismatch moves
+# by a whole key's share when one comparison flips (measured up to 6.3e-3 of the field's scale)
+FLIP_FIELDS = ("mass_mismatch_mean", "mass_mismatch_max")
 # Arrays that no float kernel touches: they must be identical on any machine.
 EXACT_ARRAYS = ("token_ids", "query_positions", "header")
 # The fields that say which row a result is (together they are unique within a run).
@@ -138,13 +151,14 @@ class Diffs:
             self.fail(at, f"differs by {d[j]:.3g}{elem}: {a[i]!r} against {b[i]!r}, {entry['rel']:.3g} of the "
                           f"{'field' if labels else 'array'}'s scale {scale:.3g} (tolerance {kind} rtol {rtol:g})")
 
-    def integers(self, what: str, a: np.ndarray, b: np.ndarray, exact: bool) -> None:
+    def integers(self, what: str, a: np.ndarray, b: np.ndarray, exact: bool, per_token: bool = False) -> None:
         self.numbers += a.size
         n = int(np.count_nonzero(a != b))
         if not n:
             self.exact += 1
             return
-        allowed = 0 if exact else int(TOLERANCES["integer_array_fraction"] * a.size)
+        allowed = (0 if exact else max(1, int(TOLERANCES["per_token_integer_fraction"] * a.size)) if per_token
+                   else int(TOLERANCES["integer_array_fraction"] * a.size))
         self._keep(what, {"abs": float(n), "rel": n / a.size, "ratio": n / allowed if allowed else math.inf,
                           "limit": "identical" if exact else f"<= {allowed} elements"})
         if n > allowed:
@@ -232,10 +246,11 @@ def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, res_a: dict, res_b: 
         if x.dtype != y.dtype or x.shape != y.shape:
             out.fail(what, f"{x.dtype.str} {list(x.shape)} in {ra}, {y.dtype.str} {list(y.shape)} in {rb}")
         elif x.dtype.kind == "f":
-            out.floats(what, x, y, "flip_sensitive" if pb.split("/")[1:2] and pb.split("/")[1] in flip_studies else "float")
+            out.floats(what, x, y, "per_token" if pb.split("/")[1:2] and pb.split("/")[1] in flip_studies else "float")
         else:
             words = (name.rsplit(" ", 1)[-1], pb.rsplit("/", 1)[-1])
-            out.integers(what, x, y, exact=any(word in w for word in EXACT_ARRAYS for w in words))
+            out.integers(what, x, y, exact=any(word in w for word in EXACT_ARRAYS for w in words),
+                         per_token=bool(pb.split("/")[1:2]) and pb.split("/")[1] in flip_studies)
     ca.close()
     cb.close()
     return len(set(na) & set(nb))
@@ -329,7 +344,7 @@ def _compare_rows(ra: Path, rb: Path, res_a: dict, res_b: dict, out: Diffs, arra
         labels = [f"{where} {field}" for where, x, _ in items for _ in x]
         tag = " ".join(f"{k}={v}" for k, v in rest)
         out.floats(f"results.json {study} {analysis} {tag + ' ' if tag else ''}{field}", xs, ys,
-                   "flip_sensitive" if analysis in FLIP_SENSITIVE else "float", labels,
+                   "flip_sensitive" if analysis in FLIP_SENSITIVE or field in FLIP_FIELDS else "float", labels,
                    FIELD_FLOOR * field_scale[(study, analysis, field)])
     return len(set(a) & set(b))
 
@@ -389,7 +404,8 @@ def compare_runs(a: str | Path, b: str | Path, studies=None) -> tuple[bool, list
         (ma, res_a), (mb, res_b) = _restrict(ma, res_a, studies), _restrict(mb, res_b, studies)
     out = Diffs()
     _compare_protocols(ma, mb, out)
-    flip_studies = {r.get("study") for r in res_b["rows"] if isinstance(r, dict) and r.get("analysis") == "live_quality"}
+    flip_studies = {r.get("study") for r in res_b["rows"]
+                    if isinstance(r, dict) and r.get("analysis") in ("live_quality", "retrieval")}
     n_arrays = _compare_arrays(ra, rb, ma, mb, res_a, res_b, out, flip_studies)
     n_rows = _compare_rows(ra, rb, res_a, res_b, out, set(ma["arrays"]), set(mb["arrays"]))
     lines = _table(out)
@@ -397,7 +413,9 @@ def compare_runs(a: str | Path, b: str | Path, studies=None) -> tuple[bool, list
                + f"{n_arrays} arrays and {n_rows} rows in both runs, {out.numbers} numbers compared "
                f"({len(out.worst)} items differ at all; floats normwise within rtol {TOLERANCES['float']['rtol']:g} "
                f"of their array's or field's largest value, {TOLERANCES['flip_sensitive']['rtol']:g} where a flipped "
-               f"code moves them ({', '.join(FLIP_SENSITIVE)}), integer arrays <= "
+               f"code moves them ({', '.join(FLIP_SENSITIVE)}, {', '.join(FLIP_FIELDS)}), the model studies' per-token "
+               f"arrays {TOLERANCES['per_token']['rtol']:g} with up to {TOLERANCES['per_token']['outliers']:g} of "
+               f"elements beyond (integers <= {TOLERANCES['per_token_integer_fraction']:g}), other integer arrays <= "
                f"{TOLERANCES['integer_array_fraction']:g} of elements)")
     return not out.failures, lines + out.failures, summary
 

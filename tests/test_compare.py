@@ -325,13 +325,15 @@ def test_a_run_on_another_instruction_set_and_thread_count_passes_against_eviden
     """What a user on another CPU does: run protocols and compare against the archived evidence/.
     Here the other CPU is this one with its kernels one instruction-set level down (another sum
     order in every float kernel) and 2 threads instead of 1. The studies where a code flips at a
-    rounding boundary are the ones run: MX paths on synthetic and captured attention, the ablation
-    and residual-window quantizers, and the live study 30 layers deep with quanto's peers. Their
-    audit passes and compare finds them within its tolerances."""
+    rounding boundary are the ones run: MX paths, the ablation and residual-window quantizers, the
+    mass-matched controls on captured attention (a selection a flipped comparison changes), and the
+    live study 30 layers deep with quanto's peers (its int2 is the most sensitive arm). Their audit
+    passes and compare finds them within its tolerances; before the per-token and mass-mismatch
+    tolerances, the same comparison of a whole default run failed on exactly these."""
     import os
 
     env = {**os.environ, **_one_level_down(), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    names = ["mx_paths", "ablation", "residual_window", "smollm2", "smollm2_quality"]
+    names = ["mx_paths", "ablation", "residual_window", "smollm2_prompts", "smollm2_quality"]
     out = tmp_path / "other_cpu"
     cmd = [sys.executable, "-m", "testbed.run", "--quiet", "--threads", "2", "--out", str(out)]
     for n in names:
