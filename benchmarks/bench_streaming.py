@@ -199,7 +199,7 @@ def child(args) -> None:
                                      for k in a64}
 
     if args.with_reference:
-        from testbed.ablation import ablate_case, make_ablation
+        from testbed.ablation_core import ablate_case, make_ablation
         from testbed.metrics import observe
 
         spans = {n: make_ablation(n).dropped(case) for n in st.DEFAULT_ABLATIONS}

@@ -22,7 +22,7 @@ heads, 2,340 queries x 6,240 keys, D = 128: 467 M scores per path) that costs mi
       rounded to nearest even and saturated) and decoded, bit-identical to `testbed.quant.mx.MX`,
       with its numerical-zero count, row sum, TV and argmax;
 3. the P·V products: ``e`` per ablation atom (``sum_a e_a V_a = Z O``: the ablations cost no
-   extra matmul, dropping a region is merging the other atoms, as in `testbed.ablation`), and the
+   extra matmul, dropping a region is merging the other atoms, as in `testbed.ablation_core`), and the
    paths' output errors ``(P̂ - P) V``; a small kernel turns them into per-row errors.
 
 Only per-row results (a few floats per head x query) and per-head sums are kept, never
@@ -49,7 +49,7 @@ sample). Deviations by design, each stated:
   zeros when its logits span more than ~87 nats, so rows spanning more than 80 are recomputed
   exactly by `metrics.strict_zero_rate` (counted in ``fallback_rows["zero_rate"]``);
 - an ablation whose kept keys all lie more than 60 (float32) / 600 (float64) nats below the row
-  max would renormalize underflowed values; such rows are recomputed by `testbed.ablation.ablate`
+  max would renormalize underflowed values; such rows are recomputed by `testbed.ablation_core.ablate`
   itself (``fallback_rows["ablation"]``);
 - argmax is the first key of largest ``e`` (the first largest score), i.e. ties are those of the
   scores, as for a float64 softmax.
@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .ablation import ArmResult, ablate, cut_points, history_span, make_ablation
+from .ablation_core import ArmResult, ablate, cut_points, history_span, make_ablation
 from .metrics import Observation, TOP_PERCENTS, frame_size, jaccard, strict_zero_rate, top_blocks, top_counts
 from .quant.kernels import parallel_kernel
 from .quant.mx import ELEMENTS, MX
@@ -982,7 +982,7 @@ def analyze(case, *, dtype: torch.dtype = torch.float32, rotations=("none", "sig
 
     Parameters mirror the non-fused implementations: ``rotations``/``element``/``block_size``/
     ``rotation_seed``/``p_path`` those of ``mx_paths``; ``ablations`` names ablations of
-    `testbed.ablation` (non-applicable ones are skipped, ``none`` is implied); ``block_tokens``/
+    `testbed.ablation_core` (non-applicable ones are skipped, ``none`` is implied); ``block_tokens``/
     ``coverage``/``percents`` those of `metrics.observe`. ``dtype`` is float32 (fast) or float64
     (the reference precision). ``max_scores`` bounds the scores of one tile (per path).
     """

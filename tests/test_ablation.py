@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.ablation import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate_case,
-                              control_block, kept_mask, make_ablation)
+from testbed.ablation_core import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate_case,
+                                   control_block, kept_mask, make_ablation)
 from testbed.case import Case, Region
 from testbed.metrics import score_tiles
 from testbed.sources.synthetic import make_case as make_decode_case
@@ -262,7 +262,7 @@ class _Ctx:
 
 
 def test_analysis_rows_and_not_applicable_arms(tmp_path):
-    from testbed.analyses import ablation as an
+    from testbed.analyses import ablation_analysis as an
 
     params = an.validate({"kv_arms": [{"name": "float32"}, {"name": "q4", "window": "recent",
                                        "key": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "channel"},
@@ -286,7 +286,7 @@ def test_analysis_rows_and_not_applicable_arms(tmp_path):
 
 
 def test_protocol_validation_names_the_key():
-    from testbed.analyses import ablation as an
+    from testbed.analyses import ablation_analysis as an
     from testbed.protocol import ProtocolError
 
     with pytest.raises(ProtocolError, match=r"p\.ablations\[1\]"):

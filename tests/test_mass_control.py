@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.ablation import (ABLATION_NAMES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, make_ablation,
-                              mass_control_case, mass_control_order, select_mass_matched)
+from testbed.ablation_core import (ABLATION_NAMES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, make_ablation,
+                                   mass_control_case, mass_control_order, select_mass_matched)
 from testbed.case import Case, Region
 from tests._helpers import REPO, forge_results
 
@@ -310,7 +310,7 @@ def test_chunked_mass_control_matches_one_tile():
 
 def test_completeness_defaults_list_the_run_side_defaults():
     from testbed.audit_checks.completeness import ANALYSIS_DEFAULTS
-    from testbed.audit_checks import ablation as audit_ablation
+    from testbed.audit_checks import ablation_audit as audit_ablation
 
     assert ANALYSIS_DEFAULTS["ablation"]["ablations"] == list(ABLATION_NAMES)
     assert audit_ablation.MASS_TOLERANCE == MASS_TOLERANCE and audit_ablation.MASS_ATTEMPTS == MASS_ATTEMPTS
@@ -385,7 +385,7 @@ def test_a_forged_selection_that_overlaps_the_target_fails(focus_run, tmp_path):
     """A forger who recomputes the row consistently from a selection that may use target keys
     (the mass-matched control redefined as 'any keys of that mass') is caught: the audit selects
     the keys itself, so every re-derived number disagrees."""
-    from testbed.ablation import mass_control
+    from testbed.ablation_core import mass_control
     from testbed.sources.synthetic import make_case
 
     run = tmp_path / "run"

@@ -111,6 +111,23 @@ def test_stored_bytes_match_the_closed_form_at_every_step(pol):
         assert layer.stored_bytes() == _bytes_formula(pol, n) == pol.layer_bytes(n, H, D), (pol.name, n)
 
 
+def test_the_audits_policy_table_states_every_preset():
+    """The audit's own statement of the presets (``live_quality.POLICY_TABLE``, written there, not
+    imported) gives each preset's parameters, closed-form bytes and chunk schedule: a preset added
+    without its row, or with a row that says something else, fails here, not first in a live audit."""
+    from testbed.audit_checks import live_quality as lq
+
+    assert set(lq.POLICY_TABLE) == set(PRESETS)
+    live = {"window": 16, "group": 16, "evict_window": 24, "sink": 4}
+    dims = {"layers": 1, "kv_heads": H, "head_dim": D, "sliding_window": None, "full_layers": None}
+    for pol in POLICIES:
+        mine = lq._policy(pol.name, live)
+        assert mine == {k: pol.config()[k] for k in mine}, pol.name
+        for n in range(120):
+            assert lq.policy_bytes(mine, n, dims) == pol.layer_bytes(n, H, D), (pol.name, n)
+            assert lq.next_change(mine, n) == pol.next_change(n, masked=True), (pol.name, n)
+
+
 @pytest.mark.parametrize("name", ["int4", "int2_sink4", "int2_ktoken", "mxfp8", "mxfp4"])
 def test_attention_sees_the_decoded_stored_bytes_and_the_float_tokens(name):
     pol = preset(name, window=16, group=16, sink=4)

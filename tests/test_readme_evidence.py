@@ -291,7 +291,7 @@ def check_readme(text: str, ev) -> None:
 
     assert {cell_text(ev, "ablation", "ablation", "ablation vs mass-matched control", [d, "drop_sink"], "ablation worse")
             for d in ("video", "llm_causal")} == {f"{seeds}/{seeds}"}
-    from testbed.audit_checks.ablation import MASS_TOLERANCE
+    from testbed.audit_checks.ablation_audit import MASS_TOLERANCE
 
     r.claim("history keys holding the target's τ within {} %,", at(MASS_TOLERANCE, 100))
     r.claim("on the rows where such keys exist: {} of {} (video), {} of {} (LLM)) dropping the sink costs {} % against "

@@ -1,6 +1,6 @@
 """The fused streaming analysis against the audited, non-fused implementations.
 
-float64 (the reference precision) must reproduce `metrics.observe`, `ablation.ablate` and the
+float64 (the reference precision) must reproduce `metrics.observe`, `ablation_core.ablate` and the
 ``mx_paths`` analysis to rounding; float32 (the fast path) must stay within the stated bounds.
 The kernels it is built from are checked on their own: exact top-k sums, MX fake quantization
 bit-identical to `testbed.quant.mx.MX`, and the recomputation of rows near underflow.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from testbed import streaming as st
-from testbed.ablation import ablate_case, make_ablation
+from testbed.ablation_core import ablate_case, make_ablation
 from testbed.analyses import mx_paths
 from testbed.context import RunContext
 from testbed.metrics import observe

@@ -10,10 +10,10 @@ capture manifests: provenance, the model's identity, gates, token ids and case m
 ``report.md``: every table cell and every run-derived number of its prose re-derived from the rows).
 """
 
-from . import (ablation, capture, completeness, live_quality, mx_paths, observation, report_html, report_md,
+from . import (ablation_audit, capture, completeness, live_quality, mx_paths, observation, report_html, report_md,
                residual_window, retrieval)
 
-CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation.check,
+CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation_audit.check,
           "observation": observation.check, "live_quality": live_quality.check,
           "retrieval": retrieval.check}
 

@@ -26,7 +26,7 @@ import json
 import re
 from pathlib import PurePosixPath, PureWindowsPath
 
-from . import ablation as ablation_check
+from . import ablation_audit as ablation_check
 from . import live_quality
 from . import residual_window as residual_window_check
 from . import retrieval as retrieval_check

@@ -2,7 +2,7 @@
 history from the case's K/V and require its stored payload byte for byte, decode it, and recompute
 the masked renormalized softmax directly (key by key, one head at a time) in float64.
 
-Independent of ``testbed.ablation``: the dropped spans are derived here from the layout and the
+Independent of ``testbed.ablation_core``: the dropped spans are derived here from the layout and the
 ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
 as a mask on the scores (no atoms, no merging), and every reported number is recomputed.
 
