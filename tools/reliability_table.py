@@ -37,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SUITES = ["tests/test_tamper.py", "tests/test_run_cli.py", "tests/test_determinism.py", "tests/test_fuzz_inputs.py",
           "tests/test_resource_guard.py", "tests/test_report_html.py", "tests/test_audit_report_md.py",
-          "tests/test_audit_completeness.py", "tests/test_audit_reencode.py", "tests/test_capture_provenance.py"]
+          "tests/test_audit_completeness.py", "tests/test_audit_reencode.py", "tests/test_capture_provenance.py",
+          "tests/test_audit_fields.py"]
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"
 
 # (summary line, categories) in table order
