@@ -60,6 +60,24 @@ def _run_and_audit(proto: dict, tmp_path) -> tuple:
     return out, summary
 
 
+def _tiny_folder(tmp_path, name: str, config: str, model: str, **kw):
+    """A tiny random model of transformers' ``config``/``model`` classes (64 wide, 2 heads sharing
+    one KV head) saved as a Hugging Face folder ``tmp_path/name``, SmolLM2's tokenizer beside it;
+    the test is skipped when the capture extra or SmolLM2 is missing. Returns the config."""
+    import transformers as tf
+
+    try:
+        _, tok, _ = capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    torch.manual_seed(0)
+    cfg = getattr(tf, config)(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=1, max_position_embeddings=512, **kw)
+    getattr(tf, model)(cfg).save_pretrained(tmp_path / name)
+    tok.save_pretrained(tmp_path / name)
+    return cfg
+
+
 def _ids(tok, n):
     from testbed.live import corpus_text
 
@@ -171,20 +189,9 @@ def test_refusals_name_the_layer_and_the_peer(gemma):
 def test_a_model_given_by_path_runs_and_is_audited_self_consistently(tmp_path, capsys):
     """A tiny random Llama saved as a Hugging Face folder next to the protocol (SmolLM2's tokenizer
     beside it): the live study runs it, and the audit passes it, saying it cannot know the model."""
-    import transformers as tf
-
     from testbed.run import main as run_main
 
-    try:
-        _, tok, _ = capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}")
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=32, num_hidden_layers=2, max_position_embeddings=512)
-    folder = tmp_path / "my_model"
-    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    _tiny_folder(tmp_path, "my_model", "LlamaConfig", "LlamaForCausalLM", head_dim=32, num_hidden_layers=2)
     proto = _protocol("smollm2_quality")
     proto.update({"name": "my_model_live", "default": False})
     proto["live"].update({"model": "my_model", "segments": 1, "prefill": 40, "steps": 24, "batch": 1, "window": 8,
@@ -222,22 +229,10 @@ def test_a_capture_from_a_model_given_by_path_with_sliding_layers(tmp_path, caps
     audit passes it as self-consistent; the recorded cases reproduce the model's own attention output
     scale (q is pre-scaled); recording its sliding layer is refused once the model is loaded, before
     any forward, naming the layer and its kind, and writes nothing."""
-    import transformers as tf
-
     from testbed.run import main as run_main
 
-    try:
-        _, tok, _ = capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}")
-    torch.manual_seed(0)
-    cfg = tf.Gemma3TextConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=32, num_hidden_layers=2, sliding_window=16,
-                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
-                              query_pre_attn_scalar=256)
-    folder = tmp_path / "my_gemma"
-    tf.Gemma3ForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    _tiny_folder(tmp_path, "my_gemma", "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=32, num_hidden_layers=2,
+                 sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256)
     proto = _capture_protocol("my_gemma", [1])
     out, summary = _run_and_audit(proto, tmp_path)
     assert "runs a model the audit does not know (my_gemma" in summary
@@ -272,19 +267,8 @@ def test_a_capture_from_a_path_model_whose_config_omits_head_dim(tmp_path):
     """Many configs (Qwen2, Phi-3, OLMo, StableLM, Granite) do not store head_dim: the model uses
     hidden_size / heads, and so does the capture's config.head_dim. The audit of such a capture
     derives it the same way instead of failing a genuine run on model_config.head_dim = None."""
-    import transformers as tf
-
-    try:
-        _, tok, _ = capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}")
-    torch.manual_seed(0)
-    cfg = tf.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                         num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=512)
+    cfg = _tiny_folder(tmp_path, "my_qwen2", "Qwen2Config", "Qwen2ForCausalLM", num_hidden_layers=1)
     assert "head_dim" not in cfg.to_dict()
-    folder = tmp_path / "my_qwen2"
-    tf.Qwen2ForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
     out, summary = _run_and_audit(_capture_protocol("my_qwen2", [0]), tmp_path)
     assert "runs a model the audit does not know (my_qwen2" in summary
     cases = json.loads((out / "results.json").read_text())["cases"]["my_capture"]
@@ -294,19 +278,8 @@ def test_a_capture_from_a_path_model_whose_config_omits_head_dim(tmp_path):
 def test_a_capture_from_a_path_model_with_granites_attention_multiplier(tmp_path):
     """Granite scales its scores by its config's attention_multiplier, not 1/sqrt(D): the capture
     records that scale (and folds it into q); the audit expects it instead of failing every case."""
-    import transformers as tf
-
-    try:
-        _, tok, _ = capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}")
-    torch.manual_seed(0)
-    cfg = tf.GraniteConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                           num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=512,
-                           attention_multiplier=0.25)
-    folder = tmp_path / "my_granite"
-    tf.GraniteForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    _tiny_folder(tmp_path, "my_granite", "GraniteConfig", "GraniteForCausalLM", num_hidden_layers=1,
+                 attention_multiplier=0.25)
     out, _ = _run_and_audit(_capture_protocol("my_granite", [0]), tmp_path)
     meta = next(iter(json.loads((out / "results.json").read_text())["cases"]["my_capture"].values()))["meta"]
     assert meta["scaling"] == 0.25 and meta["q_prescale"] == pytest.approx(0.25 * 32 ** 0.5)
