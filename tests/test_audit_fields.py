@@ -165,6 +165,8 @@ class Probe:
                     a.fail(row, str(e))
                 except Exception as e:  # noqa: BLE001 - as the audit does: a forged row is a FAIL line
                     a.fail(row, f"cannot re-derive ({type(e).__name__}: {str(e)[:200]})")
+            if a.failures:  # caught by its row's re-derivation: the run-wide checks cannot un-catch it
+                return list(a.failures)
             a._check_orphans()
             for rel in ("results.json", "capture_manifest.json"):
                 try:
