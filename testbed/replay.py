@@ -32,7 +32,8 @@ Tolerance (``TOLERANCES``), chosen from what the replay shares with the run:
 Chance that forged units escape: sampling N of T units without replacement misses one forged unit
 with probability 1 - N/T, and all of k forged units with C(T-k, N) / C(T, N).
 
-Prints the share of units checked, those chances, one ``FAIL:`` line per unit that differs (its
+Prints the share of units checked and the seed, those chances, the sampled units (study case
+arm, on one line), one ``FAIL:`` line per unit that differs (its
 study, case, arm, the chunk of forward calls holding its worst difference, and that difference)
 and ``PASS`` or ``FAIL``; progress lines (counts, time left) go to stderr. Exit 0 PASS, 1 FAIL,
 2 bad input (no such folder, not a run, no live or retrieval rows, N < 1, the model missing).
@@ -377,6 +378,7 @@ def replay(root: str | Path, n: int, seed: int = 0, threads: int | None = None, 
                          + ("; k forged units all escape: " + ", ".join(
                              f"k={k} {100 * escape_chance(total, len(picked), k):.1f} %" for k in ks) if ks else "")
                          + f" (C({total}-k, {len(picked)}) / C({total}, {len(picked)}))")
+            lines.append("units (study case arm): " + "; ".join(f"{u.study} {u.case} {u.arm}" for u in picked))
             # run units needed: per (study, batch) the reference, then each sampled arm once
             groups: dict[tuple, dict[int, list[Unit]]] = {}
             for u in picked:
