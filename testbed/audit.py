@@ -75,11 +75,15 @@ CASE_FIELDS = ("source", "distribution", "seed", "n", "model", "prompt", "layer"
 DEFAULT_TOLERANCE = TOLERANCES["derived"]
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-__all__ = ["audit", "compare", "main", "load_json"]
+__all__ = ["audit", "compare", "main", "load_json", "BadInput"]
 
 
 class AuditError(Exception):
     """A problem that stops the audit of one file or row."""
+
+
+class BadInput(Exception):
+    """A folder a command cannot read as a run (``testbed.compare``, ``testbed.replay``: exit 2)."""
 
 
 class Consequence(AuditError):

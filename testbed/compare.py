@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cli import entry
-from .audit import AuditError, Containers, _safe_relpath, load_json
+from .audit import AuditError, BadInput, Containers, _safe_relpath, load_json
 
 __all__ = ["TOLERANCES", "IDENTITY", "compare_runs", "main"]
 
@@ -88,10 +88,6 @@ IDENTITY = ("study", "analysis", "case", "arm", "scheme", "rotation", "path", "a
             "kv_head")
 NOT_COMPARED = ("timings.json", "report.md", "results.csv", "results.json")
 TOP = 10
-
-
-class BadInput(Exception):
-    """Not a run folder that can be compared (exit 2)."""
 
 
 class Diffs:

@@ -44,8 +44,8 @@ import torch
 from .policies import PRESETS, Policy, preset
 from .policies.policy import sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
-from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs,
-                              _hardware, _software, load_model, model_dims)
+from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
+                              _hardware, _software, estimate_dims, load_model, model_dims)
 
 __all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "corpus_text", "segment_starts",
            "chunk_schedule", "quanto_bytes", "REFERENCE"]
@@ -166,12 +166,13 @@ def policies_of(p: dict) -> list[Policy]:
             for name in p["policies"]]
 
 
-def estimate_bytes(p: dict) -> int:
+def estimate_bytes(p: dict, base: Path | None = None) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
     one chunk (a prefill computes the last position's only), the prefill's activations, the caches
-    (the shared prefill's K/V held beside one arm's cache)."""
-    # a model given by path: SmolLM2's dimensions stand in until it is loaded (the guard is an estimate)
-    dims = MODELS.get(p["model"], MODELS[MODEL_ID])
+    (the shared prefill's K/V held beside one arm's cache). A model given by path (relative to
+    ``base``, the protocol's folder) is sized from its files before it is loaded
+    (:func:`testbed.sources.capture.estimate_dims`)."""
+    dims = estimate_dims(p["model"], base)
     vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
     b = min(p["batch"], p["segments"])
     prefill = max(pre for _, pre in context_views(p))

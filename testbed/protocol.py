@@ -141,16 +141,17 @@ def _validate_retrieval(raw: dict, where: str) -> dict:
 def estimate_protocol(proto: dict, base: Path | None = None) -> int | None:
     """Peak bytes of a validated protocol's largest unit (a Case, or a live study's batch), or None
     when its source has no ``estimate_bytes`` hook (see :mod:`testbed.resources`). ``base``: the
-    protocol file's folder, for a source that reads files named in the protocol (traces)."""
+    protocol file's folder, for a source that reads files named in the protocol (traces, a model
+    given by path)."""
     if proto.get("kind") == "live":
-        return int(live.estimate_bytes(proto["live"]))
+        return int(live.estimate_bytes(proto["live"], base))
     if proto.get("kind") == "retrieval":
         return int(retrieval_study.estimate_bytes(proto["retrieval"]))
     kind = proto["source"]["kind"]
     hook = getattr(SOURCES.get(kind), "estimate_bytes", None)
     if hook is None:
         return None
-    return int(hook(proto["source"], base) if kind == "trace" else hook(proto["source"]))
+    return int(hook(proto["source"], base) if kind in ("trace", "capture") else hook(proto["source"]))
 
 
 def _strict_pairs(pairs):

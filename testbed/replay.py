@@ -10,7 +10,8 @@ from the run itself — the frozen protocol copy under ``protocols/`` and the to
 the cases' arrays, never the corpus or the tokenizer — through the run's own code path
 (:func:`testbed.live.run_unit`, :func:`testbed.retrieval_study.run_unit`, with the batch of
 segments or trials the run put the unit in, after its batch's reference arm, whose shared prefill
-and log-probabilities the arm takes). Every array of the row is compared with the stored one
+and log-probabilities the arm takes). The run is read by the audit's strict readers (no symlink,
+nothing outside the run folder, no pickle). Every array of the row is compared with the stored one
 (after checking the stored bytes against the manifest's SHA-256): the per-token log-probabilities
 and KL, the argmaxes, the generated tokens, the stored bytes and context per forward, and the
 evidence layer's recorded inputs and codes.
@@ -31,7 +32,8 @@ Tolerance (``TOLERANCES``), chosen from what the replay shares with the run:
 Chance that forged units escape: sampling N of T units without replacement misses one forged unit
 with probability 1 - N/T, and all of k forged units with C(T-k, N) / C(T, N).
 
-Prints the share of units checked, those chances, one ``FAIL:`` line per unit that differs (its
+Prints the share of units checked and the seed, those chances, the sampled units (study case
+arm, on one line), one ``FAIL:`` line per unit that differs (its
 study, case, arm, the chunk of forward calls holding its worst difference, and that difference)
 and ``PASS`` or ``FAIL``; progress lines (counts, time left) go to stderr. Exit 0 PASS, 1 FAIL,
 2 bad input (no such folder, not a run, no live or retrieval rows, N < 1, the model missing).
@@ -42,13 +44,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import math
 import random
 import sys
 import textwrap
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +57,9 @@ import numpy as np
 from . import live, retrieval_study
 from ._cli import entry
 from .context import RunContext
+from .audit import AuditError, BadInput, Containers, _safe_relpath, load_json
 from .compare import TOLERANCES as CMP_TOL
-from .evidence import REPO_ROOT, RecordingStore, array_rel, container_of, environment, source_hashes
+from .evidence import REPO_ROOT, RecordingStore, array_rel, environment, source_hashes
 from .progress import Progress
 from .protocol import ProtocolError, validate_protocol
 from .sources.capture import INSTALL_HINT, CaptureUnavailable, load_model, model_dims
@@ -75,10 +76,6 @@ TOLERANCES = {
 }
 KINDS = ("live", "retrieval")
 PRIORITY = ("logprob", "argmax", "generated", "kl")  # the array a FAIL line names first, when it differs
-
-
-class BadInput(Exception):
-    """The folder cannot be replayed (exit 2)."""
 
 
 @dataclass
@@ -103,40 +100,23 @@ class Study:
     base: Path | None  # the original protocol's folder (a model given by path resolves there)
 
 
-# -- reading the run --------------------------------------------------------------------------------
+# -- reading the run: the audit's strict readers (no symlink, nothing outside the run, no pickle) --
 
 def _read_json(root: Path, rel: str):
-    path = root / rel
-    if path.is_symlink() or not path.is_file():
-        raise BadInput(f"{root}: not a run folder ({rel} is missing)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise BadInput(f"{root}: {rel} cannot be read as JSON ({e})") from None
+        return load_json(_safe_relpath(root, rel))
+    except AuditError as e:
+        raise BadInput(f"{root}: not a run folder ({rel}: {e})") from None
 
 
-def _inside(rel) -> bool:
-    return isinstance(rel, str) and rel.startswith("arrays/") and not rel.startswith("/") and ".." not in rel.split("/")
-
-
-def _array_bytes(root: Path, rel: str) -> bytes:
-    if not _inside(rel):
-        raise ValueError(f"{rel!r} is not an array path inside the run")
-    container, member = container_of(rel)
-    path = root / container
-    if path.is_symlink():
-        raise ValueError(f"{container} is a symlink")
-    with zipfile.ZipFile(path) as zf:
-        return zf.read(member)
-
-
-def _stored(root: Path, manifest: dict, rel: str) -> np.ndarray:
-    """A stored array, its bytes checked against the manifest's SHA-256 first (no pickle)."""
-    data = _array_bytes(root, rel)
-    entry_ = manifest.get("arrays", {}).get(rel)
-    if not isinstance(entry_, dict) or entry_.get("sha256") != hashlib.sha256(data).hexdigest():
-        raise ValueError(f"{rel}: its bytes do not match the manifest's SHA-256 (python -m testbed.audit says more)")
-    return np.load(io.BytesIO(data), allow_pickle=False)
+def _stored(arrays: Containers, manifest: dict, rel: str) -> np.ndarray:
+    """A stored array, its bytes checked against the manifest's SHA-256 (and its header against the
+    manifest's dtype, shape and nbytes) first, by the audit's reader. Raises ``AuditError``."""
+    try:
+        return arrays.load(rel, manifest.get("arrays", {}).get(rel), check_sha=True)
+    except AuditError as e:
+        text = str(e) if str(e).startswith(str(rel)) else f"{rel}: {e}"
+        raise AuditError(f"{text} (python -m testbed.audit says more)") from None
 
 
 def _base(entry_: dict) -> Path | None:
@@ -147,7 +127,7 @@ def _base(entry_: dict) -> Path | None:
     return (p if p.is_absolute() else REPO_ROOT / p).resolve().parent
 
 
-def _live_units(root: Path, manifest: dict, cases: dict, proto: dict, base) -> list:
+def _live_units(arrays: Containers, manifest: dict, cases: dict, proto: dict, base) -> list:
     p = proto["live"]
     views, tokens = [], {}
     for prefix, prefill in live.context_views(p):
@@ -157,20 +137,56 @@ def _live_units(root: Path, manifest: dict, cases: dict, proto: dict, base) -> l
             rec = cases.get(sid)
             if not isinstance(rec, dict) or "token_ids" not in rec.get("arrays", {}):
                 raise BadInput(f"{proto['name']}: segment {sid} has no stored token ids: not a complete live run")
-            tokens[sid] = _stored(root, manifest, rec["arrays"]["token_ids"]).astype(np.int64).tolist()
+            tokens[sid] = _stored(arrays, manifest, rec["arrays"]["token_ids"]).astype(np.int64).tolist()
     return live.batch_units(p, views, tokens, base, None)
 
 
-def _retrieval_units(root: Path, manifest: dict, cases: dict, proto: dict) -> list:
+def _retrieval_units(arrays: Containers, manifest: dict, cases: dict, proto: dict) -> list:
     trials = []
     for cid in sorted(cases):
         rec = cases[cid]
         meta = rec.get("meta", {})
-        ids = _stored(root, manifest, rec["arrays"]["token_ids"]).astype(np.int64).tolist()
+        ids = _stored(arrays, manifest, rec["arrays"]["token_ids"]).astype(np.int64).tolist()
         P, n_q = int(meta["length"]), int(meta["question_tokens"])
         trials.append({"case": cid, "task": meta["task"], "length": P, "depth": meta["depth"], "trial": meta["trial"],
                        "seed": meta["seed"], "question_ids": ids[P:P + n_q], "answer_ids": ids[P + n_q:], "ids": ids})
     return retrieval_study.batch_units(proto["retrieval"], trials)
+
+
+def _studies(root: Path, manifest: dict, all_cases: dict, arrays: Containers) -> dict[str, Study]:
+    """The run's live and retrieval studies with cases, from their frozen protocol copies (read by
+    the audit's strict readers, checked against the manifest's SHA-256)."""
+    studies: dict[str, Study] = {}
+    for e in manifest["protocols"]:
+        copy = e.get("copy") if isinstance(e, dict) else None
+        try:
+            path = _safe_relpath(root, copy)
+            raw = path.read_bytes()
+        except (AuditError, OSError) as err:
+            raise BadInput(f"{root}: manifest.json protocols: the frozen copy {copy!r} cannot be read inside the run "
+                           f"({err})") from None
+        if hashlib.sha256(raw).hexdigest() != e.get("sha256"):
+            raise BadInput(f"{root}: {copy} does not match its recorded SHA-256 (python -m testbed.audit says more)")
+        try:
+            proto = validate_protocol(load_json(path), where=copy)
+        except (AuditError, ProtocolError, ValueError) as err:
+            raise BadInput(f"{root}: {copy}: {' '.join(str(err).splitlines())}") from None
+        kind = proto.get("kind")
+        if kind not in KINDS:
+            continue
+        cases = all_cases.get(proto["name"], {})
+        if not isinstance(cases, dict):
+            raise BadInput(f"{root}: results.json cases.{proto['name']} must be an object (case id -> record)")
+        if not cases:  # the model was missing when it ran: an exclusion, nothing to replay
+            continue
+        try:
+            units = (_live_units(arrays, manifest, cases, proto, _base(e)) if kind == "live"
+                     else _retrieval_units(arrays, manifest, cases, proto))
+        except (AuditError, KeyError, TypeError, AttributeError, ValueError, OSError) as err:
+            raise BadInput(f"{root}: {proto['name']}: cannot rebuild the run's units ({type(err).__name__}: {err})") \
+                from None
+        studies[proto["name"]] = Study(proto["name"], kind, proto, units, _base(e))
+    return studies
 
 
 def plan_units(root: str | Path) -> tuple[dict, dict, dict[str, Study], list[Unit]]:
@@ -184,39 +200,16 @@ def plan_units(root: str | Path) -> tuple[dict, dict, dict[str, Study], list[Uni
     if not isinstance(manifest, dict) or not isinstance(manifest.get("protocols"), list) \
             or not isinstance(results, dict) or not isinstance(results.get("rows"), list):
         raise BadInput(f"{root}: not a run folder (manifest.json protocols or results.json rows missing)")
+    if not isinstance(manifest.get("arrays", {}), dict):
+        raise BadInput(f"{root}: manifest.json arrays must be an object (path -> entry)")
     all_cases = results.get("cases", {})
     if not isinstance(all_cases, dict):
         raise BadInput(f"{root}: results.json cases must be an object (study -> case records)")
-    studies: dict[str, Study] = {}
-    for e in manifest["protocols"]:
-        copy = e.get("copy") if isinstance(e, dict) else None
-        if not isinstance(copy, str) or Path(copy).is_absolute() or ".." in Path(copy).parts:
-            raise BadInput(f"{root}: manifest.json protocols: an entry without a frozen copy inside the run")
-        path = root / copy
-        raw = path.read_bytes() if path.is_file() and not path.is_symlink() else None
-        if raw is None:
-            raise BadInput(f"{root}: the frozen protocol copy {e['copy']} is missing")
-        if hashlib.sha256(raw).hexdigest() != e.get("sha256"):
-            raise BadInput(f"{root}: {e['copy']} does not match its recorded SHA-256 (python -m testbed.audit says more)")
-        try:
-            proto = validate_protocol(json.loads(raw.decode("utf-8")), where=e["copy"])
-        except (ProtocolError, ValueError) as err:
-            raise BadInput(f"{root}: {e['copy']}: {' '.join(str(err).splitlines())}") from None
-        kind = proto.get("kind")
-        if kind not in KINDS:
-            continue
-        cases = all_cases.get(proto["name"], {})
-        if not isinstance(cases, dict):
-            raise BadInput(f"{root}: results.json cases.{proto['name']} must be an object (case id -> record)")
-        if not cases:  # the model was missing when it ran: an exclusion, nothing to replay
-            continue
-        try:
-            units = (_live_units(root, manifest, cases, proto, _base(e)) if kind == "live"
-                     else _retrieval_units(root, manifest, cases, proto))
-        except (KeyError, TypeError, AttributeError, ValueError, OSError, zipfile.BadZipFile) as err:
-            raise BadInput(f"{root}: {proto['name']}: cannot rebuild the run's units ({type(err).__name__}: {err})") \
-                from None
-        studies[proto["name"]] = Study(proto["name"], kind, proto, units, _base(e))
+    arrays = Containers(root)
+    try:
+        studies = _studies(root, manifest, all_cases, arrays)
+    finally:
+        arrays.close()
     out = []
     for i, r in enumerate(results["rows"]):
         st = studies.get(r.get("study")) if isinstance(r, dict) else None
@@ -357,72 +350,77 @@ def replay(root: str | Path, n: int, seed: int = 0, threads: int | None = None, 
     picked = sample(units, n, seed)
     t0 = time.perf_counter()
     lines, identical, failures = [], 0, 0
-    with pinned_torch(threads):
-        now = environment()
-        same = {"torch": env.get("torch") == now["torch"],
-                "CPU instruction set": env.get("torch_cpu_capability") == now["torch_cpu_capability"],
-                "threads": env.get("torch_threads") == threads,
-                "source files": manifest.get("sources") == source_hashes()}
-        regime = tolerance if tolerance != "auto" else ("same" if all(same.values()) else "cross")
-        tol = TOLERANCES[regime]
-        total = len(units)
-        share = 100.0 * len(picked) / total
-        lines.append(f"replay of {root}: {len(picked)} of {total} units checked ({share:.1f} %), seed {seed}, "
-                     f"{threads} thread(s)")
-        why = ", ".join(k for k, v in same.items() if not v)
-        ints = "exact" if not tol["integer_fraction"] else f"in at most {tol['integer_fraction']:g} of their elements"
-        floats = (f"within {tol['float_atol']:g} (absolute; nats for log-probs)" if "float_atol" in tol else
-                  f"within {tol['float_rtol']:g} of their largest magnitude, up to {tol['outliers']:g} of elements "
-                  f"beyond (none past {tol['outlier_rtol']:g})")
-        lines.append(f"tolerance {regime}: floats {floats}, integer arrays {ints}"
-                     + (f" (differs from the run: {why})" if why else " (the run's torch, CPU instruction set, threads "
-                        "and sources: expected bit-identical)"))
-        ks = [k for k in (2, 5, 10) if k <= total]
-        one = 100 * escape_chance(total, len(picked))
-        lines.append(f"chance one forged unit escapes: 1 - {len(picked)}/{total} = {one:.1f} %"
-                     + ("; k forged units all escape: " + ", ".join(
-                         f"k={k} {100 * escape_chance(total, len(picked), k):.1f} %" for k in ks) if ks else "")
-                     + f" (C({total}-k, {len(picked)}) / C({total}, {len(picked)}))")
-        # run units needed: per (study, batch) the reference, then each sampled arm once
-        groups: dict[tuple, dict[int, list[Unit]]] = {}
-        for u in picked:
-            if u.batch is None:
-                failures += 1
-                lines.append(f"FAIL: {u.study} case {u.case} arm {u.arm}: results.json row {u.row} is no unit the "
-                             "frozen protocol plans")
-                continue
-            groups.setdefault((u.study, u.batch), {}).setdefault(u.arm_index, []).append(u)
-        # the cost class of every arm run, in the order they run (the progress line's time left)
-        kinds = [_unit(studies[study], batch, j).get("cost", "unit") for (study, batch), arms in groups.items()
-                 for j in [0] + sorted(j for j in arms if j != 0)]
-        progress(f"[replay] {len(picked)} units of {total}: {len(kinds)} arm runs over {len(groups)} batches")
-        t_load = time.perf_counter()
-        for study in dict.fromkeys(study for study, _ in groups):  # before the clock of the first arm run
-            _load(studies[study])
-        if groups:
-            progress(f"[replay] model(s) loaded ({time.perf_counter() - t_load:.1f} s)")
-        bar = Progress(len(kinds), "replay", progress, unit="arm run", kinds=kinds, prior=COST_PRIOR)
-        for (study, batch), arms in groups.items():
-            st = studies[study]
-            mod, ref_unit = _module(st), _unit(st, batch, 0)
-            rows_ref, out, saves, one_off = _run(st, mod, ref_unit, None, progress)
-            bar.step(f"{study} batch {batch + 1} {_arms(st)[0][0]}", kind=ref_unit.get("cost", "unit"), one_off=one_off)
-            for j in sorted(arms):
-                if j == 0:
-                    rows, arr = rows_ref, saves
-                else:
-                    unit = _unit(st, batch, j)
-                    rows, _, arr, one_off = _run(st, mod, unit, out, progress)
-                    bar.step(f"{study} batch {batch + 1} {_arms(st)[j][0]}", kind=unit.get("cost", "unit"),
-                             one_off=one_off)
-                for u in arms[j]:
-                    ok, exact, line = _compare(root, manifest, results["rows"][u.row], u, st, _unit(st, batch, j),
-                                               rows, arr, tol)
-                    identical += exact
-                    if not ok:
-                        failures += 1
-                        lines.append(line)
-            del out
+    arrays = Containers(root)
+    try:
+        with pinned_torch(threads):
+            now = environment()
+            same = {"torch": env.get("torch") == now["torch"],
+                    "CPU instruction set": env.get("torch_cpu_capability") == now["torch_cpu_capability"],
+                    "threads": env.get("torch_threads") == threads,
+                    "source files": manifest.get("sources") == source_hashes()}
+            regime = tolerance if tolerance != "auto" else ("same" if all(same.values()) else "cross")
+            tol = TOLERANCES[regime]
+            total = len(units)
+            share = 100.0 * len(picked) / total
+            lines.append(f"replay of {root}: {len(picked)} of {total} units checked ({share:.1f} %), seed {seed}, "
+                         f"{threads} thread(s)")
+            why = ", ".join(k for k, v in same.items() if not v)
+            ints = "exact" if not tol["integer_fraction"] else f"in at most {tol['integer_fraction']:g} of their elements"
+            floats = (f"within {tol['float_atol']:g} (absolute; nats for log-probs)" if "float_atol" in tol else
+                      f"within {tol['float_rtol']:g} of their largest magnitude, up to {tol['outliers']:g} of elements "
+                      f"beyond (none past {tol['outlier_rtol']:g})")
+            lines.append(f"tolerance {regime}: floats {floats}, integer arrays {ints}"
+                         + (f" (differs from the run: {why})" if why else " (the run's torch, CPU instruction set, threads "
+                            "and sources: expected bit-identical)"))
+            ks = [k for k in (2, 5, 10) if k <= total]
+            one = 100 * escape_chance(total, len(picked))
+            lines.append(f"chance one forged unit escapes: 1 - {len(picked)}/{total} = {one:.1f} %"
+                         + ("; k forged units all escape: " + ", ".join(
+                             f"k={k} {100 * escape_chance(total, len(picked), k):.1f} %" for k in ks) if ks else "")
+                         + f" (C({total}-k, {len(picked)}) / C({total}, {len(picked)}))")
+            lines.append("units (study case arm): " + "; ".join(f"{u.study} {u.case} {u.arm}" for u in picked))
+            # run units needed: per (study, batch) the reference, then each sampled arm once
+            groups: dict[tuple, dict[int, list[Unit]]] = {}
+            for u in picked:
+                if u.batch is None:
+                    failures += 1
+                    lines.append(f"FAIL: {u.study} case {u.case} arm {u.arm}: results.json row {u.row} is no unit the "
+                                 "frozen protocol plans")
+                    continue
+                groups.setdefault((u.study, u.batch), {}).setdefault(u.arm_index, []).append(u)
+            # the cost class of every arm run, in the order they run (the progress line's time left)
+            kinds = [_unit(studies[study], batch, j).get("cost", "unit") for (study, batch), arms in groups.items()
+                     for j in [0] + sorted(j for j in arms if j != 0)]
+            progress(f"[replay] {len(picked)} units of {total}: {len(kinds)} arm runs over {len(groups)} batches")
+            t_load = time.perf_counter()
+            for study in dict.fromkeys(study for study, _ in groups):  # before the clock of the first arm run
+                _load(studies[study])
+            if groups:
+                progress(f"[replay] model(s) loaded ({time.perf_counter() - t_load:.1f} s)")
+            bar = Progress(len(kinds), "replay", progress, unit="arm run", kinds=kinds, prior=COST_PRIOR)
+            for (study, batch), arms in groups.items():
+                st = studies[study]
+                mod, ref_unit = _module(st), _unit(st, batch, 0)
+                rows_ref, out, saves, one_off = _run(st, mod, ref_unit, None, progress)
+                bar.step(f"{study} batch {batch + 1} {_arms(st)[0][0]}", kind=ref_unit.get("cost", "unit"), one_off=one_off)
+                for j in sorted(arms):
+                    if j == 0:
+                        rows, arr = rows_ref, saves
+                    else:
+                        unit = _unit(st, batch, j)
+                        rows, _, arr, one_off = _run(st, mod, unit, out, progress)
+                        bar.step(f"{study} batch {batch + 1} {_arms(st)[j][0]}", kind=unit.get("cost", "unit"),
+                                 one_off=one_off)
+                    for u in arms[j]:
+                        ok, exact, line = _compare(arrays, manifest, results["rows"][u.row], u, st,
+                                                   _unit(st, batch, j), rows, arr, tol)
+                        identical += exact
+                        if not ok:
+                            failures += 1
+                            lines.append(line)
+                del out
+    finally:
+        arrays.close()
     seconds = time.perf_counter() - t0
     if failures:
         lines.append(f"FAIL: {failures} of {len(picked)} replayed units differ beyond the {regime} tolerance "
@@ -466,8 +464,8 @@ def _run(st: Study, mod, unit: dict, dep, progress):
     return rows, out, {array_rel(rel)[1]: data for rel, data in store.saves}, ctx.one_off
 
 
-def _compare(root: Path, manifest: dict, stored_row: dict, u: Unit, st: Study, unit: dict, rows: list, saves: dict,
-             tol: dict) -> tuple[bool, int, str]:
+def _compare(arrays: Containers, manifest: dict, stored_row: dict, u: Unit, st: Study, unit: dict, rows: list,
+             saves: dict, tol: dict) -> tuple[bool, int, str]:
     """(within tolerance, bit-identical, the FAIL line) of one sampled unit."""
     label = f"{u.study} case {u.case} arm {u.arm}"
     new_row = next((r for r in rows if r["case"] == u.case), None)
@@ -481,8 +479,8 @@ def _compare(root: Path, manifest: dict, stored_row: dict, u: Unit, st: Study, u
     diffs = []
     for name, rel in stored_paths.items():
         try:
-            old = _stored(root, manifest, rel)
-        except (ValueError, KeyError, OSError, zipfile.BadZipFile) as e:
+            old = _stored(arrays, manifest, rel)
+        except AuditError as e:
             return False, 0, f"FAIL: {label}: {name}: {e}"
         d = _diff(name, old, new_arrays[name], tol)
         if d is not None:

@@ -1,9 +1,11 @@
 """Memory guard: estimate a protocol's peak memory before anything is allocated, refuse what cannot fit.
 
 A source module may define ``estimate_bytes(params) -> int``: the peak resident bytes of its
-largest Case as it goes through the analysis chain. :func:`attention_chain_bytes` gives that peak
-for a Case of given dimensions, so most sources only have to name their largest Case. A source
-without the hook is not guarded (the run says so on stderr and records ``null`` in the manifest).
+largest Case as it goes through the analysis chain (the trace and capture sources also take
+``base``, the protocol's folder, for the files or the model a protocol names by path).
+:func:`attention_chain_bytes` gives that peak for a Case of given dimensions, so most sources
+only have to name their largest Case. A source without the hook is not guarded (the run says so
+on stderr and records ``null`` in the manifest).
 
 The estimate is compared with the memory this process can still get: ``MemAvailable`` from
 ``/proc/meminfo``, lowered to the cgroup limit when the run is inside a container (v2

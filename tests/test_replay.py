@@ -105,6 +105,7 @@ def test_untouched_run_replays_bit_identically(run, capsys):
     assert out[0].startswith(f"replay of {run}: 12 of 12 units checked (100.0 %)")
     assert "tolerance same" in out[1] and "expected bit-identical" in out[1]  # made here, by this code
     assert "1 - 12/12 = 0.0 %" in out[2]
+    assert out[3].startswith("units (study case arm): ") and out[3].count("; ") == 11  # the sample, on one line
     assert out[-1].startswith("PASS: 12 of 12 units replayed within the same tolerance, 12 bit-identical")
     assert not any(line.startswith("FAIL") for line in out)
 

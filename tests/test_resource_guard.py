@@ -149,3 +149,67 @@ def test_estimate_bounds_measured_peak(shape, reliability):
 def test_estimate_uses_the_longest_length():
     p = validate_protocol(synthetic(lengths=[64, 4096, 128]), "p")
     assert estimate_protocol(p) == resources.attention_chain_bytes(1, 1, 4, 4096, 16)
+
+
+# -- a model given by path is sized from its files, not SmolLM2's stand-in ----------------------------
+
+def _with_model(name: str, model: str) -> dict:
+    from testbed.protocol import PROTOCOL_DIR
+
+    raw = json.loads((PROTOCOL_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    (raw["live"] if "live" in raw else raw["source"])["model"] = model
+    return validate_protocol(raw, name)
+
+
+def test_known_model_estimates_are_unchanged():
+    """The estimates of the shipped protocols with known models (measured before model paths were
+    sized): SmolLM2's and Gemma's dimensions as MODELS records them."""
+    from testbed.protocol import PROTOCOL_DIR, load_protocol
+    from testbed.sources.capture import GEMMA_ID, MODEL_ID, MODELS, estimate_dims
+
+    assert estimate_dims(MODEL_ID) == MODELS[MODEL_ID] and estimate_dims(GEMMA_ID) == MODELS[GEMMA_ID]
+    for name, expect in (("smollm2_quality", 1248052480), ("smollm2", 913323392), ("gemma3_quality", 4478462464)):
+        assert estimate_protocol(load_protocol(PROTOCOL_DIR / f"{name}.json")[0], PROTOCOL_DIR) == expect, name
+
+
+def test_model_folder_is_sized_from_its_config(tmp_path):
+    """A Llama folder declaring 80 layers of width 8192 (a 70B model; its weight file is a few bytes)
+    is estimated at its float32 size and its KV cache, far beyond SmolLM2's stand-in; a folder
+    declaring SmolLM2's own shape comes out near SmolLM2's estimate."""
+    from testbed.sources.capture import MODEL_ID
+
+    big = tmp_path / "models" / "llama70b"
+    big.mkdir(parents=True)
+    (big / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16"}))
+    (big / "model.safetensors").write_bytes(b"\0" * 64)
+    small = tmp_path / "models" / "smol"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}))
+    for name in ("smollm2_quality", "smollm2"):
+        known = estimate_protocol(_with_model(name, MODEL_ID), tmp_path)
+        large = estimate_protocol(_with_model(name, "models/llama70b"), tmp_path)  # relative to the protocol
+        assert large > 70e9 * 4 > 100 * known, (name, large, known)
+        same = estimate_protocol(_with_model(name, "models/smol"), tmp_path)
+        assert 0.9 * known <= same <= 1.5 * known, (name, same, known)
+        # without the protocol's folder the relative path names nothing: SmolLM2's stand-in
+        assert estimate_protocol(_with_model(name, "models/llama70b"), tmp_path / "elsewhere") <= 1.5 * known
+
+
+def test_gguf_file_is_sized_from_its_file(tmp_path):
+    """A GGUF given by path: its parameters from its size and the bits per weight its name says
+    (a sparse 40 GB Q4_K_M file: about 70B parameters), far beyond SmolLM2's stand-in."""
+    from testbed.sources.capture import MODEL_ID, estimate_dims
+
+    gguf = tmp_path / "big.Q4_K_M.gguf"
+    with open(gguf, "wb") as f:
+        f.truncate(40 << 30)  # sparse: no disk used
+    dims = estimate_dims(gguf.name, tmp_path)
+    assert 60e9 < dims["parameters"] < 90e9 and dims["layers"] > 30
+    known = estimate_protocol(_with_model("smollm2_quality", MODEL_ID), tmp_path)
+    assert estimate_protocol(_with_model("smollm2_quality", gguf.name), tmp_path) > 100 * known
+    assert estimate_dims("x.F16.gguf", tmp_path) == estimate_dims(MODEL_ID)  # missing: the stand-in

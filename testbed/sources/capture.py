@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -400,6 +401,69 @@ def model_path(model: str, base: Path | None = None) -> Path | None:
     return path
 
 
+# bits per weight of a GGUF quantization named in its file name (Q4_K_M, IQ2_XS, F16, ...): a guess
+# for the parameter count of a GGUF given by path; an unknown name takes 4.5 (an overestimate of
+# the count for anything wider)
+_GGUF_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "1": 1.6, "2": 2.6, "3": 3.4, "4": 4.5, "5": 5.5, "6": 6.6,
+              "8": 8.5}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def estimate_dims(model: str, base: Path | None = None) -> dict:
+    """The dimensions a memory estimate uses (``MODELS``' keys: layers, heads, kv_heads, head_dim,
+    vocab, parameters, and intermediate where known), before the model is loaded. Stdlib only.
+
+    - a known name: its ``MODELS`` entry;
+    - a Hugging Face model folder (a path relative to ``base``, the protocol's folder): its
+      config.json (``text_config`` when nested): layers, heads, KV heads, head_dim (or hidden_size /
+      heads), vocabulary and intermediate size; parameters: the larger of a Llama-shaped count from
+      those numbers (embedding, lm_head unless tied, attention and gated MLP per layer) and the
+      weight files' total size divided by the bytes per weight of the config's dtype (2 when it
+      names none), so a mixture of experts or another shape is not undercounted;
+    - a GGUF file: parameters from its size and a bits-per-weight guess from its name
+      (``_GGUF_BITS``); the other dimensions are SmolLM2's with its layer count scaled by the
+      parameter ratio (at least 1), so the KV cache per token grows with the model. A guess: GGUF
+      metadata is not parsed;
+    - anything else (missing, unreadable): SmolLM2's; loading the model reports the problem.
+    """
+    smol = MODELS[MODEL_ID]
+    if model in MODELS:
+        return dict(MODELS[model])
+    path = model_path(model, base)
+    try:
+        if path.is_dir() and (path / "config.json").is_file():
+            return _folder_dims(path)
+        if path.is_file():
+            name = path.name.lower()
+            m = re.search(r"(?<![a-z0-9])(?:(b?f16|f32)|i?q(\d))(?![0-9])", name)
+            bits = _GGUF_BITS.get(m.group(1) or m.group(2), 4.5) if m else 4.5
+            params = int(path.stat().st_size * 8 / bits)
+            ratio = max(1.0, params / smol["parameters"])
+            return {**smol, "parameters": max(params, smol["parameters"]), "layers": math.ceil(smol["layers"] * ratio)}
+    except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError):
+        pass
+    return dict(smol)
+
+
+def _folder_dims(folder: Path) -> dict:
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    vocab = int(cfg["vocab_size"])
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    counted = (vocab * hidden * (1 if cfg.get("tie_word_embeddings", True) else 2)
+               + layers * (hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter + 2 * hidden) + hidden)
+    per = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "").removeprefix("torch."), 2)
+    files = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES))
+    return {"layers": layers, "heads": heads, "kv_heads": kv, "head_dim": head_dim, "vocab": vocab,
+            "intermediate": inter, "parameters": max(counted, files // per)}
+
+
 def cache_root() -> Path:
     env = os.environ.get("TESTBED_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "testbed"
@@ -689,10 +753,11 @@ def archived_kv_heads(params: dict, prompt_id: str, kv_heads_in_model: int) -> l
     return sorted(recorded.index(h) for h in a["kv_heads"])
 
 
-def estimate_bytes(params: dict) -> int:
-    """Peak bytes: the float32 model, a prefill's activations, and the largest Case's analysis chain."""
-    # a model given by path: SmolLM2's dimensions stand in until it is loaded (the guard is an estimate)
-    dims = MODELS.get(params["model"], MODELS[MODEL_ID])
+def estimate_bytes(params: dict, base: Path | None = None) -> int:
+    """Peak bytes: the float32 model, a prefill's activations, and the largest Case's analysis chain.
+    A model given by path (relative to ``base``, the protocol's folder) is sized from its files
+    before it is loaded (:func:`estimate_dims`)."""
+    dims = estimate_dims(params["model"], base)
     kv = dims["kv_heads"] if params["kv_heads"] is None else len(params["kv_heads"])
     heads = kv * dims["heads"] // dims["kv_heads"]
     model = dims["parameters"] * 4
