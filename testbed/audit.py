@@ -567,9 +567,15 @@ class Audit:
         if not isinstance(gates, dict):
             self.fail("manifest.json gates", "must be an object")
             return
+        studies = {e.get("name") for e in self.manifest.get("protocols", []) if isinstance(e, dict)} \
+            if isinstance(self.manifest.get("protocols"), list) else set()
         for name, gate in sorted(gates.items()):
-            if not isinstance(gate, dict) or gate.get("expected") != gate.get("actual"):
+            if not isinstance(gate, dict) or set(gate) != {"expected", "actual"}:
+                self.fail(f"manifest.json gates.{name}", f"a gate is {{expected, actual}}, not {gate!r}")
+            elif gate["expected"] != gate["actual"]:
                 self.fail(f"manifest.json gates.{name}", f"gate not met: {gate!r} (a finished run never has one)")
+            if not any(isinstance(s, str) and name.startswith(s + ".") for s in studies):
+                self.fail(f"manifest.json gates.{name}", "names no study of this run")
 
     def _check_protocols(self) -> None:
         entries = self.manifest.get("protocols")

@@ -354,3 +354,18 @@ def test_fuzzed_results_with_rehash_gives_fail_lines_never_an_exception(tiny_run
         (run / "manifest.json").write_text(json.dumps(m))
         ok, failures, _ = audit(run, check_sources=False)  # must not raise
     assert all(f.startswith("FAIL: ") for f in failures)
+
+
+@pytest.mark.parametrize("gates", [{"": {}}, {"fuzz.p.records": {}}, {"nostudy.p.records": {"expected": 1, "actual": 1}},
+                                   {"fuzz.p.records": {"expected": 1, "actual": 1, "note": "x"}}])
+def test_a_gate_that_is_not_a_met_gate_of_a_study_of_the_run_fails(tiny_run, tmp_path, gates):
+    """What hypothesis found: a manifest whose gates hold an empty object (expected and actual both
+    missing, so "equal") passed. A gate is exactly {expected, actual}, met, and named after a study
+    of this run."""
+    run = tmp_path / "run"
+    _copy_run(tiny_run, run)
+    m = json.loads((run / "manifest.json").read_text())
+    m["gates"] = gates
+    (run / "manifest.json").write_text(json.dumps(m))
+    ok, failures, _ = audit(run, check_sources=False)
+    assert not ok and any("manifest.json gates." in f for f in failures), failures[:3]
