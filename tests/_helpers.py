@@ -148,6 +148,21 @@ def drop_row(run: Path, res: dict, victim: dict) -> None:
     forge_results(run, res)
 
 
+def forge_array(run: Path, rel: str, edit) -> None:
+    """Edit one stored array in place (``edit(x)``) and record its new SHA-256 in the manifest, as
+    a consistent forger does."""
+    import json
+
+    from tests import _arrays
+
+    x = _arrays.load(run, rel).copy()
+    edit(x)
+    _arrays.save(run, rel, x)
+    m = json.loads((run / "manifest.json").read_text())
+    m["arrays"][rel]["sha256"] = _arrays.sha(run, rel)
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
 def forge_results(run: Path, res: dict, redraw: bool = True) -> None:
     """What a consistent forger does to results.json: write ``res``, rewrite results.csv to say the
     same (the audit checks one against the other), redraw report.html and rewrite report.md from the

@@ -19,7 +19,7 @@ import pytest
 from testbed.replay import escape_chance, main, plan_units, sample
 from testbed.sources import capture
 from tests import _arrays
-from tests._helpers import forge_results, synthetic_run
+from tests._helpers import forge_array, forge_results, synthetic_run
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -71,16 +71,6 @@ def _res(run: Path) -> dict:
 
 def _row(res: dict, study: str, case: str, arm: str) -> dict:
     return next(r for r in res["rows"] if (r["study"], r["case"], r["arm"]) == (study, case, arm))
-
-
-def _forge_array(run: Path, rel: str, edit) -> None:
-    """Edit one stored array and record its new SHA-256, as a consistent forger does."""
-    x = _arrays.load(run, rel).copy()
-    edit(x)
-    _arrays.save(run, rel, x)
-    m = json.loads((run / "manifest.json").read_text())
-    m["arrays"][rel]["sha256"] = _arrays.sha(run, rel)
-    (run / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
 def _replay(capsys, *args) -> tuple[int, list[str], list[str]]:
@@ -138,7 +128,7 @@ def test_forged_logprob_fails_when_sampled(run, tmp_path, capsys, where):
     study, case = (LIVE, "seg001") if where == "live" else (RETR, "t0001")
     row = _row(res, study, case, "int4")
     i = 3 if where == "live" else 1
-    _forge_array(forged, row["arrays"]["logprob"], lambda x: x.__setitem__(i, x[i] - np.float32(0.5)))
+    forge_array(forged, row["arrays"]["logprob"], lambda x: x.__setitem__(i, x[i] - np.float32(0.5)))
     _resummarize(forged, row)
     forge_results(forged, res)
     n = 2
@@ -171,7 +161,7 @@ def test_logprobs_raised_toward_the_reference_fail(run, tmp_path, capsys):
     same = _arrays.load(forged, row["arrays"]["argmax"]) == _arrays.load(forged, ref["arrays"]["argmax"])
     before = _arrays.load(forged, row["arrays"]["logprob"])
     assert (np.maximum(before, ref_lp) - before)[same].max() > 1e-3, "int4 is the reference here: nothing to raise"
-    _forge_array(forged, row["arrays"]["logprob"], lambda x: np.copyto(x, np.maximum(x, ref_lp), where=same))
+    forge_array(forged, row["arrays"]["logprob"], lambda x: np.copyto(x, np.maximum(x, ref_lp), where=same))
     _resummarize(forged, row)
     forge_results(forged, res)
     code, out, _ = _replay(capsys, forged, "--sample", 100)
@@ -193,7 +183,7 @@ def test_forged_generated_token_fails(run, tmp_path, capsys):
     assert not np.array_equal(new, gen), "streaming already generates the answer: nothing to forge"
     rel = f"arrays/{RETR}/t0000/streaming.generated.npy"
     if rel == row["arrays"]["generated"]:
-        _forge_array(forged, rel, lambda x: x.__setitem__(slice(None), new))
+        forge_array(forged, rel, lambda x: x.__setitem__(slice(None), new))
     else:  # stored once with an equal array (the store is content-addressed): the forger gives it its own member
         assert rel not in json.loads((forged / "manifest.json").read_text())["arrays"]
         _arrays.save(forged, rel, new)

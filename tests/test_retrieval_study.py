@@ -19,7 +19,7 @@ import torch
 from testbed.audit import audit
 from testbed.sources import capture
 from tests import _arrays
-from tests._helpers import drop_row, forge_results
+from tests._helpers import drop_row, forge_array, forge_results
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -64,15 +64,6 @@ def _res(run: Path) -> dict:
 
 def _row(res: dict, arm: str, case: str = "t0000") -> dict:
     return next(r for r in res["rows"] if r["arm"] == arm and r["case"] == case)
-
-
-def _forge_array(run: Path, rel: str, edit) -> None:
-    x = _arrays.load(run, rel).copy()
-    edit(x)
-    _arrays.save(run, rel, x)
-    m = json.loads((run / "manifest.json").read_text())
-    m["arrays"][rel]["sha256"] = _arrays.sha(run, rel)
-    (run / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
 def test_tiny_run_passes_its_audit_with_every_trial_and_arm(tiny_run):
@@ -139,7 +130,7 @@ def test_forgeries_of_retrieval_fail(tiny_run, tmp_path, what):
         lp = _arrays.load(run, row["arrays"]["logprob"])
         i = int(np.argmax(lp))
         assert lp[i] > np.log(0.5) and row["tf_em"] == 1
-        _forge_array(run, row["arrays"]["argmax"], lambda x: x.__setitem__(i, x[i] + 1))
+        forge_array(run, row["arrays"]["argmax"], lambda x: x.__setitem__(i, x[i] + 1))
         row["tf_em"], row["tf_tokens_correct"] = 0, row["tf_tokens_correct"] - 1
         forge_results(run, res)
         expect = f"argmax[{i}]"
