@@ -90,6 +90,34 @@ NOT_COMPARED = ("timings.json", "report.md", "results.csv", "results.json")
 TOP = 10
 
 
+def float_ratio(d: np.ndarray, scale: float, kind: str) -> tuple[float, str]:
+    """How far differences ``d`` (>= 0, one array or group) are from failing tolerance ``kind`` on
+    a group of scale ``scale``: (worst / the limit that applies, that limit in words); above 1 fails.
+    The limit is ``rtol * scale``; where the kind allows outliers and few enough elements pass it,
+    none by more than ``outlier_rtol * scale``, the outlier limit applies instead."""
+    tol = TOLERANCES[kind]
+    limit = tol["rtol"] * scale + ATOL_FLOOR
+    worst = float(d.max())
+    ratio, words = worst / limit, f"{kind}: rtol {tol['rtol']:g} x max|b| {scale:.3g}"
+    if "outliers" in tol and ratio > 1:
+        allowed = max(1, int(tol["outliers"] * d.size))
+        if int(np.count_nonzero(d > limit)) <= allowed and worst <= tol["outlier_rtol"] * scale + ATOL_FLOOR:
+            ratio = worst / (tol["outlier_rtol"] * scale + ATOL_FLOOR)
+            words += f" (<= {allowed} beyond, none past {tol['outlier_rtol']:g})"
+    return ratio, words
+
+
+def integers_allowed(size: int, exact: bool, per_token: bool = False) -> int:
+    """How many of ``size`` integer elements may differ: none for an exact array; for a model
+    study's per-token array (argmax, generated tokens) ``per_token_integer_fraction``, at least
+    one; else ``integer_array_fraction``, rounded down."""
+    if exact:
+        return 0
+    if per_token:
+        return max(1, int(TOLERANCES["per_token_integer_fraction"] * size))
+    return int(TOLERANCES["integer_array_fraction"] * size)
+
+
 class Diffs:
     """Worst difference per compared item, and the FAIL lines."""
 
@@ -127,19 +155,11 @@ class Diffs:
             self.exact += 1
             return
         scale = max(float(np.abs(b[idx]).max()), floor_scale)
-        limit = rtol * scale + ATOL_FLOOR
         j = int(np.argmax(d))
         i = int(idx[j])
-        entry = {"abs": float(d[j]), "rel": float(d[j]) / scale if scale else math.inf, "ratio": float(d[j]) / limit,
-                 "limit": f"{kind}: rtol {rtol:g} x max|b| {scale:.3g}",
-                 "beyond_1e-4": int(np.count_nonzero(d > 1e-4 * scale)), "n": int(d.size)}
-        tol = TOLERANCES[kind]
-        if "outliers" in tol and entry["ratio"] > 1:
-            beyond = int(np.count_nonzero(d > limit))
-            allowed = max(1, int(tol["outliers"] * d.size))
-            if beyond <= allowed and float(d[j]) <= tol["outlier_rtol"] * scale + ATOL_FLOOR:
-                entry["limit"] += f" (<= {allowed} beyond, none past {tol['outlier_rtol']:g})"
-                entry["ratio"] = float(d[j]) / (tol["outlier_rtol"] * scale + ATOL_FLOOR)
+        ratio, limit = float_ratio(d, scale, kind)
+        entry = {"abs": float(d[j]), "rel": float(d[j]) / scale if scale else math.inf, "ratio": ratio,
+                 "limit": limit, "beyond_1e-4": int(np.count_nonzero(d > 1e-4 * scale)), "n": int(d.size)}
         self._keep(what, entry)
         if entry["ratio"] > 1:
             at = labels[i] if labels else what
@@ -153,8 +173,7 @@ class Diffs:
         if not n:
             self.exact += 1
             return
-        allowed = (0 if exact else max(1, int(TOLERANCES["per_token_integer_fraction"] * a.size)) if per_token
-                   else int(TOLERANCES["integer_array_fraction"] * a.size))
+        allowed = integers_allowed(a.size, exact, per_token)
         self._keep(what, {"abs": float(n), "rel": n / a.size, "ratio": n / allowed if allowed else math.inf,
                           "limit": "identical" if exact else f"<= {allowed} elements"})
         if n > allowed:

@@ -58,7 +58,7 @@ from . import live, retrieval_study
 from ._cli import entry
 from .context import RunContext
 from .audit import AuditError, BadInput, Containers, _safe_relpath, load_json
-from .compare import TOLERANCES as CMP_TOL
+from .compare import TOLERANCES as CMP_TOL, float_ratio, integers_allowed
 from .evidence import REPO_ROOT, RecordingStore, array_rel, environment, source_hashes
 from .progress import Progress
 from .protocol import ProtocolError, validate_protocol
@@ -72,7 +72,7 @@ TOLERANCES = {
     # testbed.compare's per-token rule (measured one instruction-set level down: docs/compare.md)
     "cross": {"float_rtol": CMP_TOL["per_token"]["rtol"], "outliers": CMP_TOL["per_token"]["outliers"],
               "outlier_rtol": CMP_TOL["per_token"]["outlier_rtol"],
-              "integer_fraction": CMP_TOL["per_token_integer_fraction"], "integer_at_least": 1},
+              "integer_fraction": CMP_TOL["per_token_integer_fraction"]},  # at least one (integers_allowed)
 }
 KINDS = ("live", "retrieval")
 PRIORITY = ("logprob", "argmax", "generated", "kl")  # the array a FAIL line names first, when it differs
@@ -274,23 +274,16 @@ def _diff(name: str, stored: np.ndarray, new: np.ndarray, tol: dict) -> dict | N
         d[np.isnan(a64) != np.isnan(b64)] = np.inf
         i = int(np.argmax(d))
         if "float_atol" in tol:
-            limit, ok, rule = tol["float_atol"], bool(d[i] <= tol["float_atol"]), f"{tol['float_atol']:g}"
-        else:  # normwise, with a few outliers: testbed.compare's per-token rule
+            ratio, rule = float(d[i]) / tol["float_atol"], f"{tol['float_atol']:g}"
+        else:  # testbed.compare's per-token rule, on the stored array's scale
             finite = np.abs(a64[np.isfinite(a64)])
-            scale = float(finite.max()) if finite.size else 0.0
-            limit = tol["float_rtol"] * scale + 1e-12
-            beyond = int(np.count_nonzero(d > limit))
-            allowed = max(1, int(tol["outliers"] * d.size))
-            ok = beyond <= allowed and bool(d[i] <= tol["outlier_rtol"] * scale + 1e-12)
-            rule = (f"{tol['float_rtol']:g} x max|stored| {scale:.3g}, {beyond} of {d.size} beyond, allowed {allowed}, "
-                    f"none past {tol['outlier_rtol']:g} x")
-        return {"name": name, "ok": ok, "index": i, "ratio": float(d[i]) / limit,
+            ratio, rule = float_ratio(d, float(finite.max()) if finite.size else 0.0, "per_token")
+        ok = bool(ratio <= 1)
+        return {"name": name, "ok": ok, "index": i, "ratio": ratio,
                 "text": f"{name}[{i}] stored {a[i].item():.9g}, replayed {b[i].item():.9g}: |Δ| {d[i]:.3g} "
                         f"({'within' if ok else 'beyond'} {rule})"}
     bad = np.flatnonzero(a != b)
-    allowed = int(tol["integer_fraction"] * a.size)
-    if tol.get("integer_at_least") and tol["integer_fraction"]:
-        allowed = max(tol["integer_at_least"], allowed)
+    allowed = 0 if "float_atol" in tol else integers_allowed(a.size, exact=False, per_token=True)
     i = int(bad[0])
     ok = bad.size <= allowed
     return {"name": name, "ok": ok, "index": i, "ratio": bad.size / allowed if allowed else math.inf,
