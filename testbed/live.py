@@ -45,7 +45,7 @@ from .policies import PRESETS, Policy, preset
 from .policies.policy import sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
-                              _hardware, _software, estimate_dims, load_model, model_dims)
+                              _hardware, _software, estimate_dims, load_checked, load_model)
 
 __all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "corpus_text", "segment_starts",
            "chunk_schedule", "quanto_bytes", "REFERENCE"]
@@ -446,19 +446,12 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
     base = Path(protocol_path).resolve().parent if protocol_path is not None else None
     hint = INSTALL_HINTS.get(p["model"], INSTALL_HINT)
     try:
-        model, tokenizer, info = load_model(progress=progress, model=p["model"], base=base)
+        model, tokenizer, info, dims = load_checked(p["model"], base, progress, f"{study}: live.model")
     except CaptureUnavailable as e:
-        if p["model"] not in MODELS:  # the user's own model: a path that does not load is an error, not a skip
-            raise ProtocolError(f"{study}: live.model: {e}") from None
         entry = {"id": f"{study}/{p['model']}", "stage": e.stage, "error": f"{e}; install with: {hint}"}
         ctx.excluded.append(entry)
         print(f"[{study}] live study skipped: {e}; install with: {hint}", file=sys.stderr, flush=True)
         return {}, []
-    cfg = model.config
-    dims = model_dims(cfg)
-    known = MODELS.get(p["model"])
-    if known is not None and any(dims[k] != known[k] for k in dims):
-        raise ProtocolError(f"{study}: the loaded {p['model']} has {dims}, not the known {known}")
     check_model(p, dims, f"{study}: live")
     text, corpus_info = corpus_text(p["corpus"], base)
     t0 = time.perf_counter()

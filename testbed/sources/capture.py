@@ -575,6 +575,26 @@ def _folder_sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
+def load_checked(key: str, base: Path | None, progress, where: str):
+    """A protocol's model, loaded (`load_model`) and checked against what its key promises, for the
+    live study and the capture alike: ``(model, tokenizer, info, dims)`` with ``dims`` from
+    `model_dims`. A model given by path that cannot be found is a `ProtocolError` naming ``where``
+    (the protocol key); a known model that is not installed raises `CaptureUnavailable` (the caller
+    excludes the study); a known model whose loaded dimensions are not its ``MODELS`` entry is a
+    `ProtocolError`."""
+    try:
+        model, tokenizer, info = load_model(progress=progress, model=key, base=base)
+    except CaptureUnavailable as e:
+        if key not in MODELS:  # the user's own model: a path that does not load is an error, not a skip
+            raise ProtocolError(f"{where}: {e}") from None
+        raise
+    dims = model_dims(model.config)
+    known = MODELS.get(key)
+    if known is not None and any(dims[k] != known[k] for k in dims):
+        raise ProtocolError(f"{where}: the loaded {key} has {dims}, not the known {known}")
+    return model, tokenizer, info, dims
+
+
 def model_dims(config) -> dict:
     """What the live study needs of a loaded model's config: layers, heads, KV heads, head
     dimension, vocabulary, sliding window and the full-attention layers."""
@@ -866,11 +886,8 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     hint = INSTALL_HINTS.get(params["model"], INSTALL_HINT)
     base = getattr(ctx, "base", None)
     try:
-        model, tokenizer, info = load_model(progress=progress, model=params["model"], base=base)
+        model, tokenizer, info, dims = load_checked(params["model"], base, progress, f"{study}: source.model")
     except CaptureUnavailable as e:
-        if params["model"] not in MODELS and e.stage == "locate_model":
-            # the user's own model: a path that does not load is an error, not a skipped study
-            raise ProtocolError(f"{study}: source.model: {e}") from None
         line = f"[{study}] capture skipped: {e}; install with: {hint}"
         print(line, file=sys.stderr, flush=True)
         exclude(f"{study}/{params['model']}", e.stage, f"{e}; install with: {hint}")
@@ -886,10 +903,6 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
         return
     cfg = model.config
     n_layers = int(cfg.num_hidden_layers)
-    dims = model_dims(cfg)
-    known = MODELS.get(params["model"])
-    if known is not None and any(dims[k] != known[k] for k in dims):
-        raise ValueError(f"{study}: the loaded model has {dims}, not the {params['model']} dimensions {known}")
     check_model(params, dims, f"{study}: source")  # before the first forward
     # How and how fast the model loaded varies between runs (cold cache or not): it goes to
     # timings.json with the other wall times, so the capture manifest is the same bytes every run.
