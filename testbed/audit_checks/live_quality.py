@@ -48,6 +48,7 @@ import math
 
 import numpy as np
 
+from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
 from .common import TOLERANCES, encode_tensor, payload_differences
 
 __all__ = ["check", "MODELS", "POLICY_TABLE"]
@@ -55,10 +56,6 @@ __all__ = ["check", "MODELS", "POLICY_TABLE"]
 # Known models' cache dimensions (the audit's own table; a live row of any other model fails).
 # the audit's own table of the models it knows; a model given by path carries its dimensions in
 # its rows (``model_dims``), and its byte accounting is then self-consistent only
-MODELS = {"SmolLM2-135M-Instruct.Q4_1": {"layers": 30, "kv_heads": 3, "head_dim": 64, "sliding_window": None,
-                                         "full_layers": list(range(30))},
-          "gemma-3-270m.Q4_K_M": {"layers": 18, "kv_heads": 1, "head_dim": 256, "sliding_window": 512,
-                                  "full_layers": [5, 11, 17]}}
 # name -> (middle, sink from protocol?, window key, key axis[, sink selection]): the audit's own
 # statement of the presets
 POLICY_TABLE = {
