@@ -108,3 +108,21 @@ def test_nan_and_nested_cells_round_trip():
         leaves = _leaves(row)
         assert all(_cell_says(cell, leaves.get(col)) for col, cell in zip(header, cells))
     assert not _cell_says("1", "1.0") and not _cell_says("true", 1) and not _cell_says("", 0)
+
+
+def test_per_row_lists_are_left_out_of_the_table_and_a_forged_per_row_column_fails(run):
+    """Per-query-row lists stay in results.json only (each is thousands of numbers in one cell);
+    every other leaf keeps its column, and a per_row column put back with values is a forgery."""
+    from testbed.audit import CSV_OMITTED
+    from testbed.tables import OMITTED, results_csv
+
+    assert set(OMITTED) == set(CSV_OMITTED)  # the run and the audit state the same rule
+    rows = [{"a": 1, "per_row": {"tv": [0.1, 0.2]}, "b": {"c": 2}}]
+    header = next(csv.reader(io.StringIO(results_csv(rows).decode(), newline="")))
+    assert header == ["a", "b.c"]
+    forged = table(run)
+    for r in forged:
+        r["per_row.tv"] = "[0.5]"
+    write_table(run, forged)
+    ok, failures, _ = audit(run, check_sources=False)
+    assert not ok and any("per_row.tv" in f for f in failures), failures
