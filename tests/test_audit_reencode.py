@@ -412,7 +412,8 @@ def test_live_chosen_sink_forgeries_fail(live_finished, tmp_path, what):
 
 @pytest.mark.capture
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["swap_bits", "swap_bits_and_scores", "one_more_low", "low_head_code", "oracle_query"])
+@pytest.mark.parametrize("what", ["swap_bits", "swap_bits_and_scores", "one_more_low", "low_head_code", "oracle_query",
+                                  "share"])
 def test_live_allocation_forgeries_fail(live_finished, tmp_path, what):
     """A per-head precision row's allocation: the bits of its pairs follow the rule from the stored
     scores, in exactly the protocol's share; the evidence layer's scores are recomputed from the
@@ -444,6 +445,14 @@ def test_live_allocation_forgeries_fail(live_finished, tmp_path, what):
         name = sorted(k for k in ev if k.endswith(".key.codes"))[0]  # int2 or int4 heads of layer 0
         at = _bump_code(run, ev[name], int(name[3]), (0, 3, 17), 64)
         expect = name
+    elif what == "share":  # the row claims another share of low pairs (the bits and bytes left as they are)
+        from tests._helpers import forge_results
+
+        res = results(run)
+        forged = next(r for r in res["rows"] if r.get("arm") == arm and r.get("case") == "seg000")
+        forged["policy"]["low_share"] = 0.25
+        forge_results(run, res)
+        expect = "policy.low_share"
     else:  # the oracle pass's queries scaled: the concentration they give is not the stored one
         ev = row["evidence"]["arrays"]
         _save(run, ev["oracle.q"], _arrays.load(run, ev["oracle.q"]) * 1.5)

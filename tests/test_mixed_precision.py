@@ -194,3 +194,85 @@ def test_a_mixed_cache_refuses_tokens_before_its_bits_are_allocated_and_an_oracl
         Policy("bad", "int4", window=16, low="int2", low_share=0.5, alloc="random", alloc_from="oracle")
     with pytest.raises(ValueError, match="cache_bytes"):
         pol.layer_bytes(40, H, D)
+
+
+def _held_bytes(cache) -> int:
+    """Every tensor the cache holds, walked here without its accounting: float32 sink and window,
+    each packed span's buffers (codes, scales, zero-points) and a mixed layer's bits; per sequence,
+    plus one 16-byte header per layer."""
+    total, batch = 0, cache.layers[0].sink_k.shape[0]
+    for layer in cache.layers:
+        held = [layer.sink_k, layer.sink_v, layer.tail_k, layer.tail_v]
+        spans = [layer.mid_k, layer.mid_v] if layer.mid_k is not None else []
+        if layer.mixed is not None:
+            spans += [s for pair in layer.mixed.spans.values() for s in pair]
+            held.append(layer.mixed.bits)
+        held += [b.view() for s in spans for b in s.buffers.values() if b.view() is not None]
+        total += sum(t.numel() * t.element_size() for t in held)
+    assert total % batch == 0
+    return total // batch + 16 * len(cache.layers)
+
+
+def test_equal_bytes_at_the_end_of_a_segment_measured_against_uniform_int4_and_three_bits():
+    """At the end of a segment (prefill 64, 128 steps, R = G = 16), the bytes a mixed cache holds:
+    mix28 (a third of the pairs int8, two thirds int2) within 1 % of a uniform int4 cache run on the
+    same tokens, mix24 (half int4, half int2) within 1 % of a 3-bit layout written out here; both
+    measured from the tensors held, every array counted, and equal to Policy.cache_bytes exactly."""
+    n_prefill, steps, batch = 64, 128, 2
+    n = n_prefill + steps
+    measured = {}
+    for name in ("int4", "mix28_concentrated", "mix28_random", "mix24_diffuse", "mix24_late"):
+        pol = preset(name, window=16, group=16)
+        if pol.mixed:
+            cache, k, v, _ = _drive(pol, n_prefill, steps, batch=batch)
+        else:
+            cache = cache_mod.PolicyCache(pol, L)
+            k, v = _kv(n, 0, batch)
+            for i, layer in enumerate(cache.layers):
+                layer.update(k[i, ..., :n_prefill, :], v[i, ..., :n_prefill, :])
+        for t in range(n_prefill, n):
+            for i, layer in enumerate(cache.layers):
+                layer.update(k[i, ..., t:t + 1, :], v[i, ..., t:t + 1, :])
+        got = cache.stored_bytes()
+        assert got == _held_bytes(cache) == pol.cache_bytes(n, L, H, D), name
+        if pol.mixed:  # the bits really are stored: one byte per (layer, KV head) pair and sequence
+            assert sum(layer.mixed.bits.numel() for layer in cache.layers) == batch * L * H
+            names = {which: set().union(*(sp.buffers for layer in cache.layers for sp in layer.mixed.spans[which]))
+                     for which in ("high", "low")}
+            assert names["high"] == names["low"] and {"codes"} <= names["low"], names
+        measured[name] = got
+    int4 = measured["int4"]
+    packed = (n - 16) // 16 * 16
+    floats = L * (16 + (n - packed) * 2 * H * D * 4)
+    three = floats + L * H * (packed * D * 3 // 8 + 2 * 2 * D * (packed // 16) + packed * (D * 3 // 8 + 2 * 2 * 2))
+    for name, got in measured.items():
+        if name.startswith("mix28"):
+            assert abs(got - int4) <= 0.01 * int4, (name, got, int4)
+        elif name.startswith("mix24"):
+            assert abs(got - three) <= 0.01 * three, (name, got, three)
+    assert measured["mix24_diffuse"] < int4  # the 3-bit budget really is smaller
+
+
+def test_the_rules_pick_the_pairs_planted_in_a_hand_built_score_array():
+    """Scores written by hand: six pairs planted far below the rest (the concentrated ones), six
+    far above; the rest equal. Each rule's choice is known from the construction alone."""
+    low_pairs = [(0, 1), (1, 0), (1, 2), (2, 1), (3, 0), (3, 2)]
+    high_pairs = [(0, 0), (0, 2), (1, 1), (2, 0), (2, 2), (3, 1)]
+    scores = torch.full((1, L, H), 0.5, dtype=torch.float64)
+    for j, (li, hi) in enumerate(low_pairs):
+        scores[0, li, hi] = 0.01 * (j + 1)
+    for j, (li, hi) in enumerate(high_pairs):
+        scores[0, li, hi] = 0.9 + 0.01 * j
+
+    def chosen(alloc, share):
+        pol = Policy("m", "int4", window=16, group=16, low="int2", low_share=share, alloc=alloc)
+        return sorted(map(tuple, torch.nonzero(cache_mod.allocate(pol, scores)[0]).tolist()))
+
+    assert chosen("concentrated", 0.5) == sorted(low_pairs)
+    assert chosen("diffuse", 0.5) == sorted(high_pairs)
+    assert chosen("concentrated", 0.25) == sorted(low_pairs[:3])  # the three lowest of the planted
+    assert chosen("diffuse", 0.25) == sorted(high_pairs[3:])      # the three highest
+    assert chosen("late", 0.5) == [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]  # the last two layers
+    flat = torch.full((1, L, H), 0.5, dtype=torch.float64)  # all tied: the lowest flat indices
+    pol = Policy("m", "int4", window=16, group=16, low="int2", low_share=0.25, alloc="concentrated")
+    assert sorted(map(tuple, torch.nonzero(cache_mod.allocate(pol, flat)[0]).tolist())) == [(0, 0), (0, 1), (0, 2)]

@@ -440,6 +440,10 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
     ctx.numbers += 1
     if lb is None or lb.dtype != np.uint8 or not np.array_equal(lb, bits[layer]):
         ctx.fail(row, f"the evidence layer's alloc.bits are not alloc_bits[{layer}]")
+    stored_score = a.get("alloc.score")
+    ctx.numbers += 1
+    if stored_score is None or not np.array_equal(stored_score, score[layer]):
+        ctx.fail(row, f"the evidence layer's alloc.score is not alloc_score[{layer}]")
     if pol["alloc"] in ("concentrated", "diffuse"):
         P, n = live["prefill"], live["prefill"] + live["steps"]
         q, k, t = a.get("input.q"), a.get("input.k"), P
@@ -448,11 +452,6 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
             q = None if q is None or later is None or q.ndim != 3 or later.ndim != 3 else np.concatenate([q, later], axis=1)
         if q is None or k is None or q.ndim != 3 or q.shape[1] != t or k.shape[1] < t or q.shape[0] % k.shape[0]:
             raise ValueError(f"a {pol['alloc_from']} allocation's evidence needs queries and keys of {t} tokens")
-        if pol["alloc_from"] == "prefill":
-            stored_score = a.get("alloc.score")
-            ctx.numbers += 1
-            if stored_score is None or not np.array_equal(stored_score, score[layer]):
-                ctx.fail(row, f"the evidence layer's alloc.score is not alloc_score[{layer}]")
         mine = concentration(q, k[:, :t])
         tol = TOLERANCES["float32_softmax"]
         ctx.numbers += mine.size
