@@ -169,7 +169,8 @@ def policies_of(p: dict) -> list[Policy]:
 def estimate_bytes(p: dict, base: Path | None = None) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
     one chunk (a prefill computes the last position's only), the prefill's activations, the caches
-    (the shared prefill's K/V held beside one arm's cache). A model given by path (relative to
+    (the shared prefill's K/V held beside one arm's cache, and a mixed oracle arm's float32 pass
+    over the segment). A model given by path (relative to
     ``base``, the protocol's folder) is sized from its files before it is loaded
     (:func:`testbed.sources.capture.estimate_dims`)."""
     dims = estimate_dims(p["model"], base)
@@ -181,6 +182,8 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     logits = b * p["reference_chunk"] * vocab * 4 * 3
     activations = b * prefill * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
+    if any(pol.mixed and pol.alloc_from == "oracle" for pol in policies_of(p)):  # the oracle's float32 pass
+        cache += 2 * layers * kv * n * d * 4 * b
     return dims["parameters"] * 4 + ref + logits + activations + cache
 
 
