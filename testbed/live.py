@@ -48,7 +48,7 @@ from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavai
                               _hardware, _software, estimate_dims, load_checked, load_model)
 
 __all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "corpus_text", "segment_starts",
-           "chunk_schedule", "quanto_bytes", "REFERENCE"]
+           "chunk_schedule", "quanto_bytes", "REFERENCE", "comparator", "equal_bytes"]
 
 REFERENCE = "dynamic_cache"
 PEER = Spec("live peer", "A cache users know, run as one more arm: transformers' QuantizedCache.", {
@@ -169,7 +169,8 @@ def policies_of(p: dict) -> list[Policy]:
 def estimate_bytes(p: dict, base: Path | None = None) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
     one chunk (a prefill computes the last position's only), the prefill's activations, the caches
-    (the shared prefill's K/V held beside one arm's cache). A model given by path (relative to
+    (the shared prefill's K/V held beside one arm's cache, and a mixed oracle arm's float32 pass
+    over the segment). A model given by path (relative to
     ``base``, the protocol's folder) is sized from its files before it is loaded
     (:func:`testbed.sources.capture.estimate_dims`)."""
     dims = estimate_dims(p["model"], base)
@@ -181,6 +182,8 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     logits = b * p["reference_chunk"] * vocab * 4 * 3
     activations = b * prefill * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
+    if any(pol.mixed and pol.alloc_from == "oracle" for pol in policies_of(p)):  # the oracle's float32 pass
+        cache += 2 * layers * kv * n * d * 4 * b
     return dims["parameters"] * 4 + ref + logits + activations + cache
 
 
@@ -294,18 +297,22 @@ class SharedPrefill:
     """One float32 prefill of a batch, shared by every arm: the post-RoPE K/V of every layer
     ``[B, H_kv, P, D]`` (what the model's own prefill hands any cache's ``update``), and, when a
     policy chooses its sink from attention, the prefill's sink scores per layer over the first
-    ``candidates`` tokens (:func:`testbed.policies.cache.sink_scores`) and the queries of batch row
-    0 of the ``record_layer`` (the audit's evidence)."""
+    ``candidates`` tokens (:func:`testbed.policies.cache.sink_scores`); when a mixed policy
+    allocates its bits from the prefill's attention, each layer's head concentration ``[B, H_kv]``
+    (:func:`testbed.policies.cache.concentration`); in either case the queries of batch row 0 of
+    the ``record_layer`` (the audit's evidence)."""
 
-    def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0):
+    def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0, concentration=None):
         self.keys, self.values, self.scores = keys, values, scores
         self.query0, self.record_layer = query0, record_layer
         self.seconds = seconds
+        self.concentration = concentration
 
     def _map(self, f) -> "SharedPrefill":
         return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
                              None if self.scores is None else [None if s is None else f(s) for s in self.scores],
-                             None if self.query0 is None else f(self.query0), self.record_layer, self.seconds)
+                             None if self.query0 is None else f(self.query0), self.record_layer, self.seconds,
+                             None if self.concentration is None else [f(c) for c in self.concentration])
 
     def as_numpy(self) -> "SharedPrefill":
         """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
@@ -317,7 +324,8 @@ class SharedPrefill:
     def load_into(self, cache) -> None:
         """Give ``cache`` (any transformers cache, or a PolicyCache) the prefill through its own
         layers, as the model's prefill forward would (``update`` per layer; a policy layer whose
-        sink is chosen from attention takes the recorded scores instead of an attention call)."""
+        sink is chosen from attention, or whose bits are, takes the recorded scores instead of an
+        attention call)."""
         from .policies.cache import PolicyLayer
 
         with torch.no_grad():
@@ -325,32 +333,40 @@ class SharedPrefill:
                 layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
                 if isinstance(layer, PolicyLayer):
                     mass = layer.policy.sink_select == "mass"
+                    measured = layer.policy.mixed and layer.policy.observes
                     if mass and self.scores is None:
                         raise ValueError(f"policy {layer.policy.name} chooses its sink from the prefill's attention, "
                                          "but the shared prefill recorded no scores")
-                    if mass and layer.record and i != self.record_layer:
+                    if measured and self.concentration is None:
+                        raise ValueError(f"policy {layer.policy.name} allocates its bits from the prefill's attention, "
+                                         "but the shared prefill measured no concentration")
+                    if (mass or measured) and layer.record and i != self.record_layer:
                         raise ValueError(f"layer {i} records evidence; the shared prefill recorded the queries of "
                                          f"layer {self.record_layer}")
                     layer.load_prefill(k, v, self.scores[i] if mass else None,
-                                       self.query0 if mass and layer.record else None)
+                                       self.query0 if (mass or measured) and layer.record else None,
+                                       self.concentration[i] if measured else None)
                 else:
                     cache.update(k, v, i)
 
 
 def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
-                   record_layer: int | None = None) -> tuple[SharedPrefill, object]:
+                   record_layer: int | None = None, concentration: bool = False) -> tuple[SharedPrefill, object]:
     """Run the prefill ``ids [B, P]`` once through a float32 ``DynamicCache`` with logits of the
     last position only; returns the :class:`SharedPrefill` and the DynamicCache (the reference
     continues from it). With ``candidates``, the attention function also computes every layer's
-    sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys."""
+    sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys;
+    with ``concentration``, every layer's head concentration likewise."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from .policies.cache import concentration as head_concentration
     from .policies.cache import sink_scores
 
     n_layers = int(model.config.num_hidden_layers)
     scores: list = [None] * n_layers
+    conc: list = [None] * n_layers
     keys: list = [None] * n_layers
     values: list = [None] * n_layers
     query0: list = [None]
@@ -362,11 +378,13 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
         # the prefill's own K/V as the layer's cache returned them: all of them, also where the
         # cache keeps only a sliding window afterwards
         keys[i], values[i] = key, value
+        scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
         if candidates is not None:
-            scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
             scores[i] = sink_scores(query, key, scale, candidates)
-            if i == record_layer:
-                query0[0] = query[0].detach().float().clone()
+        if concentration:
+            conc[i] = head_concentration(query, key, scale)
+        if (candidates is not None or concentration) and i == record_layer:
+            query0[0] = query[0].detach().float().clone()
         return out
 
     cache = DynamicCache(config=model.config)
@@ -385,7 +403,7 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
         raise RuntimeError("the shared prefill did not see every layer's K/V of the whole prefill")
     shared = SharedPrefill(keys, values, None if candidates is None else scores, query0[0], record_layer,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, conc if concentration else None)
     return shared, cache
 
 
@@ -400,6 +418,8 @@ def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, byte
             _forward(model, ids[:, :P], cache, kw, last_only=True)
         elif prefill is not True:
             prefill.load_into(cache)
+        if hasattr(cache, "finish_prefill"):  # a mixed policy allocates its bits over the whole model now
+            cache.finish_prefill()
         nbytes.append(bytes_of(cache))
         context.append(P)
         pos = P
@@ -532,11 +552,13 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     evidence_layer = p["evidence_layer"] if unit.get("first_of_context", bi == 0) else None  # None: none stored
     if arm == REFERENCE and p["shared_prefill"]:
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
-        shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer)
+        shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer,
+                                       _measures_concentration(p))
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})
     t_arm = time.perf_counter()
+    oracle = None  # a mixed oracle arm's float32 pass over the segment (observe_concentration)
     own = not p["shared_prefill"]
     if arm == REFERENCE:
         from transformers import DynamicCache
@@ -550,11 +572,25 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         ref_argmax = res["argmax"]
         kind, mode = "reference", "chunked"
     elif isinstance(what, Policy):
-        from .policies.cache import PolicyCache, policy_attention
+        from .policies.cache import PolicyCache, observe_concentration, policy_attention
 
-        cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None)
+        scores = oracle = None
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
         with policy_attention(model):
+            if what.mixed and what.alloc_from == "oracle":  # float32 attention of the whole segment, in advance,
+                from transformers import DynamicCache      # in the arm's own forward calls
+
+                t_oracle = time.perf_counter()
+                with torch.no_grad(), observe_concentration(model, record_layer=evidence_layer) as oracle:
+                    pre, pos = DynamicCache(config=cfg), 0
+                    for c in [p["prefill"]] + schedule:
+                        _forward(model, ids[:, pos:pos + c], pre, kw, last_only=True)
+                        pos += c
+                    del pre
+                scores = oracle.scores(int(cfg.num_hidden_layers))
+                oracle_seconds = time.perf_counter() - t_oracle
+            cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None,
+                                          scores=scores)
             res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes(),
                            prefill=None if own else shared)
         kind, mode = "policy", p["mode"]
@@ -571,6 +607,9 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
                         "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
                         "forwards": len(schedule) + int(own), "context": p["prefill"] + p["steps"]})
+    if oracle is not None:  # the oracle's own float32 pass over the segment (inside the arm's seconds)
+        ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "oracle", "repeat": 0,
+                            "seconds": oracle_seconds, "segments": len(batch), "forwards": len(schedule) + 1})
     agree = (res["argmax"] == ref_argmax).numpy()
     rows = []
     for j, sid in enumerate(batch):
@@ -593,11 +632,19 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
                "arrays": arrays}
         if isinstance(what, Policy):
             row["policy"] = what.config()
+        if isinstance(what, Policy) and what.mixed:  # the allocation: each pair's bits, from which scores
+            arrays["alloc_bits"] = store.save(f"{prefix}/alloc_bits", cache.alloc_bits()[j].numpy())
+            arrays["alloc_score"] = store.save(f"{prefix}/alloc_score", cache.alloc_score[j].numpy().astype(np.float64))
         elif kind == "peer":
             row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": p["peer_group"],
                            "residual_length": p["window"], "axis_key": 0, "axis_value": 0}
         if isinstance(what, Policy) and what.middle != "float32" and evidence_layer is not None and j == 0:
             ev = cache.layers[evidence_layer].evidence()
+            if oracle is not None:  # what the oracle's scores of this layer were computed from: the
+                # prefill's queries (those of every prefill-rule arm), the later ones, every key
+                ev["input.q"] = oracle.q[0].contiguous()
+                ev["oracle.q"] = torch.cat(oracle.q[1:], dim=1).contiguous()
+                ev["oracle.k"] = oracle.k.contiguous()
             row["evidence"] = {"layer": evidence_layer,
                                "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
         rows.append(row)
@@ -625,6 +672,11 @@ def _mass_candidates(p: dict) -> int | None:
     if not any(pol.sink_select == "mass" for pol in policies_of(p)):
         return None
     return sink_candidates(p["prefill"], p["sink"], p["window"])  # p: the view of one context
+
+
+def _measures_concentration(p: dict) -> bool:
+    """Whether some policy of the study allocates per-head bits from the prefill's attention."""
+    return any(pol.mixed and pol.observes for pol in policies_of(p))
 
 
 def _dynamic_bytes(cache) -> int:
@@ -710,6 +762,50 @@ def summarize(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda e: (-e["bytes_per_token"], e["arm"]))
 
 
+def comparator(arm: str, arms) -> str | None:
+    """The arm a per-head precision arm is compared with at equal bytes: ``mix28_*`` (the bytes of
+    int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes, which no uniform arm has) with
+    ``mix24_random``, the content-blind allocation of the same bytes; None when that arm is absent."""
+    if not arm.startswith("mix"):
+        return None
+    other = {"mix28": "int4", "mix24": "mix24_random"}.get(arm.split("_")[0])
+    return other if other in arms and other != arm else None
+
+
+def equal_bytes(rows: list[dict]) -> list[dict]:
+    """Per per-head precision arm: paired over segments against its :func:`comparator` -- Δ
+    perplexity (exp of the mean per-segment NLL difference, minus 1), its bootstrap interval (from
+    ``MIN_CI_SEGMENTS`` segments), segments where the arm's perplexity is lower, mean KL of both,
+    bytes per token of both."""
+    by_arm: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_arm.setdefault(r["arm"], {})[r["case"]] = r
+    out = []
+    for arm in sorted(by_arm):
+        other = comparator(arm, by_arm)
+        if other is None or set(by_arm[arm]) != set(by_arm[other]):
+            continue
+        ids = sorted(by_arm[arm])
+        a, b = [by_arm[arm][s] for s in ids], [by_arm[other][s] for s in ids]
+        d = np.array([x["nll"] for x in a]) - np.array([y["nll"] for y in b])
+        lo, hi = _bootstrap(d)
+        mean = lambda rs, k: float(np.mean([x[k] for x in rs]))  # noqa: E731
+        out.append({"arm": arm, "versus": other, "segments": len(ids), "delta_pct": 100.0 * math.expm1(float(d.mean())),
+                    "delta_ci": (100.0 * math.expm1(lo), 100.0 * math.expm1(hi)), "better": int((d < 0).sum()),
+                    "mean_kl": mean(a, "mean_kl"), "versus_kl": mean(b, "mean_kl"), "top1": mean(a, "top1_agreement"),
+                    "bytes_per_token": mean(a, "bytes_per_token"), "versus_bytes": mean(b, "bytes_per_token")})
+    return out
+
+
+EQUAL_BYTES_NOTE = (
+    "Per-head precision at equal bytes: each mix* arm against the arm of the same bytes it is compared with "
+    "(mix28_*, the bytes of int4 with 60 of the 90 (layer, KV head) pairs int2 and 30 int8, against uniform int4; "
+    "mix24_*, a 3-bit layout's bytes with 45 pairs int2 and 45 int4, against mix24_random, the content-blind "
+    "allocation of those bytes). Δ is paired per segment (exp of the mean NLL difference, minus 1; negative: the "
+    "arm predicts better); 'segments better' counts segments whose perplexity fell. *_oracle_* arms decide from the "
+    "whole segment's float32 attention: impossible online, an upper bound for the online rule, not a policy.")
+
+
 def report(rows: list[dict], params: dict, timings: list | None = None) -> str:
     """report.md's section: one table with its notes per context of the study."""
     if not rows:
@@ -770,4 +866,13 @@ def _report_context(rows: list[dict], params: dict, timings: list | None = None)
              "(float32 weights dequantized from Q4_1), one corpus of technical English, teacher forcing (no "
              "free-running generation, no task accuracy); a policy's bytes per token include its float32 window, "
              "which dominates at short contexts.")
+    eq = equal_bytes(rows)
+    if eq:
+        t2 = [[e["arm"], e["versus"], f"{e['delta_pct']:+.2f} %",
+               "—" if math.isnan(e["delta_ci"][0]) else f"[{e['delta_ci'][0]:+.2f}, {e['delta_ci'][1]:+.2f}]",
+               f"{e['better']}/{e['segments']}", f"{e['mean_kl']:.5f}", f"{e['versus_kl']:.5f}", f"{100 * e['top1']:.2f} %",
+               f"{e['bytes_per_token']:,.0f}", f"{100 * (e['bytes_per_token'] / e['versus_bytes'] - 1):+.3f} %"] for e in eq]
+        notes += "\n\n" + EQUAL_BYTES_NOTE + "\n\n" + tabulate(
+            t2, headers=["arm", "compared with", "Δ ppl vs compared", "95 % CI (segments)", "segments better", "mean KL",
+                         "compared's KL", "top-1 agree", "bytes / token", "bytes vs compared's"], tablefmt="github")
     return text + notes

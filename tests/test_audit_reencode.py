@@ -410,6 +410,60 @@ def test_live_chosen_sink_forgeries_fail(live_finished, tmp_path, what):
     assert any("arm=int2_sinkmass4" in f and expect in f for f in failures), failures[:5]
 
 
+@pytest.mark.capture
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["swap_bits", "swap_bits_and_scores", "one_more_low", "low_head_code", "oracle_query",
+                                  "share"])
+def test_live_allocation_forgeries_fail(live_finished, tmp_path, what):
+    """A per-head precision row's allocation: the bits of its pairs follow the rule from the stored
+    scores, in exactly the protocol's share; the evidence layer's scores are recomputed from the
+    recorded queries (the prefill's, or the oracle pass's) and its heads re-encoded at their own
+    bits. Each edit below, re-hashed, fails the row."""
+    run = _copy(live_finished, tmp_path)
+    arm = "mix28_oracle_diffuse" if what == "oracle_query" else "mix24_concentrated"
+    row = next(r for r in results(run)["rows"] if r.get("arm") == arm and r.get("case") == "seg000")
+    bits = _arrays.load(run, row["arrays"]["alloc_bits"]).copy()
+    score = _arrays.load(run, row["arrays"]["alloc_score"]).copy()
+    lo_at, hi_at = np.argwhere(bits == 2)[0], np.argwhere(bits != 2)[0]
+    if what == "swap_bits":  # one int2 pair and one int4 pair exchanged: the count and bytes unchanged
+        bits[tuple(lo_at)], bits[tuple(hi_at)] = bits[tuple(hi_at)], bits[tuple(lo_at)]
+        _save(run, row["arrays"]["alloc_bits"], bits)
+        expect = "not the concentrated rule's choice"
+    elif what == "swap_bits_and_scores":  # and their scores too, so the rule holds: the evidence layer's fail
+        other = tuple(np.argwhere((bits != bits[0, 0]) & (np.arange(bits.shape[0]) > 0)[:, None])[0])
+        bits[0, 0], bits[other] = bits[other], bits[0, 0]
+        score[0, 0], score[other] = score[other], score[0, 0]
+        _save(run, row["arrays"]["alloc_bits"], bits)
+        _save(run, row["arrays"]["alloc_score"], score)
+        expect = "the audit's float64 concentration"
+    elif what == "one_more_low":
+        bits[tuple(hi_at)] = 2
+        _save(run, row["arrays"]["alloc_bits"], bits)
+        expect = "pairs at the low bits"
+    elif what == "low_head_code":
+        ev = row["evidence"]["arrays"]
+        name = sorted(k for k in ev if k.endswith(".key.codes"))[0]  # int2 or int4 heads of layer 0
+        at = _bump_code(run, ev[name], int(name[3]), (0, 3, 17), 64)
+        expect = name
+    elif what == "share":  # the row claims another share of low pairs (the bits and bytes left as they are)
+        from tests._helpers import forge_results
+
+        res = results(run)
+        forged = next(r for r in res["rows"] if r.get("arm") == arm and r.get("case") == "seg000")
+        forged["policy"]["low_share"] = 0.25
+        forge_results(run, res)
+        expect = "policy.low_share"
+    else:  # the oracle pass's queries scaled: the concentration they give is not the stored one
+        ev = row["evidence"]["arrays"]
+        _save(run, ev["oracle.q"], _arrays.load(run, ev["oracle.q"]) * 1.5)
+        expect = "the audit's float64 concentration"
+    ok, failures, _ = audit(run, check_sources=False)
+    assert not ok
+    assert any(f"arm={arm}" in f and expect in f for f in failures), failures[:5]
+    if what == "low_head_code":
+        assert any(f"at element {at} " in f for f in failures), failures[:5]
+
+
 # -- the audit's encoder equals the run's, byte for byte ------------------------------------------------
 
 @st.composite

@@ -465,6 +465,44 @@ def test_live_table_with_intervals_matches_the_builder():
     assert len(ctx.failures) == 1 and "row (int4) column '95 % CI (segments)'" in ctx.failures[0]
 
 
+def test_equal_bytes_table_matches_the_builder_and_a_forged_cell_fails():
+    """Made-up rows of 12 segments with per-head precision arms: the run's equal-bytes table (each
+    mix arm paired per segment with the arm of its bytes: int4 for mix28_*, mix24_random for
+    mix24_*) and the audit's derivation agree on every cell; a mix arm without its comparator gets
+    no row; a 'segments better' count or a paired Δ changed fails naming the row and column."""
+    live = pytest.importorskip("testbed.live")
+    rng = np.random.default_rng(5)
+    rows = []
+    params = {"model": "SmolLM2-135M-Instruct.Q4_1", "steps": 96, "prefill": 64}
+    arms = (("dynamic_cache", "reference", 0.0, 46080.0), ("int4", "policy", 0.004, 14979.0),
+            ("mix28_concentrated", "policy", 0.02, 14979.6), ("mix28_oracle_diffuse", "policy", -0.001, 14979.6),
+            ("mix24_random", "policy", 0.05, 12000.6), ("mix24_diffuse", "policy", 0.03, 12000.6))
+    for arm, kind, shift, bpt in arms:
+        for i in range(12):
+            nll = 2.2 + 0.05 * i + (shift + rng.normal(0, 0.01) if shift else 0.0)
+            rows.append({"study": "q", "analysis": "live_quality", "arm": arm, "kind": kind, "mode": "chunked",
+                         "case": f"seg{i:03d}", "nll": nll, "mean_kl": abs(shift) * 0.3, "top1_agreement": 1 - abs(shift),
+                         "bytes_per_token": bpt, "context_final": 160, "forwards": 4})
+    built = live.report(rows, params, [])
+    table = built[built.index("| arm ", built.index("Per-head precision at equal bytes")):]
+    listed = [ln.split("|")[1].strip() for ln in table.split("\n")[2:] if ln.startswith("|")]
+    assert listed == ["mix24_diffuse", "mix28_concentrated", "mix28_oracle_diffuse"]
+    expected = report_md._live(rows, params, [], "q")
+    ctx = _Ctx()
+    report_md._check_section(ctx, "live", report_md.parse_blocks(built), expected, report_md.TOLERANCES["report"])
+    assert ctx.failures == []
+    for col, cell_of in ((5, lambda c: c.replace(c.strip(), f"{int(c.strip().split('/')[0]) + 1}/12")),
+                         (3, lambda c: c.replace(c.strip()[:-2], f"{float(c.strip()[:-2]) + 0.01:+.2f}"))):
+        line = next(ln for ln in table.split("\n") if ln.startswith("| mix28_concentrated "))
+        cells = line.split("|")
+        cells[col] = cell_of(cells[col])
+        forged = built.replace(line, "|".join(cells), 1)
+        ctx = _Ctx()
+        report_md._check_section(ctx, "live", report_md.parse_blocks(forged), expected, report_md.TOLERANCES["report"])
+        assert len(ctx.failures) == 1 and "table 'equal bytes'" in ctx.failures[0], ctx.failures
+        assert "row (mix28_concentrated)" in ctx.failures[0], ctx.failures
+
+
 def test_cell_comparison_is_at_the_printed_precision():
     tol = report_md.TOLERANCES["report"]
     f5 = report_md.fixed(0.9739, 5)

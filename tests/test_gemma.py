@@ -119,7 +119,10 @@ def test_float32_policy_is_the_dynamic_cache_in_steps_and_chunks(gemma):
     assert torch.equal(step.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("name", PRESETS)
+UNIFORM = [n for n in PRESETS if not preset(n).mixed]  # per-head precision: tests/test_mixed_precision.py
+
+
+@pytest.mark.parametrize("name", UNIFORM)
 def test_every_preset_chunked_equals_step_and_bytes_follow_layer_types(gemma, name):
     """Window 16, groups of 16, sink 4, eviction window 32: the chunked schedule crosses flushes
     and evictions. Bytes: a sliding layer holds exactly DynamicCache's tensors there (511 tokens);

@@ -48,6 +48,8 @@ def _logprobs(model, ids, cache, prefill, chunks):
     out = []
     with torch.no_grad():
         model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
+        if hasattr(cache, "finish_prefill"):
+            cache.finish_prefill()
         pos = prefill
         for c in chunks:
             logits = model(input_ids=ids[:, pos:pos + c], cache=cache, use_cache=True).logits
@@ -96,6 +98,40 @@ def test_chunked_teacher_forcing_equals_one_token_per_forward(smollm2):
     assert (lp_bad - lp_step).abs().max() > 1e-3
 
 
+def test_per_head_bits_in_the_model_follow_the_prefill_and_chunks_equal_steps(smollm2):
+    """mix24_concentrated inside SmolLM2 (128-token prefill, R = G = 32, 63 steps: the prefill's 96
+    aged-out tokens wait in float32 until the whole model has been seen, and every token packed is
+    a prefill token, so both runs pack the same floats): the concentration each layer measured
+    online equals a separate observation pass over the prefill alone (no cache), so the bits are
+    the rule's from what the model showed; half of the 90 pairs are int2; chunked teacher forcing
+    stores the same bytes as one token per forward and gives its log-probs within 1e-4."""
+    from testbed.live import chunk_schedule
+    from testbed.policies.cache import PolicyCache, allocate, observe_concentration, policy_attention
+
+    model, tok = smollm2
+    pol = preset("mix24_concentrated", window=32, group=32)
+    ids = _ids(tok, 128 + 63 + 1, batch=2)
+    sched = chunk_schedule(pol, 128, 63, "chunked", 256)
+    with policy_attention(model):
+        with torch.no_grad(), observe_concentration(model) as seen:
+            model(input_ids=ids[:, :128], use_cache=False, logits_to_keep=1)
+        a, b = PolicyCache(pol, 30), PolicyCache(pol, 30)
+        lp_chunk = _logprobs(model, ids, a, 128, sched)
+        lp_step = _logprobs(model, ids, b, 128, [1] * 63)
+    scores = seen.scores(30)
+    assert torch.allclose(a.alloc_score, scores, rtol=1e-5, atol=1e-7)
+    assert torch.equal(a.alloc_low, allocate(pol, scores)) and torch.equal(a.alloc_low, b.alloc_low)
+    assert [int(x.sum()) for x in a.alloc_low] == [45, 45]
+    assert a.stored_bytes() == b.stored_bytes() == pol.cache_bytes(191, 30, 3, 64)
+    for la, lb in zip(a.layers, b.layers):
+        assert la.mixed.tokens == lb.mixed.tokens == 128
+        for (ka, va), (kb, vb) in zip(la.mixed.spans.values(), lb.mixed.spans.values()):
+            for x, y in ((ka, kb), (va, vb)):
+                for name in x.buffers:
+                    assert torch.equal(x.buffers[name].view(), y.buffers[name].view()), name
+    assert (lp_chunk - lp_step).abs().max() < 1e-4
+
+
 def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
     """An evicting cache given 48 tokens in one forward (window 16: most of its keys already evicted
     for the later tokens) gives what 48 one-token forwards give; outside policy_attention (no
@@ -141,7 +177,8 @@ def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
     proto["default"] = False
     proto["live"].update({"segments": 2, "prefill": 32, "steps": 40, "batch": 2, "window": 16, "group": 16,
                           "evict_window": 16, "policies": ["float32", "int4", "int2_sink4", "int2_sinkmass4", "int2_ktoken",
-                                                           "mxfp4", "streaming"],
+                                                           "mxfp4", "streaming", "mix24_concentrated",
+                                                           "mix28_oracle_diffuse"],
                           "peers": [{"backend": "quanto", "bits": 4}] if peers else []})
     path = tmp_path / "live_tiny.json"
     path.write_text(json.dumps(proto))
@@ -193,7 +230,7 @@ def test_live_run_rows_and_audit(live_run):
     res = _rows(live_run)
     arms = {r["arm"] for r in res["rows"]}
     assert arms == {"dynamic_cache", "float32", "int4", "int2_sink4", "int2_sinkmass4", "int2_ktoken", "mxfp4", "streaming",
-                    "quanto_int4"}
+                    "mix24_concentrated", "mix28_oracle_diffuse", "quanto_int4"}
     assert len(res["rows"]) == 2 * len(arms)
     f32, int4, int2k = _row(res, "float32"), _row(res, "int4"), _row(res, "int2_ktoken")
     assert f32["mean_kl"] < 1e-6 and f32["top1_agreement"] == 1.0
@@ -202,6 +239,9 @@ def test_live_run_rows_and_audit(live_run):
     assert int4["policy"]["window"] == 16 and int4["context_final"] == 72
     assert int4["bytes_per_token"] < f32["bytes_per_token"] / 2
     assert "evidence" in int4 and "evidence" in _row(res, "streaming") and "evidence" not in f32
+    # per-head precision at the bytes of int4 (int8 / int2): within 1 % of int4's, the bits included
+    mix28 = _row(res, "mix28_oracle_diffuse")
+    assert abs(mix28["bytes_final"] - int4["bytes_final"]) == 90 < 0.01 * int4["bytes_final"]
     report = (live_run / "report.md").read_text()
     assert "quanto_int4" in report and "bytes / token" in report
 

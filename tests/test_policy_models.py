@@ -165,7 +165,10 @@ def test_float32_policy_matches_dynamic_cache(arch, mode):
 
 # -- (b) every preset: chunked equals step by step, or refused before any forward -------------------
 
-@pytest.mark.parametrize("name", PRESETS)
+UNIFORM = [n for n in PRESETS if not preset(n).mixed]  # per-head precision: tests/test_mixed_precision.py
+
+
+@pytest.mark.parametrize("name", UNIFORM)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_preset_chunked_equals_step(arch, name):
     model, ids = _model(arch), _ids(arch)

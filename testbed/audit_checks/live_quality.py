@@ -20,6 +20,14 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   (``*_sinkmass*``), its scores recomputed in float64 from the recorded prefill queries and keys,
   the chosen tokens the top S of the stored scores (ties to the lower index) among the candidates,
   the sink those tokens' inputs and the middle and window the rest, per KV head;
+- for a per-head precision policy (``mix*``), in every row: the stored bits of every (layer, KV
+  head) pair are the two widths only, exactly the protocol's share of pairs at the low one, and
+  the pairs the rule picks from the stored scores (the audit's own rule: concentration up or down,
+  last layers first, or its own SHA-256 order); the bytes re-derived with those counts; for the
+  evidence layer, its scores recomputed in float64 from the recorded queries and keys (the
+  prefill's, or the oracle pass's over the whole segment: ``input.q`` then ``oracle.q``, with
+  ``oracle.k``) and each head's packed middle
+  re-encoded at its own stored bits;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -72,6 +80,16 @@ POLICY_TABLE = {
     "streaming": ("drop", True, "evict_window", "channel"),
     "window_only": ("drop", False, "evict_window", "channel"),
 }
+# per-head precision presets: budget -> (high scheme, low scheme, share of pairs low); rule ->
+# (alloc, alloc_from)
+MIXED_BUDGETS = {"mix24": ("int4", "int2", 0.5), "mix28": ("int8", "int2", 2 / 3)}
+MIXED_RULES = {"concentrated": ("concentrated", "prefill"), "diffuse": ("diffuse", "prefill"), "late": ("late", "prefill"),
+               "random": ("random", "prefill"), "oracle_concentrated": ("concentrated", "oracle"),
+               "oracle_diffuse": ("diffuse", "oracle")}
+MIXED = {f"{b}_{r}": (high, low, share, alloc, source) for b, (high, low, share) in MIXED_BUDGETS.items()
+         for r, (alloc, source) in MIXED_RULES.items()}
+POLICY_TABLE.update({name: (high, False, "window", "channel") for name, (high, *_) in MIXED.items()})
+MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")
 HEADER = 16
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
 LOG_HALF = math.log(0.5)
@@ -79,10 +97,17 @@ LOG_HALF = math.log(0.5)
 
 def _policy(name: str, live: dict) -> dict:
     middle, has_sink, wkey, axis, *select = POLICY_TABLE[name]
-    return {"middle": middle, "sink": live.get("sink", 4) if has_sink else 0,
-            "window": 0 if wkey is None else live.get(wkey, 128 if wkey == "window" else 256),
-            "group": live.get("group", 32), "feature_group": 32, "key_axis": axis,
-            "sink_select": select[0] if select else "first"}
+    out = {"middle": middle, "sink": live.get("sink", 4) if has_sink else 0,
+           "window": 0 if wkey is None else live.get(wkey, 128 if wkey == "window" else 256),
+           "group": live.get("group", 32), "feature_group": 32, "key_axis": axis,
+           "sink_select": select[0] if select else "first"}
+    if name in MIXED:  # a uniform policy's config has no mixed fields (low, low_share, alloc, alloc_from)
+        out.update(zip(MIXED_FIELDS, MIXED[name][1:]))
+    return out
+
+
+def _low_count(pol: dict, pairs: int) -> int:
+    return round(pol["low_share"] * pairs) if pol.get("low") else 0
 
 
 def sink_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -174,10 +199,18 @@ def sliding_bytes(n: int, dims: dict) -> int:
     return (dims["layers"] - _full_layers(dims)) * min(n, w - 1) * 2 * dims["kv_heads"] * dims["head_dim"] * 4
 
 
-def policy_bytes(pol: dict, n: int, dims: dict) -> int:
+def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None) -> int:
+    """The cache's bytes after n tokens; a mixed policy's with ``low_pairs`` of its (layer, KV head)
+    pairs at the low scheme (default: the protocol's share) and one byte of bits per pair."""
     s, p, f = _spans(pol, n)
     h, d = dims["kv_heads"], dims["head_dim"]
-    return _full_layers(dims) * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d)) + sliding_bytes(n, dims)
+    full = _full_layers(dims)
+    if not pol.get("low"):
+        return full * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d)) + sliding_bytes(n, dims)
+    pairs = full * h
+    lo = _low_count(pol, pairs) if low_pairs is None else low_pairs
+    return (full * (HEADER + (s + f) * 2 * h * d * 4) + lo * _packed_bytes({**pol, "middle": pol["low"]}, p, 1, d)
+            + (pairs - lo) * _packed_bytes(pol, p, 1, d) + pairs + sliding_bytes(n, dims))
 
 
 def reference_bytes(n: int, dims: dict) -> int:
@@ -203,6 +236,60 @@ def model_dims(live: dict, row: dict | None = None) -> dict:
 
 
 ONE_FULL_LAYER = {"layers": 1, "full_layers": [0], "sliding_window": None}
+
+
+def concentration(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``[H_kv]`` float64: the mean effective support (exp(entropy) / visible keys) of a causal
+    pass's rows over its queries and the KV head's query heads (``q [H_q, t, D]``, ``k [H_kv, t, D]``)."""
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    s = np.einsum("hgqd,hkd->hgqk", q.astype(np.float64).reshape(hkv, g, t, d), k.astype(np.float64)) / math.sqrt(d)
+    s = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(axis=-1, keepdims=True)
+    plogp = np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0)
+    return (np.exp(-plogp.sum(axis=-1)) / (np.arange(t) + 1)).mean(axis=(1, 2))
+
+
+def allocation_keys(pol: dict, scores: np.ndarray) -> np.ndarray:
+    """``[L, H]`` sort keys of the rule (smallest first get the low bits), the audit's own statement."""
+    n_layers, h = scores.shape
+    if pol["alloc"] == "concentrated":
+        return scores.astype(np.float64)
+    if pol["alloc"] == "diffuse":
+        return -scores.astype(np.float64)
+    if pol["alloc"] == "late":
+        return -np.repeat(np.arange(n_layers, dtype=np.float64)[:, None], h, axis=1)
+    return np.array([[int.from_bytes(hashlib.sha256(f"{i}:{j}".encode()).digest()[:8], "big") / 2.0 ** 64
+                      for j in range(h)] for i in range(n_layers)])
+
+
+def _check_allocation(row, ctx, pol: dict, dims: dict) -> np.ndarray:
+    """A mixed row's stored bits ``[L, H]`` against its scores and the rule; returns the bits."""
+    arrays = row.get("arrays", {})
+    bits, score = ctx.load(arrays.get("alloc_bits")), ctx.load(arrays.get("alloc_score"))
+    shape = (dims["layers"], dims["kv_heads"])
+    if bits.shape != shape or score.shape != shape or bits.dtype != np.uint8 or score.dtype != np.float64:
+        raise ValueError(f"alloc_bits / alloc_score must be uint8 / float64 {list(shape)}, got {bits.dtype} "
+                         f"{list(bits.shape)} / {score.dtype} {list(score.shape)}")
+    hi, lo = int(pol["middle"][3:]), int(pol["low"][3:])
+    if not np.all((bits == hi) | (bits == lo)):
+        ctx.fail(row, f"alloc_bits holds widths {sorted(set(bits.flatten().tolist()))}, not only {lo} and {hi}")
+    count = _low_count(pol, bits.size)
+    ctx.equal(row, "pairs at the low bits", int((bits == lo).sum()), count)
+    if pol["alloc"] in ("late", "random"):
+        ctx.equal(row, "alloc_score of a content-blind rule (nothing measured)", float(np.abs(score).max()), 0.0)
+    elif not np.all(np.isfinite(score)) or np.any(score <= 0) or np.any(score > 1 + 1e-12):
+        ctx.fail(row, "alloc_score: an effective support outside (0, 1]")
+    order = np.argsort(allocation_keys(pol, score).flatten(), kind="stable")[:count]
+    want = np.full(bits.size, hi, dtype=np.uint8)
+    want[order] = lo
+    ctx.numbers += bits.size
+    if not np.array_equal(bits.flatten(), want):
+        ctx.fail(row, f"alloc_bits are not the {pol['alloc']} rule's choice from alloc_score")
+    return bits
 
 
 def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dims: dict) -> int:
@@ -304,6 +391,9 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         return
     want = {}
     chosen = _chosen_sink(row, ctx, pol, live, a) if pol["sink_select"] == "mass" else None
+    layer_bits = None
+    if pol.get("low"):
+        layer_bits = _mixed_evidence(row, ctx, pol, live, a, ev.get("layer"))
     for name, label in (("k", "key"), ("v", "value")):
         x = a[f"input.{name}"]
         if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
@@ -314,17 +404,63 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
             sink_part = np.take_along_axis(x, chosen[..., None], axis=1)
             x = np.concatenate([sink_part, x[rest].reshape(x.shape[0], n - chosen.shape[1], x.shape[2])], axis=1)
         want[f"sink.{name}"], want[f"float.{name}"] = x[:, :s], x[:, s + p:]
-        if p:
+        if p and layer_bits is None:
             want.update({f"{label}.{arr}": w for arr, w in encode_tensor(x[:, s:s + p], _middle_config(pol, name)).items()
                          if arr != "header"})
-    stored = {k: v for k, v in a.items() if not k.startswith("input.") and k not in ("sink.index", "sink.score")}
+        elif p:  # each head at its own stored bits, the heads of one width together in head order
+            for scheme in sorted({pol["low"], pol["middle"]}):
+                heads = np.flatnonzero(layer_bits == int(scheme[3:]))
+                if heads.size:
+                    cfg = _middle_config({**pol, "middle": scheme}, name)
+                    want.update({f"{scheme}.{label}.{arr}": w for arr, w in encode_tensor(x[heads, s:s + p], cfg).items()
+                                 if arr != "header"})
+    if layer_bits is not None:
+        want["alloc.bits"] = layer_bits
+    stored = {k: v for k, v in a.items() if not k.startswith(("input.", "oracle."))
+              and k not in ("sink.index", "sink.score", "alloc.score")}
     ctx.numbers += len(want)
     for line in payload_differences(stored, want, f"the recorded float32 inputs (packed tokens [{s}, {s + p}))"):
         ctx.fail(row, line)
     # the chosen sink's indices and scores are the audit's evidence, not the cache's bytes: attention
     # needs no positions of held keys (post-RoPE, all in the past)
     total = sum(int(v.nbytes) for k, v in stored.items())
-    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
+    one = {**model_dims(live, row), **ONE_FULL_LAYER}
+    low_here = None if layer_bits is None else int((layer_bits == int(pol["low"][3:])).sum())
+    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, one, low_here))
+
+
+def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarray:
+    """The evidence layer of a mixed row: its bits and scores are the row's, the scores recomputed
+    from the recorded queries and keys; returns the layer's bits ``[H]``."""
+    arrays = row.get("arrays", {})
+    bits, score = ctx.load(arrays.get("alloc_bits")), ctx.load(arrays.get("alloc_score"))
+    if not isinstance(layer, int) or not 0 <= layer < bits.shape[0]:
+        raise ValueError(f"evidence layer {layer!r} is outside alloc_bits {list(bits.shape)}")
+    lb = a.get("alloc.bits")
+    ctx.numbers += 1
+    if lb is None or lb.dtype != np.uint8 or not np.array_equal(lb, bits[layer]):
+        ctx.fail(row, f"the evidence layer's alloc.bits are not alloc_bits[{layer}]")
+    stored_score = a.get("alloc.score")
+    ctx.numbers += 1
+    if stored_score is None or not np.array_equal(stored_score, score[layer]):
+        ctx.fail(row, f"the evidence layer's alloc.score is not alloc_score[{layer}]")
+    if pol["alloc"] in ("concentrated", "diffuse"):
+        P, n = live["prefill"], live["prefill"] + live["steps"]
+        q, k, t = a.get("input.q"), a.get("input.k"), P
+        if pol["alloc_from"] == "oracle":  # the oracle pass: the prefill's queries, then the later ones, its own keys
+            later, k, t = a.get("oracle.q"), a.get("oracle.k"), n
+            q = None if q is None or later is None or q.ndim != 3 or later.ndim != 3 else np.concatenate([q, later], axis=1)
+        if q is None or k is None or q.ndim != 3 or q.shape[1] != t or k.shape[1] < t or q.shape[0] % k.shape[0]:
+            raise ValueError(f"a {pol['alloc_from']} allocation's evidence needs queries and keys of {t} tokens")
+        mine = concentration(q, k[:, :t])
+        tol = TOLERANCES["float32_softmax"]
+        ctx.numbers += mine.size
+        bad = ~(np.abs(score[layer] - mine) <= tol["atol"] + tol["rtol"] * np.abs(mine))
+        if bad.any():
+            h = int(np.flatnonzero(bad)[0])
+            ctx.fail(row, f"alloc_score[{layer}, {h}] = {score[layer, h]:.8g}; the audit's float64 concentration "
+                          f"from the recorded queries and keys is {mine[h]:.8g}")
+    return bits[layer]
 
 
 def _check_study(ctx, study: str, live: dict) -> bool:
@@ -415,9 +551,18 @@ def check(row: dict, ctx) -> None:
         pol = _policy(arm, live)
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
-        for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select"):
-            ctx.equal(row, f"policy.{key}", cfg.get(key), pol[key])
+        for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
+                    "alloc_from"):
+            ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
+        if pol.get("low"):
+            ctx.close(row, "policy.low_share", cfg.get("low_share"), pol["low_share"])
+        else:
+            ctx.equal(row, "policy.low_share", cfg.get("low_share"), None)
+        if pol.get("low"):
+            bits = _check_allocation(row, ctx, pol, dims)
+            low_pairs = int((bits == int(pol["low"][3:])).sum())
+            want_b = [policy_bytes(pol, n, dims, low_pairs) for n in want_ctx]
     elif kind == "reference":
         want_b = [reference_bytes(n, dims) for n in want_ctx]
     else:

@@ -83,6 +83,11 @@ SEED_STUDY = {"qk_tv_median": 0.0152, "qk_argmax": 0.9433, "p_tv_median": 0.0106
               "p_zero_mean": 0.0245, "p_rows_with_zero": 0.3663, "p_row_sum_median": 0.999392}
 LIVE_HEADERS = ["arm", "mode, forwards", "perplexity", "Δ ppl vs DynamicCache", "95 % CI (segments)", "segments worse",
                 "mean KL", "top-1 agree", "bytes / token", "÷ float16", "ms / scored token"]
+EQUAL_HEADERS = ["arm", "compared with", "Δ ppl vs compared", "95 % CI (segments)", "segments better", "mean KL",
+                 "compared's KL", "top-1 agree", "bytes / token", "bytes vs compared's"]
+# a per-head precision arm's equal-byte comparison: mix28_* (int4's bytes) with int4, mix24_* (a
+# 3-bit layout's) with mix24_random
+EQUAL_VERSUS = {"mix28": "int4", "mix24": "mix24_random"}
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+(?:\.\d*)?[eE][+-]?\d+)")
 _INT = re.compile(r"[+-]?\d+")
 _SEP = re.compile(r":?-+:?")
@@ -706,14 +711,36 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
                     ("—",) if "worse" not in e else text(f"{e['worse']}/{e['segments']}"), fixed(e["kl"], 5),
                     (Num(e["top1"], lambda v: f"{100 * v:.2f} %"),), (Num(e["bpt"], lambda v: f"{v:,.0f}"),),
                     fixed(e["bpt"] / f16, 3), fixed(ms, 1, none="nan")])
-    return [T("live quality", LIVE_HEADERS, 1, trs),
-            P("notes", "", [
+    out = [T("live quality", LIVE_HEADERS, 1, trs)]
+    etrs = []
+    for arm in sorted(by_arm):
+        other = EQUAL_VERSUS.get(arm.split("_")[0]) if arm.startswith("mix") else None
+        if other is None or other == arm or other not in by_arm or set(by_arm[arm]) != set(by_arm[other]):
+            continue
+        ids = sorted(by_arm[arm])
+        a, b = [by_arm[arm][s] for s in ids], [by_arm[other][s] for s in ids]
+        d = np.asarray([x["nll"] for x in a], dtype=np.float64) - np.asarray([y["nll"] for y in b], dtype=np.float64)
+        ci = _bootstrap(d)
+        signed = lambda v: f"{v:+.2f}"  # noqa: E731
+        bpt, vbpt = float(np.mean([x["bytes_per_token"] for x in a])), float(np.mean([y["bytes_per_token"] for y in b]))
+        etrs.append([text(arm), text(other), (Num(100.0 * math.expm1(math.fsum(d) / d.size), signed), " %"),
+                     ("—",) if ci is None else ("[", Num(100.0 * math.expm1(ci[0]), signed), ", ",
+                                                Num(100.0 * math.expm1(ci[1]), signed), "]"),
+                     text(f"{int((d < 0).sum())}/{len(ids)}"), fixed(_mean([x["mean_kl"] for x in a]), 5),
+                     fixed(_mean([y["mean_kl"] for y in b]), 5), (Num(_mean([x["top1_agreement"] for x in a]),
+                                                                      lambda v: f"{100 * v:.2f} %"),),
+                     (Num(bpt, lambda v: f"{v:,.0f}"),), (Num(100 * (bpt / vbpt - 1), lambda v: f"{v:+.3f}"), " %")])
+    notes = P("notes", "", [
                 ("segments", r"^(\S+) segments ×", text(len({r["case"] for r in rows}))),
                 ("steps", r"× (\S+) teacher-forced steps", text(live["steps"])),
                 ("prefill", r"after a (\S+)-token prefill", text(live["prefill"])),
                 ("layers", r"the whole cache of all (\S+) layers", text(dims["layers"])),
                 ("float16 bytes per token", r"float16 K\+V would be (\S+) B/token", text(f"{f16:,.0f}")),
-                ("bootstrap minimum", r"given from (\S+) segments on", text(MIN_CI_SEGMENTS))])]
+                ("bootstrap minimum", r"given from (\S+) segments on", text(MIN_CI_SEGMENTS))])
+    out.append(notes)
+    if etrs:
+        out += [P("equal bytes", "Per-head precision at equal bytes"), T("equal bytes", EQUAL_HEADERS, 1, etrs)]
+    return out
 
 
 RETRIEVAL_HEADERS = ["arm", "length", "trials", "TF exact match", "Wilson 95 %", "greedy exact match",

@@ -32,22 +32,31 @@ For a model whose layers differ, :meth:`PolicyCache.for_model` reads the layer k
 config (:func:`layer_kinds`): full-attention layers get a :class:`PolicyLayer`, sliding-window
 layers a :class:`SlidingLayer` that keeps what the model's own ``DynamicCache`` keeps there (the
 policy applies to full layers only); anything else is refused before any forward.
+
+A mixed policy (``Policy.low``: per-head bits) measures each KV head's prefill concentration the
+same way (:func:`concentration`), keeps the prefill's aged-out tokens float32 until the whole
+model has been seen, and then :meth:`PolicyCache.finish_prefill` allocates the bits over every
+(layer, KV head) pair of each sequence (:func:`allocate`) and flushes; from then on each layer's
+middle is two packed spans, one per bit width, over the (sequence, head) rows that have it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..metrics import effective_support
 from ..quant import Packed
 from ..quant.base import make_header
 from . import packed_attention as pa
 from .policy import HEADER_BYTES, Policy, sink_candidates
 
 __all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
-           "policy_attention", "sink_scores", "choose_sink"]
+           "policy_attention", "sink_scores", "choose_sink", "concentration", "allocation_keys", "allocate",
+           "observe_concentration", "Observed", "OBSERVE_SECONDS"]
 
 ATTN_NAME = "testbed_policy"
 # layer index -> (the layer, the boolean mask its last update left for the attention call after it)
@@ -57,6 +66,11 @@ _PENDING: dict[int, tuple] = {}
 _DIRECT: dict[int, tuple] = {}
 # layer index -> the layer whose prefill waits for the attention call to choose its sink
 _SELECT: dict[int, object] = {}
+# a function (layer index, query, key, scale) that every attention call inside policy_attention
+# reports to (observe_concentration: the oracle's float32 pass over a whole segment)
+_OBSERVER: list = [None]
+# seconds spent measuring attention for policies that decide from it (sinks, allocations): their cost
+OBSERVE_SECONDS = [0.0]
 # how many policy_attention blocks are open: an update that needs the mask or the direct path
 # outside one is refused before attention can run with transformers' own (wrong) mask
 _ACTIVE = [0]
@@ -71,11 +85,14 @@ def _require_active(what: str, layer_idx) -> None:
 def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if _OBSERVER[0] is not None:
+        _OBSERVER[0](getattr(module, "layer_idx", None), query, key,
+                     float(query.shape[-1] ** -0.5 if scaling is None else scaling))
     select = _SELECT.pop(getattr(module, "layer_idx", None), None)
     if select is not None:
         out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                              dropout=dropout, **kwargs)
-        select.choose_sink_from(query, key, float(query.shape[-1] ** -0.5 if scaling is None else scaling))
+        select.observe_prefill(query, key, float(query.shape[-1] ** -0.5 if scaling is None else scaling))
         return out
     direct = _DIRECT.pop(getattr(module, "layer_idx", None), None)
     if direct is not None:
@@ -137,6 +154,105 @@ def sink_scores(query: torch.Tensor, key: torch.Tensor, scale: float, candidates
         total += torch.softmax(s, dim=-1)[..., :candidates].sum(dim=(2, 3))
     seen_by = (t - torch.arange(candidates, device=query.device)).to(torch.float32) * g
     return total / seen_by
+
+
+def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: int = 256,
+                  total: bool = False) -> torch.Tensor:
+    """``[B, H_kv]`` float64: the mean effective support (exp(entropy) / visible keys, the
+    observation metrics' definition) of a causal pass's attention rows, over its queries and the
+    KV head's query heads; low is concentrated, 1 is uniform (``total``: the sum instead of the
+    mean). ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions (the
+    pass's keys in order, a cache's history first); float32 scores, queries in blocks."""
+    b, hq, t, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    g = hq // hkv
+    q = query.float().reshape(b, hkv, g, t, d)
+    k = key.float()
+    acc = torch.zeros(b, hkv, dtype=torch.float64, device=query.device)
+    kpos = torch.arange(n, device=query.device)
+    for a in range(0, t, block):
+        z = min(t, a + block)
+        qpos = torch.arange(n - t + a, n - t + z, device=query.device)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        acc += effective_support(torch.softmax(s, dim=-1), qpos + 1).sum(dim=(2, 3))
+    return acc if total else acc / (g * t)
+
+
+def allocation_keys(policy: Policy, scores: torch.Tensor) -> torch.Tensor:
+    """``[B, L, H]`` float64 sort keys of a mixed policy's rule: the pairs with the smallest keys
+    get the low bits. ``scores [B, L, H]``: the measured concentration (concentrated: the score;
+    diffuse: minus it); ``late``: minus the layer index; ``random``: SHA-256 of ``"layer:head"``
+    (its first 8 bytes, big-endian, ÷ 2^64) -- content-blind, the same for every sequence."""
+    b, n_layers, h = scores.shape
+    if policy.alloc == "concentrated":
+        return scores.to(torch.float64)
+    if policy.alloc == "diffuse":
+        return -scores.to(torch.float64)
+    if policy.alloc == "late":
+        return -torch.arange(n_layers, dtype=torch.float64)[None, :, None].expand(b, n_layers, h).clone()
+    import hashlib
+
+    keys = [[int.from_bytes(hashlib.sha256(f"{li}:{hi}".encode()).digest()[:8], "big") / 2.0 ** 64 for hi in range(h)]
+            for li in range(n_layers)]
+    return torch.tensor(keys, dtype=torch.float64)[None].expand(b, n_layers, h).clone()
+
+
+def allocate(policy: Policy, scores: torch.Tensor) -> torch.Tensor:
+    """``[B, L, H]`` bool, True where the pair gets the low bits: per sequence, the
+    ``policy.low_count(L·H)`` pairs with the smallest :func:`allocation_keys` (ties to the lower
+    flat index ``layer·H + head``)."""
+    keys = allocation_keys(policy, scores)
+    b, n_layers, h = keys.shape
+    order = torch.sort(keys.reshape(b, -1), dim=-1, stable=True).indices[:, :policy.low_count(n_layers * h)]
+    low = torch.zeros(b, n_layers * h, dtype=torch.bool)
+    low.scatter_(1, order, True)
+    return low.reshape(b, n_layers, h)
+
+
+class Observed:
+    """What :func:`observe_concentration` saw: per layer the summed effective support and the rows
+    it is summed over (one pass over a sequence may come in several forward calls: a prefill, then
+    chunks through a cache), and ``record_layer``'s queries (per call) and keys (the last call's:
+    every key) of batch row 0."""
+
+    def __init__(self):
+        self.sums: dict = {}
+        self.rows: dict = {}
+        self.q: list = []
+        self.k = None
+
+    def scores(self, n_layers: int) -> torch.Tensor:
+        """``[B, n_layers, H_kv]`` float64: each layer's mean effective support over everything seen."""
+        missing = [i for i in range(n_layers) if i not in self.sums]
+        if missing:
+            raise RuntimeError(f"layers {missing[:4]}: no attention call was observed")
+        return torch.stack([self.sums[i].cpu() / self.rows[i] for i in range(n_layers)], dim=1)
+
+
+@contextlib.contextmanager
+def observe_concentration(model, record_layer: int | None = None):
+    """Inside :func:`policy_attention`: every attention call's :func:`concentration` is summed
+    into the yielded :class:`Observed`."""
+    seen = Observed()
+
+    def observe(layer_idx, query, key, scale):
+        t0 = time.perf_counter()
+        total = concentration(query, key, scale, total=True)
+        seen.sums[layer_idx] = seen.sums.get(layer_idx, 0) + total
+        seen.rows[layer_idx] = seen.rows.get(layer_idx, 0) + query.shape[1] * query.shape[2] // key.shape[1]
+        if layer_idx == record_layer:
+            seen.q.append(query[0].detach().float().clone())
+            seen.k = key[0].detach().float().clone()
+        OBSERVE_SECONDS[0] += time.perf_counter() - t0
+
+    if _OBSERVER[0] is not None:
+        raise RuntimeError("observe_concentration blocks do not nest")
+    _OBSERVER[0] = observe
+    try:
+        yield seen
+    finally:
+        _OBSERVER[0] = None
 
 
 def choose_sink(scores: torch.Tensor, sink: int) -> torch.Tensor:
@@ -213,6 +329,60 @@ class _PackedSpan:
         return sum(b.used_bytes() for b in self.buffers.values())
 
 
+class _MixedMiddle:
+    """A mixed policy's middle of K and V in one layer: two packed spans per tensor, one per bit
+    width, over the flattened (sequence, KV head) rows that have it (``low [B, H]`` bool)."""
+
+    def __init__(self, policy: Policy, low: torch.Tensor):
+        self.low = low
+        self.bits = torch.where(low, int(policy.low[3:]), int(policy.middle[3:])).to(torch.uint8)
+        hq, lq = policy.quantizers(), policy.low_quantizers()
+        self.spans = {"high": (_PackedSpan(hq[0], "k"), _PackedSpan(hq[1], "v")),
+                      "low": (_PackedSpan(lq[0], "k"), _PackedSpan(lq[1], "v"))}
+        self.masks = {"high": ~low, "low": low}
+        self.tokens = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for which, (sk, sv) in self.spans.items():
+            m = self.masks[which]
+            if m.any():
+                sk.append(k[m])
+                sv.append(v[m])
+        self.tokens += k.shape[-2]
+
+    def decode(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, H, tokens, D]`` decoded from both spans (``like``: dtype and device)."""
+        b, h, _, d = like.shape
+        out_k = torch.empty(b, h, self.tokens, d, dtype=torch.float32, device=like.device)
+        out_v = torch.empty_like(out_k)
+        for which, (sk, sv) in self.spans.items():
+            m = self.masks[which]
+            if m.any():
+                out_k[m] = sk.decode()
+                out_v[m] = sv.decode()
+        return out_k, out_v
+
+    def used_bytes(self) -> int:
+        """The packed spans' bytes and one byte of bits per (sequence, KV head) row."""
+        return (sum(sk.used_bytes() + sv.used_bytes() for sk, sv in self.spans.values())
+                + self.bits.numel() * self.bits.element_size())
+
+    def evidence(self) -> dict[str, torch.Tensor]:
+        """Batch row 0's stored arrays, ``{scheme}.key.*`` / ``{scheme}.value.*`` over its heads of
+        that bit width (in head order), and ``alloc.bits [H]``."""
+        out = {"alloc.bits": self.bits[0]}
+        for which, (sk, sv) in self.spans.items():
+            m = self.masks[which]
+            n0 = int(m[0].sum())
+            if not n0 or not sk.tokens:
+                continue
+            scheme = f"int{sk.q.bits}"
+            for label, span in (("key", sk), ("value", sv)):
+                for name, buf in span.buffers.items():
+                    out[f"{scheme}.{label}.{name}"] = buf.view()[:n0]
+        return out
+
+
 class PolicyLayer(DynamicLayer):
     """One layer's cache under ``policy``. ``record=True`` keeps a float32 copy of every K/V
     appended for batch row 0 (evidence: the audit re-encodes the packed middle from it)."""
@@ -236,13 +406,15 @@ class PolicyLayer(DynamicLayer):
         self.seen = 0
         self.sink_k = self.sink_v = None
         self.tail_k = self.tail_v = None
-        qs = policy.quantizers()
+        qs = policy.quantizers() if not policy.mixed else None
         self.mid_k = _PackedSpan(qs[0], "k") if qs else None
         self.mid_v = _PackedSpan(qs[1], "v") if qs else None
+        self.mixed: _MixedMiddle | None = None  # a mixed policy's middle, once its bits are allocated
+        self.alloc_score = None  # [B, H] float64: a mixed policy's measured prefill concentration
         self._prefill = None  # (k, v) of a prefill waiting for its sink to be chosen by attention
         self.sink_index = self.sink_score = self.recorded_q = None
-        if policy.sink_select == "mass" and layer_idx is None:
-            raise ValueError("a sink chosen from attention needs the layer's index")
+        if policy.observes and layer_idx is None:
+            raise ValueError("a policy that decides from attention needs the layer's index")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -265,6 +437,9 @@ class PolicyLayer(DynamicLayer):
         if self._prefill is not None:
             raise RuntimeError(f"layer {self.layer_idx}: the prefill's sink was never chosen (its attention call did not "
                                "run through testbed.policies.cache.policy_attention(model))")
+        if self.policy.mixed and self.seen > 0 and self.mixed is None:
+            raise RuntimeError(f"layer {self.layer_idx}: a mixed policy's bits are allocated after the prefill "
+                               "(PolicyCache.finish_prefill) before any further token")
         t = key_states.shape[-2]
         if self.policy.evicts and t > 1 and self.seen > 0:  # the prefill attends itself causally, as for
             self._leave_mask(t)                               # every policy; the policy applies after it
@@ -283,26 +458,41 @@ class PolicyLayer(DynamicLayer):
         elif self.mid_k is not None and self.mid_k.tokens:
             parts_k.append(self.mid_k.decode())
             parts_v.append(self.mid_v.decode())
+        elif self.mixed is not None and self.mixed.tokens:
+            mk, mv = self.mixed.decode(self.tail_k)
+            parts_k.append(mk)
+            parts_v.append(mv)
         parts_k += [self.tail_k, k_new]
         parts_v += [self.tail_v, v_new]
         keys = torch.cat(parts_k, dim=-2).to(key_states.dtype)
         values = torch.cat(parts_v, dim=-2).to(value_states.dtype)
-        if self.policy.sink_select == "mass" and self.seen == 0:
-            _require_active("a sink chosen from attention", self.layer_idx)
-            self._prefill = (k_new, v_new)
-            _SELECT[self.layer_idx] = self  # the attention call chooses the sink, then commits
-        else:
-            self._commit(k_new, v_new)
+        if self.policy.observes and self.seen == 0:
+            _require_active("a policy that decides from attention", self.layer_idx)
+            _SELECT[self.layer_idx] = self  # the attention call measures the prefill's attention
+            if self.policy.sink_select == "mass":
+                self._prefill = (k_new, v_new)  # ... chooses the sink, then commits
+                return keys, values
+        self._commit(k_new, v_new)
         return keys, values
 
-    def choose_sink_from(self, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-        """Called by the attention function with the prefill's queries and keys: choose the sink
-        (:func:`sink_scores`, :func:`choose_sink`) and commit the prefill."""
-        k_new, v_new = self._prefill
-        self._prefill = None
-        p, t = self.policy, k_new.shape[-2]
-        scores = sink_scores(query, key, scale, sink_candidates(t, p.sink, p.window))
-        self._commit_chosen(k_new, v_new, scores, query[0] if self.record else None)
+    def observe_prefill(self, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
+        """Called by the attention function with the prefill's queries and keys: a mixed policy
+        measures its heads' :func:`concentration`; a ``"mass"`` sink is chosen (:func:`sink_scores`,
+        :func:`choose_sink`) and the prefill committed."""
+        t0 = time.perf_counter()
+        if self.record:
+            self.recorded_q = query[0].detach().float().clone()
+        if self.policy.mixed:
+            self.alloc_score = concentration(query, key, scale)
+        if self.policy.sink_select == "mass":
+            k_new, v_new = self._prefill
+            self._prefill = None
+            p, t = self.policy, k_new.shape[-2]
+            scores = sink_scores(query, key, scale, sink_candidates(t, p.sink, p.window))
+            self._commit_chosen(k_new, v_new, scores, query[0] if self.record else None)
+        OBSERVE_SECONDS[0] += time.perf_counter() - t0
+
+    choose_sink_from = observe_prefill  # the name before mixed policies measured the prefill too
 
     def _commit_chosen(self, k_new, v_new, scores: torch.Tensor, query0: torch.Tensor | None) -> None:
         index = choose_sink(scores, self.policy.sink)
@@ -311,16 +501,41 @@ class PolicyLayer(DynamicLayer):
         self.sink_index, self.sink_score = index, scores
         self._commit(k_new, v_new, index)
 
+    def assign_bits(self, low: torch.Tensor) -> None:
+        """A mixed policy's allocation for this layer (``low [B, H]`` bool: the pairs at ``low``'s
+        bits), then the flush the prefill deferred."""
+        if not self.policy.mixed or self.mixed is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: bits are assigned once, to a mixed policy's layer")
+        self.mixed = _MixedMiddle(self.policy, low.to(torch.bool).to(self.tail_k.device))
+        self._flush()
+
     def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, scores: torch.Tensor | None = None,
-                     query0: torch.Tensor | None = None) -> None:
+                     query0: torch.Tensor | None = None, alloc_score: torch.Tensor | None = None) -> None:
         """Take a prefill computed elsewhere (a shared float32 prefill: its post-RoPE K/V
         ``[B, H_kv, P, D]``) into an empty layer, leaving the state the model's own prefill through
         this layer would leave. A sink chosen from attention needs the prefill's ``scores``
         (:func:`sink_scores` over exactly the policy's candidates, :func:`sink_candidates`) and, when
-        recording, ``query0``, the prefill's queries of batch row 0 ``[H_q, P, D]``."""
+        recording, ``query0``, the prefill's queries of batch row 0 ``[H_q, P, D]``; a mixed policy
+        whose rule reads the prefill's attention needs ``alloc_score`` (:func:`concentration`
+        ``[B, H_kv]``) and, when recording, ``query0``."""
         if self.is_initialized and self.seen:
             raise RuntimeError(f"layer {self.layer_idx}: load_prefill needs an empty layer ({self.seen} tokens held)")
         p, t = self.policy, key_states.shape[-2]
+        if p.mixed and p.observes:
+            if alloc_score is None or tuple(alloc_score.shape) != tuple(key_states.shape[:2]):
+                raise ValueError(f"layer {self.layer_idx}: policy {p.name} allocates its bits from the prefill's "
+                                 f"attention; load_prefill needs its concentration [B, H_kv] = {list(key_states.shape[:2])}")
+            if self.record and query0 is None:
+                raise ValueError(f"layer {self.layer_idx}: a recording layer of {p.name} needs the prefill's queries")
+            self.lazy_initialization(key_states, value_states)
+            k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
+            if self.record:
+                self.recorded_k.append(k_new[0].detach().clone())
+                self.recorded_v.append(v_new[0].detach().clone())
+                self.recorded_q = query0.detach().float().clone()
+            self.alloc_score = alloc_score.to(torch.float64)
+            self._commit(k_new, v_new)
+            return
         if p.sink_select != "mass":
             self.update(key_states, value_states)
             return
@@ -359,7 +574,7 @@ class PolicyLayer(DynamicLayer):
     def held_tokens(self) -> int:
         if not self.is_initialized:
             return 0
-        mid = self.mid_k.tokens if self.mid_k is not None else 0
+        mid = self.mid_k.tokens if self.mid_k is not None else self.mixed.tokens if self.mixed is not None else 0
         return self.sink_k.shape[-2] + mid + self.tail_k.shape[-2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -408,27 +623,44 @@ class PolicyLayer(DynamicLayer):
             self.tail_k = torch.cat([self.tail_k, k_new[..., take:, :]], dim=-2)
             self.tail_v = torch.cat([self.tail_v, v_new[..., take:, :]], dim=-2)
         self.seen += t + (0 if index is None else index.shape[-1])
+        self._flush()
+
+    def _flush(self) -> None:
+        """Evict past the window, or move whole groups that aged out of it into the middle (a
+        mixed policy's wait in float32 until its bits are allocated)."""
+        p = self.policy
         n_tail = self.tail_k.shape[-2]
         if p.evicts and n_tail > p.window:
             self.tail_k = self.tail_k[..., n_tail - p.window:, :].contiguous()
             self.tail_v = self.tail_v[..., n_tail - p.window:, :].contiguous()
-        elif p.quantized and n_tail - p.window >= p.group:
+        elif p.quantized and n_tail - p.window >= p.group and (not p.mixed or self.mixed is not None):
             m = p.group * ((n_tail - p.window) // p.group)
-            self.mid_k.append(self.tail_k[..., :m, :])
-            self.mid_v.append(self.tail_v[..., :m, :])
+            if p.mixed:
+                self.mixed.append(self.tail_k[..., :m, :], self.tail_v[..., :m, :])
+            else:
+                self.mid_k.append(self.tail_k[..., :m, :])
+                self.mid_v.append(self.tail_v[..., :m, :])
             self.tail_k = self.tail_k[..., m:, :].contiguous()
             self.tail_v = self.tail_v[..., m:, :].contiguous()
 
     # -- accounting and evidence -----------------------------------------------------------------
     def stored_bytes(self) -> int:
-        """Bytes this layer stores for one sequence: float32 sink and tail, packed middle, header."""
+        """Bytes this layer stores for one sequence: float32 sink and tail, packed middle, header
+        (a mixed policy's sequences differ per layer: :meth:`PolicyCache.stored_bytes`)."""
         if not self.is_initialized:
             return 0
-        batch = self.sink_k.shape[0]
+        return self.batch_bytes() // self.sink_k.shape[0] + HEADER_BYTES
+
+    def batch_bytes(self) -> int:
+        """Bytes this layer stores for the whole batch, headers not counted."""
+        if not self.is_initialized:
+            return 0
         total = sum(x.numel() * x.element_size() for x in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
         if self.mid_k is not None:
             total += self.mid_k.used_bytes() + self.mid_v.used_bytes()
-        return total // batch + HEADER_BYTES
+        if self.mixed is not None:
+            total += self.mixed.used_bytes()
+        return total
 
     def evidence(self) -> dict[str, torch.Tensor]:
         """Every stored array of batch row 0 (``sink.k``, ``key.codes``, ``float.v``, ...) and, when
@@ -438,6 +670,10 @@ class PolicyLayer(DynamicLayer):
             for label, span in (("key", self.mid_k), ("value", self.mid_v)):
                 for name, buf in span.buffers.items():
                     out[f"{label}.{name}"] = buf.view()[0]
+        if self.mixed is not None:
+            out.update(self.mixed.evidence())
+        if self.alloc_score is not None:
+            out["alloc.score"] = self.alloc_score[0]
         if self.sink_index is not None:  # the chosen sink: which prefill tokens, from which scores
             out["sink.index"] = self.sink_index[0].to(torch.int32)
             out["sink.score"] = self.sink_score[0]
@@ -538,7 +774,7 @@ class PolicyCache(Cache):
     layer kinds (sliding windows) and is the one to use for a model that has any."""
 
     def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None, direct: bool = False, *,
-                 layers: list | None = None, kinds: list[str] | None = None):
+                 layers: list | None = None, kinds: list[str] | None = None, scores: torch.Tensor | None = None):
         if layers is None:
             layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
                       for i in range(num_layers)]
@@ -547,10 +783,14 @@ class PolicyCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * num_layers
+        if policy.mixed and policy.alloc_from == "oracle" and scores is None:
+            raise ValueError(f"policy {policy.name}: an oracle allocation needs its scores ([B, layers, KV heads])")
+        self.given_scores = scores
+        self.alloc_low = self.alloc_score = None  # [B, L, H] after finish_prefill
 
     @classmethod
     def for_model(cls, policy: Policy, config, record_layer: int | None = None, direct: bool = False,
-                  sliding: str = "native") -> "PolicyCache":
+                  sliding: str = "native", scores: torch.Tensor | None = None) -> "PolicyCache":
         """The cache for a model of ``config`` (a transformers config), one layer per decoder layer:
 
         - a ``"full_attention"`` layer gets a :class:`PolicyLayer` running ``policy``;
@@ -579,16 +819,58 @@ class PolicyCache(Cache):
             if kinds[record_layer][0] != "full_attention":
                 raise ValueError(f"record_layer {record_layer} ({kinds[record_layer][0]}): the policy is applied to "
                                  "full-attention layers only; a sliding layer has no policy evidence to record")
+        if policy.mixed and any(k != "full_attention" for k, _ in kinds):
+            i = next(i for i, (k, _) in enumerate(kinds) if k != "full_attention")
+            raise ValueError(f"layer {i} ({kinds[i][0]}): policy {policy.name} allocates bits over every layer's KV "
+                             "heads; a model with sliding layers is not served by a mixed policy")
         if policy.middle != "float32" and not any(k == "full_attention" for k, _ in kinds):
             raise ValueError(f"policy {policy.name}: layers 0..{n - 1} are all {kinds[0][0]}; the policy applies to "
                              "full-attention layers only, so it would apply nowhere")
         layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
                   if kind == "full_attention" else SlidingLayer(window, layer_idx=i)
                   for i, (kind, window) in enumerate(kinds)]
-        return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds])
+        return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds], scores=scores)
+
+    def finish_prefill(self) -> None:
+        """A mixed policy, once the prefill has gone through every layer: allocate the bits over all
+        (layer, KV head) pairs of each sequence (:func:`allocate`) from the prefill's measured
+        concentration, or the oracle's ``scores``, and flush what the prefill aged out. Nothing for
+        other policies."""
+        p = self.policy
+        if not p.mixed:
+            return
+        layer0 = self.layers[0]
+        b, h = layer0.tail_k.shape[0], layer0.tail_k.shape[1]
+        if self.given_scores is not None:
+            scores = self.given_scores.to(torch.float64)
+        elif p.observes:
+            missing = [i for i, layer in enumerate(self.layers) if layer.alloc_score is None]
+            if missing:
+                raise RuntimeError(f"layers {missing[:4]}: no prefill attention was measured (run the model inside "
+                                   "testbed.policies.cache.policy_attention(model))")
+            scores = torch.stack([layer.alloc_score.cpu() for layer in self.layers], dim=1)
+        else:
+            scores = torch.zeros(b, len(self.layers), h, dtype=torch.float64)
+        if scores.shape != (b, len(self.layers), h):
+            raise ValueError(f"allocation scores {list(scores.shape)}, expected [{b}, {len(self.layers)}, {h}]")
+        low = allocate(p, scores)
+        for i, layer in enumerate(self.layers):
+            layer.assign_bits(low[:, i])
+            layer.alloc_score = scores[:, i]
+        self.alloc_low, self.alloc_score = low, scores
+
+    def alloc_bits(self) -> torch.Tensor:
+        """``[B, L, H]`` uint8: each pair's bits (after :meth:`finish_prefill`)."""
+        return torch.stack([layer.mixed.bits.cpu() for layer in self.layers], dim=1)
 
     def stored_bytes(self) -> int:
         """Bytes of every layer's cache for one sequence."""
+        if self.policy.mixed:  # the layers differ per sequence, their sum does not
+            batch = next((layer.sink_k.shape[0] for layer in self.layers if layer.is_initialized), 1)
+            total = sum(layer.batch_bytes() for layer in self.layers)
+            if total % batch:
+                raise RuntimeError(f"{total} bytes over a batch of {batch} sequences: the allocation differs in size")
+            return total // batch + HEADER_BYTES * sum(1 for layer in self.layers if layer.is_initialized)
         return sum(layer.stored_bytes() for layer in self.layers)
 
     def stored_bytes_by_kind(self) -> dict[str, int]:

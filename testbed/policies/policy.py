@@ -32,6 +32,23 @@ feed those tokens as one forward call and get exactly what one token per forward
 Byte accounting (per layer and sequence; heads and head_dim are the model's): float32 sink and
 window K + V, the middle's packed arrays (codes, float16 scales and zero-points or E8M0 scales),
 one 16-byte (N, D) header; :meth:`Policy.layer_bytes` is that closed form.
+
+Mixed precision per head (``low`` set): the middle of each (layer, KV head) pair of a sequence is
+stored either with ``middle``'s bits or with ``low``'s; ``round(low_share × pairs)`` of the model's
+pairs get ``low``, chosen per sequence when the prefill ends by the rule ``alloc`` (:data:`ALLOC`):
+
+- ``"concentrated"``: the pairs whose prefill attention is most concentrated (lowest mean effective
+  support, exp(entropy) / visible keys over the prefill's queries and the KV head's query heads)
+  get the low bits; ``"diffuse"``: the most diffuse ones do;
+- ``"late"``: the last layers (content-blind: the depth prior "late layers compress");
+- ``"random"``: a fixed pseudo-random order of the pairs (SHA-256 of ``"layer:head"``; content-blind,
+  the same for every sequence).
+
+``alloc_from = "oracle"`` takes the concentration from a float32 pass over the whole segment
+(prefill and every step to come): impossible online, an upper bound for the prefill rule. The
+bits are stored, one byte per pair, and counted. At ``low_share`` ½ with int4 / int2 the mean
+bytes are exactly those of a 3-bit KIVI layout; at ⅔ with int8 / int2 exactly int4's
+(:meth:`Policy.cache_bytes`).
 """
 
 from __future__ import annotations
@@ -41,13 +58,37 @@ from dataclasses import asdict, dataclass, replace
 
 from ..quant import MX, IntGrouped, Quantizer
 
-__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "preset", "sink_candidates", "HEADER_BYTES"]
+__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
+           "scheme_bytes_per_token"]
 
 HEADER_BYTES = 16
 # Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
 MIDDLE_SCHEMES = ("float32", "drop", "int2", "int4", "int8", "mxfp8", "mxfp4")
 _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 SINK_SELECT = ("first", "mass")
+# rules that choose which (layer, KV head) pairs of a mixed policy get the low bits
+ALLOC = ("concentrated", "diffuse", "late", "random")
+ALLOC_FROM = ("prefill", "oracle")
+MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")  # in a row's policy config only when mixed
+
+
+def scheme_bytes_per_token(middle: str, heads: int, head_dim: int, group: int = 32, feature_group: int = 32,
+                           key_axis: str = "channel") -> float:
+    """Bytes of K + V per packed token of ``heads`` KV heads under one quantized middle scheme
+    (codes, scales, zero-points)."""
+    d, g, f = head_dim, group, feature_group
+    if middle in _MX_ELEMENT:
+        bits = 8 if middle == "mxfp8" else 4
+        dp = -(-d // 32) * 32
+        per = dp * bits // 8 + dp // 32
+        return 2.0 * heads * per
+    bits = int(middle[3:])
+    v = -(-(-(-d // f) * f) * bits // 8) + 4 * (-(-d // f))
+    if key_axis == "channel":
+        k = -(-d * bits // 8) + 4 * d / g
+    else:
+        k = v
+    return heads * (k + v)
 
 
 def sink_candidates(prefill: int, sink: int, window: int) -> int:
@@ -74,6 +115,10 @@ class Policy:
     feature_group: int = 32
     key_axis: str = "channel"
     sink_select: str = "first"
+    low: str | None = None
+    low_share: float = 0.0
+    alloc: str | None = None
+    alloc_from: str = "prefill"
     description: str = ""
 
     def __post_init__(self):
@@ -95,6 +140,24 @@ class Policy:
             raise ValueError(f"policy {self.name}: sink_select {self.sink_select!r} needs a sink and a quantized middle")
         if self.middle == "drop" and self.window == 0:
             raise ValueError(f"policy {self.name}: a dropped middle needs a window of at least one token")
+        if self.low is None:
+            if self.alloc is not None or self.low_share:
+                raise ValueError(f"policy {self.name}: alloc and low_share need a low scheme")
+            return
+        ints = ("int2", "int4", "int8")
+        if self.middle not in ints or self.low not in ints or int(self.low[3:]) >= int(self.middle[3:]):
+            raise ValueError(f"policy {self.name}: mixed precision needs integer middle and low schemes, low of fewer bits "
+                             f"(got middle {self.middle!r}, low {self.low!r})")
+        if self.key_axis != "channel" or self.sink_select != "first":
+            raise ValueError(f"policy {self.name}: mixed precision is built for K per channel and a first-S sink")
+        if not isinstance(self.low_share, float) or not 0.0 < self.low_share < 1.0:
+            raise ValueError(f"policy {self.name}: low_share must be a float in (0, 1), got {self.low_share!r}")
+        if self.alloc not in ALLOC:
+            raise ValueError(f"policy {self.name}: alloc must be one of {list(ALLOC)}, got {self.alloc!r}")
+        if self.alloc_from not in ALLOC_FROM:
+            raise ValueError(f"policy {self.name}: alloc_from must be one of {list(ALLOC_FROM)}, got {self.alloc_from!r}")
+        if self.alloc_from == "oracle" and self.alloc not in ("concentrated", "diffuse"):
+            raise ValueError(f"policy {self.name}: an oracle allocation needs a rule that reads attention")
 
     # -- what the middle is ------------------------------------------------------------------
     @property
@@ -105,6 +168,21 @@ class Policy:
     def evicts(self) -> bool:
         return self.middle == "drop"
 
+    @property
+    def mixed(self) -> bool:
+        """Per-head precision: some (layer, KV head) pairs store the middle with ``low``'s bits."""
+        return self.low is not None
+
+    @property
+    def observes(self) -> bool:
+        """The prefill's attention decides something (the sink or the allocation)."""
+        return self.sink_select == "mass" or (self.mixed and self.alloc_from == "prefill"
+                                              and self.alloc in ("concentrated", "diffuse"))
+
+    def low_count(self, pairs: int) -> int:
+        """How many of ``pairs`` (layer, KV head) pairs get the low bits (Python's round, half to even)."""
+        return round(self.low_share * pairs) if self.mixed else 0
+
     def quantizers(self) -> tuple[Quantizer, Quantizer] | None:
         """(key quantizer, value quantizer) of the middle, or None when it is not quantized."""
         if not self.quantized:
@@ -112,12 +190,24 @@ class Policy:
         if self.middle in _MX_ELEMENT:
             q = MX(_MX_ELEMENT[self.middle], 32)
             return q, q
-        bits = int(self.middle[3:])
+        return self._int_quantizers(int(self.middle[3:]))
+
+    def low_quantizers(self) -> tuple[Quantizer, Quantizer] | None:
+        """(key quantizer, value quantizer) of a mixed policy's low-precision heads, else None."""
+        return self._int_quantizers(int(self.low[3:])) if self.mixed else None
+
+    def _int_quantizers(self, bits: int) -> tuple[Quantizer, Quantizer]:
         kg = self.group if self.key_axis == "channel" else self.feature_group
         return IntGrouped(bits, kg, self.key_axis), IntGrouped(bits, self.feature_group, "token")
 
     def config(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; a uniform policy's without the mixed ones (``low``, ``low_share``,
+        ``alloc``, ``alloc_from``), so its rows read as they did before mixed policies existed."""
+        out = asdict(self)
+        if not self.mixed:
+            for key in MIXED_FIELDS:
+                del out[key]
+        return out
 
     def with_(self, **changes) -> "Policy":
         return replace(self, **changes)
@@ -162,29 +252,36 @@ class Policy:
 
     # -- bytes -------------------------------------------------------------------------------
     def packed_bytes_per_token(self, heads: int, head_dim: int) -> float:
-        """Bytes of K + V per packed token of one layer (codes, scales, zero-points)."""
+        """Bytes of K + V per packed token of one layer (codes, scales, zero-points); of a mixed
+        policy, with every head at ``middle``'s bits."""
         if not self.quantized:
             return 0.0
-        d, g, f = head_dim, self.group, self.feature_group
-        if self.middle in _MX_ELEMENT:
-            bits = 8 if self.middle == "mxfp8" else 4
-            dp = -(-d // 32) * 32
-            per = dp * bits // 8 + dp // 32
-            return 2.0 * heads * per
-        bits = int(self.middle[3:])
-        v = -(-(-(-d // f) * f) * bits // 8) + 4 * (-(-d // f))
-        if self.key_axis == "channel":
-            k = -(-d * bits // 8) + 4 * d / g
-        else:
-            k = v
-        return heads * (k + v)
+        return scheme_bytes_per_token(self.middle, heads, head_dim, self.group, self.feature_group, self.key_axis)
 
     def layer_bytes(self, n: int, heads: int, head_dim: int) -> int:
-        """Exact bytes of one layer's cache (one sequence) after ``n`` tokens."""
+        """Exact bytes of one layer's cache (one sequence) after ``n`` tokens (not for a mixed
+        policy, whose layers differ: :meth:`cache_bytes`)."""
+        if self.mixed:
+            raise ValueError(f"policy {self.name}: a mixed policy's layer bytes depend on its allocation; use cache_bytes")
         spans = self.kept_spans(n)
         floats = sum(b - a for key, (a, b) in spans.items() if key != "packed")
         p = spans["packed"][1] - spans["packed"][0]
         return int(HEADER_BYTES + floats * 2 * heads * head_dim * 4 + round(p * self.packed_bytes_per_token(heads, head_dim)))
+
+    def cache_bytes(self, n: int, layers: int, heads: int, head_dim: int) -> int:
+        """Exact bytes of the whole cache (one sequence, ``layers`` layers) after ``n`` tokens; a
+        mixed policy's: ``low_count`` head middles at ``low``'s bits, the rest at ``middle``'s, one
+        byte of bits per (layer, KV head) pair."""
+        if not self.mixed:
+            return layers * self.layer_bytes(n, heads, head_dim)
+        spans = self.kept_spans(n)
+        floats = sum(b - a for key, (a, b) in spans.items() if key != "packed")
+        p = spans["packed"][1] - spans["packed"][0]
+        pairs = layers * heads
+        lo = self.low_count(pairs)
+        per = (lo * scheme_bytes_per_token(self.low, 1, head_dim, self.group, self.feature_group)
+               + (pairs - lo) * scheme_bytes_per_token(self.middle, 1, head_dim, self.group, self.feature_group))
+        return int(layers * (HEADER_BYTES + floats * 2 * heads * head_dim * 4) + round(p * per) + pairs)
 
 
 def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: int = 4) -> dict[str, Policy]:
@@ -211,6 +308,26 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
         Policy("window_only", "drop", 0, evict_window, group,
                description=f"the newest {evict_window} only: StreamingLLM without its sink (drop-sink, live)"),
     ]
+    # per-head precision at the bytes of a 3-bit KIVI layout (half the pairs int2, half int4) and of
+    # int4 (two thirds int2, one third int8); R and G as the uniform policies
+    budgets = {"mix24": ("int4", "int2", 0.5, "the bytes of a 3-bit layout: half of the (layer, KV head) pairs int2, "
+                         "half int4"),
+               "mix28": ("int8", "int2", 2 / 3, "the bytes of int4: two thirds of the (layer, KV head) pairs int2, "
+                         "one third int8")}
+    rules = {"concentrated": ("concentrated", "prefill", "int2 to the pairs whose prefill attention is most concentrated "
+                              "(lowest effective support), decided online"),
+             "diffuse": ("diffuse", "prefill", "int2 to the most diffuse pairs at the prefill (highest effective "
+                         "support), decided online"),
+             "late": ("late", "prefill", "int2 to the last layers (content-blind depth prior)"),
+             "random": ("random", "prefill", "int2 to a fixed pseudo-random set of pairs (content-blind control)"),
+             "oracle_concentrated": ("concentrated", "oracle", "ORACLE, impossible online: the concentrated rule from "
+                                     "the whole segment's float32 attention"),
+             "oracle_diffuse": ("diffuse", "oracle", "ORACLE, impossible online: the diffuse rule from the whole "
+                                "segment's float32 attention")}
+    for b, (high, low, share, what) in budgets.items():
+        for r, (alloc, source, how) in rules.items():
+            out.append(Policy(f"{b}_{r}", high, 0, window, group, low=low, low_share=share, alloc=alloc,
+                              alloc_from=source, description=f"{what}; {how}; R={window}, G={group}"))
     return {p.name: p for p in out}
 
 
