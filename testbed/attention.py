@@ -3,7 +3,10 @@
 ``softmax(q k^T / sqrt(D)) v`` per query head, with key/value heads shared by consecutive query
 heads (GQA). With ``causal=True`` query ``i`` sees keys ``0 .. query_positions[i]``. The work is
 done over chunks of queries so that no more than ``chunk * Tk`` scores per head are alive at
-once; a record with thousands of queries and keys stays within memory.
+once; a record with thousands of queries and keys stays within memory. `query_tiles` sizes the
+tiles of the analyses from a score budget (``max_scores``, default `DEFAULT_MAX_SCORES`) and
+`probability_tiles` yields the reference probabilities one tile of queries at a time, so that no
+analysis holds ``[H, Tq, Tk]``.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import torch
 
 from .case import Case
 
-__all__ = ["expand_kv", "visible_mask", "scores", "probabilities", "attention", "attention_case", "query_chunks"]
+__all__ = ["expand_kv", "visible_mask", "scores", "probabilities", "attention", "attention_case", "query_chunks",
+           "query_tiles", "probability_tiles", "DEFAULT_MAX_SCORES"]
 
 DEFAULT_CHUNK = 256
+DEFAULT_MAX_SCORES = 1 << 21  # float64 scores per tile (16 MiB); a tile's temporaries are a few times that
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -40,6 +45,21 @@ def query_chunks(tq: int, chunk: int | None) -> Iterator[slice]:
     step = tq if not chunk else max(1, int(chunk))
     for s in range(0, tq, step):
         yield slice(s, min(tq, s + step))
+
+
+def query_tiles(heads: int, queries: int, keys: int, max_scores: int = DEFAULT_MAX_SCORES) -> list[slice]:
+    """Slices of queries whose tiles ``[H, c, Tk]`` hold at most ``max_scores`` scores (at least one
+    query per tile, so never fewer than ``H * Tk``); one slice when the whole Case fits."""
+    step = max(1, int(max_scores) // max(1, heads * keys))
+    return list(query_chunks(queries, min(step, max(1, queries))))
+
+
+def probability_tiles(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool,
+                      tiles: list[slice], dtype=torch.float64) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(queries, P[H, c, Tk])``: the softmax probabilities of each tile of queries in turn; over
+    one tile covering every query it is :func:`probabilities` itself, operation for operation."""
+    for sl in tiles:
+        yield sl, torch.softmax(scores(q[:, sl], k, query_positions[sl], causal, dtype), dim=-1)
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool, dtype=torch.float64) -> torch.Tensor:
