@@ -17,12 +17,12 @@ from typing import Iterator
 import torch
 
 from .case import Case
+from .resources import DEFAULT_MAX_SCORES
 
 __all__ = ["expand_kv", "visible_mask", "scores", "probabilities", "attention", "attention_case", "query_chunks",
            "query_tiles", "probability_tiles", "DEFAULT_MAX_SCORES"]
 
 DEFAULT_CHUNK = 256
-DEFAULT_MAX_SCORES = 1 << 21  # float64 scores per tile (16 MiB); a tile's temporaries are a few times that
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -58,18 +58,23 @@ def probability_tiles(q: torch.Tensor, k: torch.Tensor, query_positions: torch.T
                       tiles: list[slice], dtype=torch.float64) -> Iterator[tuple[slice, torch.Tensor]]:
     """``(queries, P[H, c, Tk])``: the softmax probabilities of each tile of queries in turn; over
     one tile covering every query it is :func:`probabilities` itself, operation for operation."""
+    ke = expand_kv(k, q.shape[0]).to(dtype)  # once, not per tile
     for sl in tiles:
-        yield sl, torch.softmax(scores(q[:, sl], k, query_positions[sl], causal, dtype), dim=-1)
+        yield sl, torch.softmax(_scores(q[:, sl], ke, query_positions[sl], causal, dtype), dim=-1)
+
+
+def _scores(q: torch.Tensor, ke: torch.Tensor, query_positions: torch.Tensor, causal: bool, dtype) -> torch.Tensor:
+    """Masked logits of ``q`` against keys already expanded to its heads and cast (``ke [H, Tk, D]``)."""
+    s = torch.matmul(q.to(dtype), ke.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = visible_mask(query_positions.to(q.device), ke.shape[1], causal)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool, dtype=torch.float64) -> torch.Tensor:
     """Masked logits ``[H, Tq, Tk]`` (masked entries are -inf)."""
-    ke = expand_kv(k, q.shape[0]).to(dtype)
-    s = torch.matmul(q.to(dtype), ke.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = visible_mask(query_positions.to(q.device), k.shape[1], causal)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return s
+    return _scores(q, expand_kv(k, q.shape[0]).to(dtype), query_positions, causal, dtype)
 
 
 def probabilities(q, k, query_positions, causal, dtype=torch.float64) -> torch.Tensor:
@@ -81,9 +86,10 @@ def attention(q, k, v, query_positions, causal, *, dtype=torch.float64, chunk: i
     """Attention output ``[H, Tq, D]`` in ``dtype``, computed over chunks of queries."""
     heads = q.shape[0]
     ve = expand_kv(v, heads).to(dtype)
+    ke = expand_kv(k, heads).to(dtype)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     for sl in query_chunks(q.shape[1], chunk):
-        p = torch.softmax(scores(q[:, sl], k, query_positions[sl], causal, dtype), dim=-1)
+        p = torch.softmax(_scores(q[:, sl], ke, query_positions[sl], causal, dtype), dim=-1)
         out[:, sl] = torch.matmul(p, ve)
     return out
 

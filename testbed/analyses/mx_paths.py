@@ -150,54 +150,57 @@ def _saturation(mx: MX, parts) -> float:
 
 
 class _Rows:
-    """Per-row statistics of one path, gathered tile by tile (each ``[H, c]``, joined along the
-    queries), and the attention-output error accumulated over the tiles (`OutputError`)."""
+    """Per-row statistics of one path written tile by tile into ``[H, Tq]`` tensors allocated once
+    (no per-tile survivors between the tiles' large temporaries), and the attention-output error
+    accumulated over the tiles (`OutputError`)."""
 
-    def __init__(self):
-        self.tv, self.strict, self.tie, self.zero, self.row_sum = [], [], [], [], []
+    def __init__(self, heads: int, queries: int, zeros: bool):
+        def empty(dtype=torch.float64):
+            return torch.empty(heads, queries, dtype=dtype)
+        self.tv, self.strict, self.tie = empty(), empty(torch.bool), empty(torch.bool)
+        self.zero, self.row_sum = (empty(), empty()) if zeros else (None, None)
         self.out = OutputError()
         self.hit = self.blocks = 0
 
-    def add(self, p_hat, p_ref, v64, zeros: bool):
-        self.tv.append(total_variation(p_hat, p_ref))
-        strict, tie = _argmax_agree(p_hat, p_ref)
-        self.strict.append(strict)
-        self.tie.append(tie)
-        if zeros:
-            self.zero.append(numerical_zero_rate(p_hat, p_ref))
-            self.row_sum.append(p_hat.sum(dim=-1))
+    def add(self, sl: slice, p_hat, p_ref, v64):
+        self.tv[:, sl] = total_variation(p_hat, p_ref)
+        self.strict[:, sl], self.tie[:, sl] = _argmax_agree(p_hat, p_ref)
+        if self.zero is not None:
+            self.zero[:, sl] = numerical_zero_rate(p_hat, p_ref)
+            self.row_sum[:, sl] = p_hat.sum(dim=-1)
         self.out.add(p_hat @ v64, p_ref @ v64)
 
     def stats(self, saturated: float) -> dict:
-        def cat(parts):
-            return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        zero = cat(self.zero) if self.zero else None
-        row_sum = cat(self.row_sum) if self.row_sum else None
-        return {**_stats(cat(self.tv), (cat(self.strict), cat(self.tie)), zero, row_sum, saturated),
+        return {**_stats(self.tv, (self.strict, self.tie), self.zero, self.row_sum, saturated),
                 "rel_l2": self.out.rel_l2}
 
 
-def _packed_rows(parts: list, shape: tuple) -> Packed:
-    """One `Packed` of the whole ``[H, Tq, Tk]`` from the packed tiles of queries: codes and scales
-    joined along the query axis (the blocks run along the keys, so a tile never splits one), and
-    the header of the whole; a single tile is returned as it is."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    tensors = {}
-    for name in ("codes", "scales"):
-        t = first.tensors[name]
-        full = torch.empty((*t.shape[:-2], shape[-2], t.shape[-1]), dtype=t.dtype, device=t.device)
-        at = 0
-        for part in parts:
-            x = part.tensors[name]
-            full[..., at:at + x.shape[-2], :] = x
-            at += x.shape[-2]
-        tensors[name] = full
-    tensors["header"] = make_header(shape[-2], shape[-1], first.tensors["header"].device)
-    if set(tensors) != set(first.tensors):
-        raise ValueError(f"P payload arrays {sorted(first.tensors)} are not codes, scales and header")
-    return Packed(first.scheme, tuple(shape), first.dtype, tensors, first.config)
+class _PackedRows:
+    """One `Packed` of the whole ``[H, Tq, Tk]`` built from the packed tiles of queries in turn:
+    codes and scales copied into place along the query axis (the blocks run along the keys, so a
+    tile never splits one) and the header of the whole; a single tile is kept as it is."""
+
+    def __init__(self, shape: tuple, tiles: int):
+        self.shape, self.tiles = tuple(shape), tiles
+        self.packed: Packed | None = None
+        self.at = 0
+
+    def add(self, part: Packed) -> None:
+        if self.tiles == 1:
+            self.packed = part
+            return
+        if self.packed is None:
+            if set(part.tensors) != {"codes", "scales", "header"}:
+                raise ValueError(f"P payload arrays {sorted(part.tensors)} are not codes, scales and header")
+            tensors = {name: torch.empty((*part.tensors[name].shape[:-2], self.shape[-2], part.tensors[name].shape[-1]),
+                                         dtype=part.tensors[name].dtype, device=part.tensors[name].device)
+                       for name in ("codes", "scales")}
+            tensors["header"] = make_header(self.shape[-2], self.shape[-1], part.tensors["header"].device)
+            self.packed = Packed(part.scheme, self.shape, part.dtype, tensors, part.config)
+        rows = part.tensors["codes"].shape[-2]
+        for name in ("codes", "scales"):
+            self.packed.tensors[name][..., self.at:self.at + rows, :] = part.tensors[name]
+        self.at += rows
 
 
 def evaluate(case, params, ctx) -> list[dict]:
@@ -222,10 +225,10 @@ def evaluate(case, params, ctx) -> list[dict]:
         pk = mx.quantize(case.k, name=f"{case.id}.k")
         q_hat = mx.decode_rotated(pq)
         k_hat = mx.decode_rotated(pk)
-        acc = _Rows()
-        for (_, p_ref), (_, p_hat) in zip(reference(), probability_tiles(q_hat, k_hat, case.query_positions,
-                                                                          case.causal, tiles)):
-            acc.add(p_hat, p_ref, v64, zeros=False)
+        acc = _Rows(case.heads, tq, zeros=False)
+        for (sl, p_ref), (_, p_hat) in zip(reference(), probability_tiles(q_hat, k_hat, case.query_positions,
+                                                                           case.causal, tiles)):
+            acc.add(sl, p_hat, p_ref, v64)
         tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
         arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
                   "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
@@ -240,16 +243,15 @@ def evaluate(case, params, ctx) -> list[dict]:
 
     p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
     for rule, mx in p_quantizers.items():
-        acc, parts = _Rows(), []
-        for _, p_ref in reference():
+        acc, whole = _Rows(case.heads, tq, zeros=True), _PackedRows((case.heads, tq, tk), len(tiles))
+        for sl, p_ref in reference():
             p32 = p_ref.to(torch.float32)
             pp = mx.quantize(p32, name=f"{case.id}.p")
             hit, blocks = _saturated(mx, [(p32, pp)])
             acc.hit, acc.blocks = acc.hit + hit, acc.blocks + blocks
-            acc.add(mx.dequantize(pp).to(torch.float64), p_ref, v64, zeros=True)
-            parts.append(pp)
-        pp = _packed_rows(parts, (case.heads, tq, tk))
-        del parts
+            acc.add(sl, mx.dequantize(pp).to(torch.float64), p_ref, v64)
+            whole.add(pp)
+        pp = whole.packed
         tag = "p" + ("" if rule == "floor" else f"_{rule}")
         rows.append({**base, "scheme": mx.name, "rotation": "none", "scale_rule": rule, "path": "p",
                      **acc.stats(acc.hit / acc.blocks),

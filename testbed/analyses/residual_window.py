@@ -127,13 +127,13 @@ def _protected_span(packer: ResidualWindow | None, n: int) -> list[tuple[int, in
 
 def _span_masses(case, spans: list[tuple[int, int]], tiles: list[slice]) -> dict[tuple[int, int], float]:
     """{(start, stop): the reference attention mass on keys [start, stop), mean over (head, query)
-    rows}, from the probabilities of one tile of queries at a time (per-row masses joined across
-    the tiles, then averaged: over one tile, the untiled mean bit for bit)."""
-    per_row: dict[tuple[int, int], list[torch.Tensor]] = {sp: [] for sp in spans}
-    for _, p in probability_tiles(case.q, case.k, case.query_positions, case.causal, tiles):
+    rows}, from the probabilities of one tile of queries at a time (per-row masses written into
+    ``[H, Tq]`` tensors, then averaged: over one tile, the untiled mean bit for bit)."""
+    per_row = {sp: torch.empty(case.heads, case.q.shape[1], dtype=torch.float64) for sp in spans}
+    for sl, p in probability_tiles(case.q, case.k, case.query_positions, case.causal, tiles):
         for a, b in spans:
-            per_row[(a, b)].append(p[..., a:b].sum(-1))
-    return {sp: float((torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).mean()) for sp, parts in per_row.items()}
+            per_row[(a, b)][:, sl] = p[..., a:b].sum(-1)
+    return {sp: float(rows.mean()) for sp, rows in per_row.items()}
 
 
 def evaluate(case, params, ctx) -> list[dict]:
