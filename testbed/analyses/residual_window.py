@@ -8,7 +8,9 @@ original K/V (relative L2, cosine, max-abs); the reference attention mass on the
 tokens explains the result (it is an oracle quantity, not something a cache gets for free).
 Probabilities and attention passes go over tiles of queries holding about ``max_scores`` float64
 scores (`testbed.attention.query_tiles`), never ``[H, Tq, Tk]``; the outputs ``[H, Tq, D]`` are kept
-whole. A Case that fits one tile (every default protocol's) gives the untiled numbers bit for bit.
+whole. A Case that fits one tile (every default protocol's) gives the untiled numbers bit for bit;
+other tilings agree to rounding, except that the float32 arm, whose own float32 rounding is the
+measurement, moves within float32 rounding when its passes take fewer queries at once.
 Follows the synthetic residual-window study (docs/studies.md) and KIVI's residual design.
 """
 
