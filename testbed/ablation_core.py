@@ -49,13 +49,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import DEFAULT_MAX_SCORES
 from .metrics import history_span, score_tiles
 
 __all__ = ["Full", "DropRegion", "DropHistory", "KeepCurrentOnly", "Control", "MassControl", "make_ablation",
            "ABLATION_NAMES", "control_block", "mass_control_order", "select_mass_matched", "mass_control", "MassResult",
            "kept_mask", "ablate", "ArmResult", "DEFAULT_MAX_SCORES", "MASS_TOLERANCE", "MASS_ATTEMPTS"]
 
-DEFAULT_MAX_SCORES = 1 << 21  # float64 scores per tile (16 MiB); a tile's temporaries are a few times that
 MASS_TOLERANCE = 0.01  # a mass-matched control's reference mass is within this relative distance of tau
 MASS_ATTEMPTS = 16     # seeded key orders a row tries, in turn, until one matches
 ABLATION_NAMES = ("none", "drop_sink", "control_sink", "mass_control_sink", "drop_recent", "control_recent",

@@ -3,7 +3,10 @@
 ``softmax(q k^T / sqrt(D)) v`` per query head, with key/value heads shared by consecutive query
 heads (GQA). With ``causal=True`` query ``i`` sees keys ``0 .. query_positions[i]``. The work is
 done over chunks of queries so that no more than ``chunk * Tk`` scores per head are alive at
-once; a record with thousands of queries and keys stays within memory.
+once; a record with thousands of queries and keys stays within memory. `query_tiles` sizes the
+tiles of the analyses from a score budget (``max_scores``, default `DEFAULT_MAX_SCORES`) and
+`probability_tiles` yields the reference probabilities one tile of queries at a time, so that no
+analysis holds ``[H, Tq, Tk]``.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Iterator
 import torch
 
 from .case import Case
+from .resources import DEFAULT_MAX_SCORES
 
-__all__ = ["expand_kv", "visible_mask", "scores", "probabilities", "attention", "attention_case", "query_chunks"]
+__all__ = ["expand_kv", "visible_mask", "scores", "probabilities", "attention", "attention_case", "query_chunks",
+           "query_tiles", "probability_tiles", "DEFAULT_MAX_SCORES"]
 
 DEFAULT_CHUNK = 256
 
@@ -42,14 +47,34 @@ def query_chunks(tq: int, chunk: int | None) -> Iterator[slice]:
         yield slice(s, min(tq, s + step))
 
 
-def scores(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool, dtype=torch.float64) -> torch.Tensor:
-    """Masked logits ``[H, Tq, Tk]`` (masked entries are -inf)."""
-    ke = expand_kv(k, q.shape[0]).to(dtype)
+def query_tiles(heads: int, queries: int, keys: int, max_scores: int = DEFAULT_MAX_SCORES) -> list[slice]:
+    """Slices of queries whose tiles ``[H, c, Tk]`` hold at most ``max_scores`` scores (at least one
+    query per tile, so never fewer than ``H * Tk``); one slice when the whole Case fits."""
+    step = max(1, int(max_scores) // max(1, heads * keys))
+    return list(query_chunks(queries, min(step, max(1, queries))))
+
+
+def probability_tiles(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool,
+                      tiles: list[slice], dtype=torch.float64) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(queries, P[H, c, Tk])``: the softmax probabilities of each tile of queries in turn; over
+    one tile covering every query it is :func:`probabilities` itself, operation for operation."""
+    ke = expand_kv(k, q.shape[0]).to(dtype)  # once, not per tile
+    for sl in tiles:
+        yield sl, torch.softmax(_scores(q[:, sl], ke, query_positions[sl], causal, dtype), dim=-1)
+
+
+def _scores(q: torch.Tensor, ke: torch.Tensor, query_positions: torch.Tensor, causal: bool, dtype) -> torch.Tensor:
+    """Masked logits of ``q`` against keys already expanded to its heads and cast (``ke [H, Tk, D]``)."""
     s = torch.matmul(q.to(dtype), ke.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = visible_mask(query_positions.to(q.device), k.shape[1], causal)
+    mask = visible_mask(query_positions.to(q.device), ke.shape[1], causal)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     return s
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, causal: bool, dtype=torch.float64) -> torch.Tensor:
+    """Masked logits ``[H, Tq, Tk]`` (masked entries are -inf)."""
+    return _scores(q, expand_kv(k, q.shape[0]).to(dtype), query_positions, causal, dtype)
 
 
 def probabilities(q, k, query_positions, causal, dtype=torch.float64) -> torch.Tensor:
@@ -61,9 +86,10 @@ def attention(q, k, v, query_positions, causal, *, dtype=torch.float64, chunk: i
     """Attention output ``[H, Tq, D]`` in ``dtype``, computed over chunks of queries."""
     heads = q.shape[0]
     ve = expand_kv(v, heads).to(dtype)
+    ke = expand_kv(k, heads).to(dtype)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     for sl in query_chunks(q.shape[1], chunk):
-        p = torch.softmax(scores(q[:, sl], k, query_positions[sl], causal, dtype), dim=-1)
+        p = torch.softmax(_scores(q[:, sl], ke, query_positions[sl], causal, dtype), dim=-1)
         out[:, sl] = torch.matmul(p, ve)
     return out
 

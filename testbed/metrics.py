@@ -22,7 +22,8 @@ import random as _random
 
 import torch
 
-__all__ = ["rel_l2", "cosine", "max_abs", "total_variation", "argmax_agreement", "region_mass", "numerical_zero_rate"]
+__all__ = ["rel_l2", "cosine", "max_abs", "OutputError", "total_variation", "argmax_agreement", "region_mass",
+           "numerical_zero_rate"]
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,49 @@ def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def max_abs(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((_f64(x) - _f64(ref)).abs().max())
+
+
+class OutputError:
+    """`rel_l2`, `cosine` and `max_abs` of an output against its reference, accumulated over tiles
+    of rows (``add`` each tile's pair in turn): the norms combine as ``hypot`` of the tiles' norms
+    (a sum of squares without overflow) and the dot product as a sum, so that one tile gives the
+    whole-tensor functions' values bit for bit and any tiling the same values to rounding."""
+
+    def __init__(self):
+        self._num: list[float] = []
+        self._den: list[float] = []
+        self._nx: list[float] = []
+        self._dot = 0.0
+        self._max = 0.0
+        self._equal = True
+
+    def add(self, x: torch.Tensor, ref: torch.Tensor) -> None:
+        x, ref = _f64(x), _f64(ref)
+        self._num.append(float(torch.linalg.vector_norm(x - ref)))
+        self._den.append(float(torch.linalg.vector_norm(ref)))
+        self._nx.append(float(torch.linalg.vector_norm(x)))
+        self._dot += float(torch.dot(x.flatten(), ref.flatten()))
+        m = float((x - ref).abs().max())
+        self._max = m if (m != m or m > self._max) else self._max  # a NaN stays, as in max_abs
+        self._equal = self._equal and torch.equal(x, ref)
+
+    @property
+    def rel_l2(self) -> float:
+        num, den = _math.hypot(*self._num), _math.hypot(*self._den)
+        if den == 0:
+            return 0.0 if num == 0 else float("inf")
+        return num / den
+
+    @property
+    def cosine(self) -> float:
+        den = _math.hypot(*self._nx) * _math.hypot(*self._den)
+        if den == 0:
+            return 1.0 if self._equal else 0.0
+        return self._dot / den
+
+    @property
+    def max_abs(self) -> float:
+        return self._max
 
 
 def total_variation(p: torch.Tensor, p_ref: torch.Tensor) -> torch.Tensor:

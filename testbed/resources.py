@@ -19,26 +19,41 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["ResourceError", "attention_chain_bytes", "available_bytes", "check_memory",
-           "format_bytes", "synthetic_estimate_bytes"]
+           "format_bytes", "synthetic_estimate_bytes", "tile_scores", "DEFAULT_MAX_SCORES"]
 
 
 OVERHEAD = 256 << 20
+DEFAULT_MAX_SCORES = 1 << 21  # float64 scores per tile of the analyses (16 MiB); a tile's temporaries are a few times that
 
 
 class ResourceError(ValueError):
     """A protocol whose largest Case cannot fit in the memory available now."""
 
 
-def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int) -> int:
+def tile_scores(heads: int, queries: int, keys: int, max_scores: int = DEFAULT_MAX_SCORES) -> int:
+    """Scores in the largest tile of queries ``[H, c, Tk]`` the analyses work over
+    (`testbed.attention.query_tiles`): ``c`` queries as ``max_scores`` allows, at least one."""
+    per_query = max(1, heads * keys)
+    return per_query * min(queries, max(1, int(max_scores) // per_query))
+
+
+def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,
+                          max_scores: int = DEFAULT_MAX_SCORES) -> int:
     """Peak bytes of one Case ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` through the analysis chain.
 
+    The analyses work over tiles of queries of about ``max_scores`` float64 scores (observation,
+    ablation, mx_paths, residual_window: each analysis's ``max_scores``; the estimate assumes the
+    default, `DEFAULT_MAX_SCORES`, since a source's estimate does not see the analyses' parameters).
     Counted, as an upper bound (each coefficient is above the peak resident memory measured for
-    the residual-window analysis on this term alone, tests/test_resource_guard.py):
+    the residual-window analysis on this term alone, tests/test_resource_guard.py, and for
+    mx_paths and residual_window tiled, tests/test_tiles.py):
 
     - the Case itself in float32 (q, k, v) and its int64 query positions;
-    - 4 float64 score / probability matrices ``[H, Tq, Tk]``: the full reference probabilities
-      kept by the analyses, their logits while they are computed, and the logits and softmax of
-      one chunk of queries of an attention pass (about 3.3 copies measured);
+    - 6 float64 score / probability tiles ``[H, c, Tk]`` (`tile_scores`): a reference tile and a
+      quantized one, their logits while they are computed, and the differences a row statistic
+      takes (``[H, Tq, Tk]`` itself when the Case fits one tile);
+    - 3 bytes per score of ``[H, Tq, Tk]``: mx_paths' stored P payload (one byte per code, its
+      scales, and the serialized copy the array store writes);
     - 3 float64 copies of K or V expanded to H heads (the reference attention; about 2.3 measured);
     - 16 float32 copies of K or V at H_kv heads: dequantized K and V, the quantizers' group-padded
       working copies and their temporaries (about 14 measured);
@@ -53,7 +68,7 @@ def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, he
     q = heads * queries * head_dim
     kv = kv_heads * keys * head_dim
     case = (q + 2 * kv) * f32 + queries * 8
-    probs = 4 * heads * queries * keys * f64
+    probs = 6 * tile_scores(heads, queries, keys, max_scores) * f64 + 3 * heads * queries * keys
     kv_work = 3 * heads * keys * head_dim * f64 + 16 * kv * f32
     outputs = 3 * q * f64
     return int(case + probs + kv_work + outputs + OVERHEAD)

@@ -25,6 +25,12 @@ equal, it did not prefer another key), and for the P path the numerical-zero rat
 ``p > 0`` in the reference that decode to exactly 0) and the row sum of ``P̂``. Per Case: the
 attention-output relative L2 ``||Ô - O|| / ||O||``. A row of results.json is one (case, path,
 rotation, scale rule); its per-row values are kept so that the report can pool rows over cases.
+Everything is computed over tiles of queries holding about ``max_scores`` float64 scores
+(`testbed.attention.query_tiles`), never ``[H, Tq, Tk]``: per-row values are joined across tiles,
+the output error accumulates (`testbed.metrics.OutputError`), and the P path's 32-key blocks lie
+within one query row, so a tile never splits one; the stored P payload (1 byte per score for 8-bit
+elements) is the one whole-case array. A Case that fits one tile (every default protocol's) gives
+the untiled numbers bit for bit.
 Follows the Q/K and P-path measurements of the video KV-cache attention study (docs/studies.md:
 median Q/K TV 1.52 %, argmax agreement 94.33 %, P-path numerical-zero rate median 0 and mean 2.45 %,
 P̂ row-sum median 0.999392) and OCP MX v1.0 (see ``testbed.quant.mx``).
@@ -36,10 +42,11 @@ import numpy as np
 import torch
 from tabulate import tabulate
 
-from ..attention import expand_kv, probabilities
+from ..attention import DEFAULT_MAX_SCORES, expand_kv, probability_tiles, query_tiles
 from ..context import case_fields
-from ..metrics import numerical_zero_rate, rel_l2, total_variation
+from ..metrics import OutputError, numerical_zero_rate, total_variation
 from ..schema import Key, ProtocolError, Spec
+from ..quant.base import Packed, make_header
 from ..quant.mx import ELEMENTS, MX, SCALE_RULES, saturated_blocks
 
 __all__ = ["validate", "evaluate", "report", "ROTATION_NAMES", "SPEC"]
@@ -62,6 +69,8 @@ SPEC = Spec("analysis: mx_paths", "MX quantization on the Q/K path (with and wit
     "p_path": Key(bool, "also quantize the probabilities (the P path)", True),
     "scale_rules": Key(("list", ("choice", SCALE_RULES), 1), "E8M0 block-scale rules, each a variant of every path "
                        "(floor: OCP MX v1.0; rceil: the smallest scale that needs no clamping)", ["floor"]),
+    "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile of queries (memory bound; a tile holds "
+                      "at least one query of every head)", DEFAULT_MAX_SCORES),
 })
 
 
@@ -123,22 +132,87 @@ def _argmax_agree(p_hat: torch.Tensor, p_ref: torch.Tensor) -> tuple[torch.Tenso
     return strict, tie
 
 
-def _saturation(mx: MX, parts) -> float:
-    """Share of the quantized blocks of ``parts`` ((input, packed) pairs, input as quantized:
-    rotated when the scheme rotates) in which some element was clamped to the element maximum."""
+def _saturated(mx: MX, parts) -> tuple[int, int]:
+    """(clamped, total) quantized blocks of ``parts`` ((input, packed) pairs, input as quantized:
+    rotated when the scheme rotates): blocks in which some element was clamped to the element maximum."""
     hit = total = 0
     for x, packed in parts:
         sat = saturated_blocks(x, packed.tensors["scales"], mx.fmt, mx.block_size)
         hit += int(sat.sum())
         total += sat.numel()
+    return hit, total
+
+
+def _saturation(mx: MX, parts) -> float:
+    """Share of the quantized blocks of ``parts`` in which some element was clamped (`_saturated`)."""
+    hit, total = _saturated(mx, parts)
     return hit / total
+
+
+class _Rows:
+    """Per-row statistics of one path written tile by tile into ``[H, Tq]`` tensors allocated once
+    (no per-tile survivors between the tiles' large temporaries), and the attention-output error
+    accumulated over the tiles (`OutputError`)."""
+
+    def __init__(self, heads: int, queries: int, zeros: bool):
+        def empty(dtype=torch.float64):
+            return torch.empty(heads, queries, dtype=dtype)
+        self.tv, self.strict, self.tie = empty(), empty(torch.bool), empty(torch.bool)
+        self.zero, self.row_sum = (empty(), empty()) if zeros else (None, None)
+        self.out = OutputError()
+        self.hit = self.blocks = 0
+
+    def add(self, sl: slice, p_hat, p_ref, v64):
+        self.tv[:, sl] = total_variation(p_hat, p_ref)
+        self.strict[:, sl], self.tie[:, sl] = _argmax_agree(p_hat, p_ref)
+        if self.zero is not None:
+            self.zero[:, sl] = numerical_zero_rate(p_hat, p_ref)
+            self.row_sum[:, sl] = p_hat.sum(dim=-1)
+        self.out.add(p_hat @ v64, p_ref @ v64)
+
+    def stats(self, saturated: float) -> dict:
+        return {**_stats(self.tv, (self.strict, self.tie), self.zero, self.row_sum, saturated),
+                "rel_l2": self.out.rel_l2}
+
+
+class _PackedRows:
+    """One `Packed` of the whole ``[H, Tq, Tk]`` built from the packed tiles of queries in turn:
+    codes and scales copied into place along the query axis (the blocks run along the keys, so a
+    tile never splits one) and the header of the whole; a single tile is kept as it is."""
+
+    def __init__(self, shape: tuple, tiles: int):
+        self.shape, self.tiles = tuple(shape), tiles
+        self.packed: Packed | None = None
+        self.at = 0
+
+    def add(self, part: Packed) -> None:
+        if self.tiles == 1:
+            self.packed = part
+            return
+        if self.packed is None:
+            if set(part.tensors) != {"codes", "scales", "header"}:
+                raise ValueError(f"P payload arrays {sorted(part.tensors)} are not codes, scales and header")
+            tensors = {name: torch.empty((*part.tensors[name].shape[:-2], self.shape[-2], part.tensors[name].shape[-1]),
+                                         dtype=part.tensors[name].dtype, device=part.tensors[name].device)
+                       for name in ("codes", "scales")}
+            tensors["header"] = make_header(self.shape[-2], self.shape[-1], part.tensors["header"].device)
+            self.packed = Packed(part.scheme, self.shape, part.dtype, tensors, part.config)
+        rows = part.tensors["codes"].shape[-2]
+        for name in ("codes", "scales"):
+            self.packed.tensors[name][..., self.at:self.at + rows, :] = part.tensors[name]
+        self.at += rows
 
 
 def evaluate(case, params, ctx) -> list[dict]:
     element, block = params["element"], params["block_size"]
-    p_ref = probabilities(case.q, case.k, case.query_positions, case.causal)        # float64 [H, Tq, Tk]
+    tq, tk = case.q.shape[1], case.keys
+    tiles = query_tiles(case.heads, tq, tk, params["max_scores"])
+
+    def reference():
+        """The float64 reference probabilities, one tile of queries at a time."""
+        return probability_tiles(case.q, case.k, case.query_positions, case.causal, tiles)
+
     v64 = expand_kv(case.v, case.heads).to(torch.float64)
-    o_ref = p_ref @ v64
     prefix = f"{ctx.study}/{case.id}"
     float32_qk = 4 * (case.q.numel() + case.k.numel())
     rows = []
@@ -151,8 +225,10 @@ def evaluate(case, params, ctx) -> list[dict]:
         pk = mx.quantize(case.k, name=f"{case.id}.k")
         q_hat = mx.decode_rotated(pq)
         k_hat = mx.decode_rotated(pk)
-        p_hat = probabilities(q_hat, k_hat, case.query_positions, case.causal)
-        o_hat = p_hat @ v64
+        acc = _Rows(case.heads, tq, zeros=False)
+        for (sl, p_ref), (_, p_hat) in zip(reference(), probability_tiles(q_hat, k_hat, case.query_positions,
+                                                                           case.causal, tiles)):
+            acc.add(sl, p_hat, p_ref, v64)
         tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
         arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
                   "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
@@ -161,26 +237,31 @@ def evaluate(case, params, ctx) -> list[dict]:
             arrays["signs"] = ctx.store.save(f"{prefix}/{tag}/signs", rotation.signs)
         sat = _saturation(mx, [(mx._rotated(case.q), pq), (mx._rotated(case.k), pk)])
         rows.append({**base, "scheme": mx.name, "rotation": rot, "scale_rule": rule, "path": "qk",
-                     **_stats(total_variation(p_hat, p_ref), _argmax_agree(p_hat, p_ref), None, None, sat),
-                     "rel_l2": rel_l2(o_hat, o_ref),
+                     **acc.stats(sat),
                      "payload_bytes": pq.nbytes + pk.nbytes, "float32_bytes": float32_qk,
                      "quant": mx.config(), "arrays": arrays})
 
     p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
     for rule, mx in p_quantizers.items():
-        p32 = p_ref.to(torch.float32)
-        pp = mx.quantize(p32, name=f"{case.id}.p")
-        p_hat = mx.dequantize(pp).to(torch.float64)
-        o_hat = p_hat @ v64
+        acc, whole = _Rows(case.heads, tq, zeros=True), _PackedRows((case.heads, tq, tk), len(tiles))
+        for sl, p_ref in reference():
+            p32 = p_ref.to(torch.float32)
+            pp = mx.quantize(p32, name=f"{case.id}.p")
+            hit, blocks = _saturated(mx, [(p32, pp)])
+            acc.hit, acc.blocks = acc.hit + hit, acc.blocks + blocks
+            acc.add(sl, mx.dequantize(pp).to(torch.float64), p_ref, v64)
+            whole.add(pp)
+        pp = whole.packed
         tag = "p" + ("" if rule == "floor" else f"_{rule}")
         rows.append({**base, "scheme": mx.name, "rotation": "none", "scale_rule": rule, "path": "p",
-                     **_stats(total_variation(p_hat, p_ref), _argmax_agree(p_hat, p_ref),
-                              numerical_zero_rate(p_hat, p_ref), p_hat.sum(dim=-1), _saturation(mx, [(p32, pp)])),
-                     "rel_l2": rel_l2(o_hat, o_ref),
-                     "payload_bytes": pp.nbytes, "float32_bytes": 4 * p_ref.numel(),
+                     **acc.stats(acc.hit / acc.blocks),
+                     "payload_bytes": pp.nbytes, "float32_bytes": 4 * case.heads * tq * tk,
                      "quant": mx.config(), "arrays": {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", pp)}})
 
-    # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023)
+    # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023).
+    # quantize_p / decode_p time the first tile of queries' probabilities: the whole P when the Case
+    # fits one tile (every default protocol's), else one tile's worth of P, as the analysis quantizes it.
+    p32_first = next(reference())[1].to(torch.float32) if p_quantizers and ctx.timing_repeats else None
     for repeat in range(ctx.timing_repeats):
         for (rot, rule), mx in ctx.shuffled(list(quantizers.items())):
             tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
@@ -188,8 +269,7 @@ def evaluate(case, params, ctx) -> list[dict]:
             ctx.timed(case.id, tag, "decode_k", repeat, lambda: mx.decode_rotated(packed))  # noqa: B023
         for rule, mxp in p_quantizers.items():
             tag = "p" + ("" if rule == "floor" else f"_{rule}")
-            p32 = p_ref.to(torch.float32)
-            packed = ctx.timed(case.id, tag, "quantize_p", repeat, lambda: mxp.quantize(p32))  # noqa: B023
+            packed = ctx.timed(case.id, tag, "quantize_p", repeat, lambda: mxp.quantize(p32_first))  # noqa: B023
             ctx.timed(case.id, tag, "decode_p", repeat, lambda: mxp.dequantize(packed))  # noqa: B023
     return rows
 

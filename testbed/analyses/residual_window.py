@@ -6,6 +6,11 @@ keeps the *first* ``early_window`` tokens float32 instead, and an unquantized fl
 attention output on the dequantized K/V is compared with the float64 reference attention on the
 original K/V (relative L2, cosine, max-abs); the reference attention mass on the protected
 tokens explains the result (it is an oracle quantity, not something a cache gets for free).
+Probabilities and attention passes go over tiles of queries holding about ``max_scores`` float64
+scores (`testbed.attention.query_tiles`), never ``[H, Tq, Tk]``; the outputs ``[H, Tq, D]`` are kept
+whole. A Case that fits one tile (every default protocol's) gives the untiled numbers bit for bit;
+other tilings agree to rounding, except that the float32 arm, whose own float32 rounding is the
+measurement, moves within float32 rounding when its passes take fewer queries at once.
 Follows the synthetic residual-window study (docs/studies.md) and KIVI's residual design.
 """
 
@@ -16,7 +21,7 @@ import json
 import torch
 from tabulate import tabulate
 
-from ..attention import attention_case, probabilities
+from ..attention import DEFAULT_CHUNK, DEFAULT_MAX_SCORES, attention_case, probability_tiles, query_tiles
 from ..context import case_fields
 from ..metrics import cosine, max_abs, rel_l2
 from ..schema import Key, ProtocolError, Spec
@@ -42,6 +47,8 @@ SPEC = Spec("analysis: residual_window", "Is the most recent window worth float3
     "float32_arm": Key(bool, "also run the unquantized float32 arm", True),
     "recent_mass_window": Key(("range", int, 1, 1 << 20), "tokens counted as recent for the reference-mass column",
                               16),
+    "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile of queries (memory bound; a tile holds "
+                      "at least one query of every head)", DEFAULT_MAX_SCORES),
 }, rules=("either bits and group_size (K per channel, V per token, as KIVI) or key and value quantizer configs, "
           "each spelled out in full",))
 
@@ -120,30 +127,51 @@ def _protected_span(packer: ResidualWindow | None, n: int) -> list[tuple[int, in
     return [(0, start), (stop, n)]
 
 
+def _span_masses(case, spans: list[tuple[int, int]], tiles: list[slice]) -> dict[tuple[int, int], float]:
+    """{(start, stop): the reference attention mass on keys [start, stop), mean over (head, query)
+    rows}, from the probabilities of one tile of queries at a time (per-row masses written into
+    ``[H, Tq]`` tensors, then averaged: over one tile, the untiled mean bit for bit)."""
+    per_row = {sp: torch.empty(case.heads, case.q.shape[1], dtype=torch.float64) for sp in spans}
+    for sl, p in probability_tiles(case.q, case.k, case.query_positions, case.causal, tiles):
+        for a, b in spans:
+            per_row[(a, b)][:, sl] = p[..., a:b].sum(-1)
+    return {sp: float(rows.mean()) for sp, rows in per_row.items()}
+
+
 def evaluate(case, params, ctx) -> list[dict]:
     n = case.keys
-    ref = attention_case(case)
-    probs = probabilities(case.q, case.k, case.query_positions, case.causal)
+    tiles = query_tiles(case.heads, case.q.shape[1], n, params["max_scores"])
+    chunk = min(DEFAULT_CHUNK, tiles[0].stop - tiles[0].start)  # attention passes within one tile's scores
+    ref = attention_case(case, chunk=chunk)
     baseline_bytes = 2 * case.k.numel() * 4
     focus = case.meta.get("focus_span")
-    focus_mass = float(probs[..., focus[0]:focus[1]].sum(-1).mean()) if focus else None
-    rows = []
     plan = arms(params)
+    spans = []
+    for _, packer in plan:
+        window = packer.recent if packer is not None else n
+        window = window if window > 0 else params["recent_mass_window"]
+        spans.append((n - min(window, n), n))
+        spans += [(a, b) for a, b in _protected_span(packer, n) if b > a]
+    if focus:
+        spans.append((focus[0], focus[1]))
+    masses = _span_masses(case, list(dict.fromkeys(spans)), tiles)
+    focus_mass = masses[(focus[0], focus[1])] if focus else None
+    rows = []
     for arm, packer in plan:
         if packer is None:
-            out = attention_case(case, dtype=torch.float32)
+            out = attention_case(case, dtype=torch.float32, chunk=chunk)
             payload, packed_paths, quant = baseline_bytes, {}, None
         else:
             packed = packer.pack(case.k, case.v)
             k_hat, v_hat = packer.unpack(packed)
-            out = attention_case(case, k_hat, v_hat)
+            out = attention_case(case, k_hat, v_hat, chunk=chunk)
             payload = packed.nbytes
             packed_paths = ctx.store.save_packed(f"{ctx.study}/{case.id}/{arm}", packed)
             quant = packer.config()
         r = packer.recent if packer is not None else n
         window = r if r > 0 else params["recent_mass_window"]
-        recent_mass = float(probs[..., n - min(window, n):].sum(-1).mean())
-        protected = sum(float(probs[..., a:b].sum(-1).mean()) for a, b in _protected_span(packer, n) if b > a)
+        recent_mass = masses[(n - min(window, n), n)]
+        protected = sum(masses[(a, b)] for a, b in _protected_span(packer, n) if b > a)
         rows.append({
             "study": ctx.study,
             "analysis": "residual_window",
