@@ -712,7 +712,8 @@ def _draw_equal_bytes(plt, d):
         ax.set_xlabel(f"Δ perplexity vs DynamicCache (%, {'log' if lo > 0 else 'symlog'} scale)")
         where = f" @ {p['context']} tokens" if p["context"] else ""
         ax.set_title(f"{p['budget']}_*{where}: {p['versus']['bytes_per_token']:,.0f} B/token, vs {p['versus']['arm']}")
-    handles = [Line2D([], [], color="black", lw=1.4, label="compared arm (int4 / mix24_random)")]
+    compared = " / ".join(dict.fromkeys(p["versus"]["arm"] for p in panels))
+    handles = [Line2D([], [], color="black", lw=1.4, label=f"compared arm ({compared})")]
     for u in dict.fromkeys(u["arm"] for p in panels for u in p["uniform"]):
         handles.append(Line2D([], [], color="0.45", lw=1.1, ls=styles.get(u, ":"), label=f"uniform {u}"))
     handles += [Line2D([], [], ls="", marker="o", ms=7, color="0.3", label="online rule"),
