@@ -144,6 +144,11 @@ def check_model(p: dict, dims: dict, where: str) -> None:
     if ev is not None and ev not in full:
         raise ProtocolError(f"{where}.evidence_layer: layer {ev} of {p['model']} is a sliding-window layer, which keeps "
                             f"what DynamicCache keeps; the policy runs on its full-attention layers {full}")
+    mixed = [q.name for q in policies_of(p) if q.mixed]
+    if dims.get("sliding_window") and mixed:
+        raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
+                            f"layer's KV heads, and {p['model']} has sliding-window layers (window "
+                            f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
     if dims.get("sliding_window") and p["peers"]:
         raise ProtocolError(f"{where}.peers: transformers' QuantizedCache refuses models with sliding-window layers, "
                             f"and {p['model']} has them (window {dims['sliding_window']}); drop the peers")

@@ -67,6 +67,16 @@ _CAPTIONS = {
                      "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
                      "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
                      "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
+    "equal_bytes": ("Per-head precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; mix24_*: a "
+                    "3-bit layout's bytes), its arms sorted by the perplexity change against the DynamicCache reference "
+                    "(exp of the mean per-segment NLL difference, minus 1: the live table's Δ; lower is better). The solid "
+                    "line is the arm of the same bytes each is compared with (uniform int4, or mix24_random, the "
+                    "content-blind allocation); dashed lines are the uniform int2 and int4 arms where the run has them. "
+                    "Hollow markers are the *_oracle_* arms, which choose from the whole segment's float32 attention: "
+                    "impossible online, an upper bound for the online rule, not a policy. What it does not show: the "
+                    "paired difference against the compared arm or its interval (report.md's equal-bytes table has both), "
+                    "free generation or task accuracy (teacher forcing), other models (one small model, SmolLM2-135M), "
+                    "other text (one corpus), or an interval: {segments} segments."),
     "retrieval_heatmap": ("Needle retrieval: teacher-forced exact-match accuracy per needle depth (rows, 0 = the "
                           "haystack's start) and prefill length (columns), one panel per task and arm; each cell is "
                           "the share of its trials whose every answer token was the model's argmax (the number of "
@@ -238,6 +248,53 @@ def _live_context(rows, load, suffix: str):
     return arms, agreement
 
 
+EQUAL_BYTES_VERSUS = {"mix28": "int4", "mix24": "mix24_random"}  # a budget's arm of the same bytes (live.comparator)
+UNIFORM_REFERENCES = ("int2", "int4")  # uniform arms drawn as further reference lines where present
+
+
+def _delta_point(arm, segs, ref):
+    """An arm's Δ perplexity against the reference (as the live figure's), None without every segment."""
+    ids = sorted(segs)
+    if not all(s in ref for s in ids):
+        return None
+    return {"arm": arm, "segments": ids, "bytes_per_token": _mean([segs[s]["bytes_per_token"] for s in ids]),
+            "delta_pct": 100.0 * math.expm1(_mean([segs[s]["nll"] - ref[s]["nll"] for s in ids]))}
+
+
+def _equal_bytes(study, rows, load):
+    """The equal-bytes figure's data: per context and byte budget (``mix28``, ``mix24``), each
+    per-head precision arm that :func:`testbed.live.comparator` pairs with an arm of the run, its Δ
+    perplexity against the reference (the live figure's ``delta_pct``), sorted by that value; the
+    compared arm's and the uniform int2 / int4 arms' Δ as reference lines. None without such an arm."""
+    groups = _context_groups(rows)
+    panels = []
+    for prefix, sel in groups:
+        by_arm: dict[str, dict[str, dict]] = {}
+        for r in sel:
+            by_arm.setdefault(r["arm"], {})[r["case"]] = r
+        ref = next((segs for segs in by_arm.values() if next(iter(segs.values()))["kind"] == "reference"), None)
+        if ref is None:
+            continue
+
+        def point(arm, by_arm=by_arm, ref=ref):
+            return _delta_point(arm, by_arm[arm], ref)
+
+        for budget, versus in EQUAL_BYTES_VERSUS.items():
+            if versus not in by_arm:
+                continue
+            arms = [point(a) for a in by_arm if a.split("_")[0] == budget and a != versus]
+            arms = sorted((p for p in arms if p is not None), key=lambda p: (p["delta_pct"], p["arm"]))
+            vs = point(versus)
+            if not arms or vs is None:
+                continue
+            for p in arms:
+                p["oracle"] = "_oracle_" in p["arm"]
+            uniform = [u for u in (point(a) for a in UNIFORM_REFERENCES if a in by_arm and a != versus) if u]
+            panels.append({"context": prefix[1:] if len(groups) > 1 else "", "budget": budget, "versus": vs,
+                           "uniform": uniform, "arms": arms})
+    return {"budgets": panels} if panels else None
+
+
 def _retrieval(study, rows, load):
     maps = []
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -281,7 +338,8 @@ def _draw_retrieval(plt, d):
 _BUILDERS = (("heatmap", "observation", _heatmaps), ("support_ecdf", "observation", _support),
              ("region_mass", "observation", _regions), ("mx_paths", "mx_paths", _mx),
              ("ablation_pairs", "ablation", _ablation), ("residual_window", "residual_window", _residual),
-             ("live_quality", "live_quality", _live), ("retrieval_heatmap", "retrieval", _retrieval))
+             ("live_quality", "live_quality", _live), ("equal_bytes", "live_quality", _equal_bytes),
+             ("retrieval_heatmap", "retrieval", _retrieval))
 
 
 def _rounded(x):
@@ -606,9 +664,71 @@ def _draw_live(plt, d):
     return fig
 
 
+def _draw_equal_bytes(plt, d):
+    """One panel per (context and) byte budget: the arms on the y axis, named there, sorted by Δ
+    perplexity (best on top); the compared arm a solid line, uniform int2 / int4 dashed lines,
+    oracle arms hollow. The x axis is logarithmic when every Δ is positive (+0.3 % and +20 % both
+    read), else symlog (linear within ±0.1 %)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator, SymmetricalLogLocator
+
+    panels = d["budgets"]
+    cols = min(len(panels), 2)
+    rows = -(-len(panels) // cols)
+    n_max = max(len(p["arms"]) for p in panels)
+    fig, axes = plt.subplots(rows, cols, figsize=(_MAX_W, rows * (0.34 * n_max + 1.3) + 0.7), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    rules = list(dict.fromkeys(e["arm"].split("_", 1)[1].replace("oracle_", "") for p in panels for e in p["arms"]))
+    color = {r: f"C{i % 10}" for i, r in enumerate(rules)}
+    styles = {"int2": (0, (5, 2)), "int4": (0, (2, 2))}
+    values = [v for p in panels for v in [e["delta_pct"] for e in p["arms"] + p["uniform"]] + [p["versus"]["delta_pct"]]]
+    lo, hi = min(values), max(values)
+    span = math.log10(max(hi, 0.2) / (lo if lo > 0 else 0.1)) + 0.4  # decades in view (with the margins)
+    subs = (1.0, 2.0, 5.0) if span < 2.2 else (1.0, 3.0) if span < 3.5 else (1.0,)  # labels that stay apart
+    for ax, p in zip(axes.flat, panels):
+        n = len(p["arms"])
+        y = np.arange(n)[::-1]  # best (lowest Δ) on top
+        ax.axvline(p["versus"]["delta_pct"], color="black", lw=1.4, zorder=1)
+        for u in p["uniform"]:
+            ax.axvline(u["delta_pct"], color="0.45", lw=1.1, ls=styles.get(u["arm"], ":"), zorder=1)
+        for yi, e in zip(y, p["arms"]):
+            c = color[e["arm"].split("_", 1)[1].replace("oracle_", "")]
+            ax.plot([p["versus"]["delta_pct"], e["delta_pct"]], [yi, yi], "-", color=c, lw=1.0, alpha=0.6, zorder=2)
+            ax.plot(e["delta_pct"], yi, "o", ms=7, mew=1.6, color=c, mfc="white" if e["oracle"] else c, zorder=3)
+        ax.set_yticks(y, [e["arm"] for e in p["arms"]])
+        ax.set_ylim(-0.7, n_max - 0.3)
+        if lo > 0:  # every arm worse than the reference: a log axis, no room spent on 0
+            ax.set_xscale("log")
+            ax.set_xlim(lo / 1.6, hi * 1.6)
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+        else:
+            ax.set_xscale("symlog", linthresh=0.1, linscale=0.5)
+            ax.set_xlim(min(lo * 1.6, -0.05), max(hi * 1.6, 0.2))
+            ax.xaxis.set_major_locator(SymmetricalLogLocator(base=10, linthresh=0.1, subs=subs))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}" if v else "0"))
+        ax.grid(axis="x", color="0.9", lw=0.6, zorder=0)
+        ax.set_xlabel(f"Δ perplexity vs DynamicCache (%, {'log' if lo > 0 else 'symlog'} scale)")
+        where = f" @ {p['context']} tokens" if p["context"] else ""
+        ax.set_title(f"{p['budget']}_*{where}: {p['versus']['bytes_per_token']:,.0f} B/token, vs {p['versus']['arm']}")
+    compared = " / ".join(dict.fromkeys(p["versus"]["arm"] for p in panels))
+    handles = [Line2D([], [], color="black", lw=1.4, label=f"compared arm ({compared})")]
+    for u in dict.fromkeys(u["arm"] for p in panels for u in p["uniform"]):
+        handles.append(Line2D([], [], color="0.45", lw=1.1, ls=styles.get(u, ":"), label=f"uniform {u}"))
+    handles += [Line2D([], [], ls="", marker="o", ms=7, color="0.3", label="online rule"),
+                Line2D([], [], ls="", marker="o", ms=7, mew=1.6, color="0.3", mfc="white",
+                       label="oracle (impossible online)")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    _title(fig, d)
+    fig.tight_layout(rect=(0, 0.06 / rows, 1, 1))
+    fig.set_layout_engine("none")
+    return fig
+
+
 _DRAW = {"heatmap": _draw_heatmap, "support_ecdf": _draw_support, "region_mass": _draw_regions, "mx_paths": _draw_mx,
          "ablation_pairs": _draw_ablation, "residual_window": _draw_residual, "live_quality": _draw_live,
-         "retrieval_heatmap": _draw_retrieval}
+         "equal_bytes": _draw_equal_bytes, "retrieval_heatmap": _draw_retrieval}
 
 
 def _title(fig, d):
@@ -706,7 +826,8 @@ def _palette_png(raw: bytes) -> bytes:
 
 def _caption(d) -> str:
     dist_word = "layer" if any(str(x).startswith("L") for x in _distributions(d)) else "distribution or layout"
-    segments = len(d["arms"][0]["segments"]) if d["kind"] == "live_quality" else 0
+    segments = (len(d["arms"][0]["segments"]) if d["kind"] == "live_quality"
+                else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes" else 0)
     return _CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
 
 

@@ -420,7 +420,8 @@ def test_live_allocation_forgeries_fail(live_finished, tmp_path, what):
     recorded queries (the prefill's, or the oracle pass's) and its heads re-encoded at their own
     bits. Each edit below, re-hashed, fails the row."""
     run = _copy(live_finished, tmp_path)
-    arm = "mix28_oracle_diffuse" if what == "oracle_query" else "mix24_concentrated"
+    # the evidence layer (2) of the SHA-256 order holds int4 and int2 heads: the low width is re-encoded
+    arm = {"oracle_query": "mix28_oracle_diffuse", "low_head_code": "mix24_random"}.get(what, "mix24_concentrated")
     row = next(r for r in results(run)["rows"] if r.get("arm") == arm and r.get("case") == "seg000")
     bits = _arrays.load(run, row["arrays"]["alloc_bits"]).copy()
     score = _arrays.load(run, row["arrays"]["alloc_score"]).copy()
@@ -430,9 +431,10 @@ def test_live_allocation_forgeries_fail(live_finished, tmp_path, what):
         _save(run, row["arrays"]["alloc_bits"], bits)
         expect = "not the concentrated rule's choice"
     elif what == "swap_bits_and_scores":  # and their scores too, so the rule holds: the evidence layer's fail
-        other = tuple(np.argwhere((bits != bits[0, 0]) & (np.arange(bits.shape[0]) > 0)[:, None])[0])
-        bits[0, 0], bits[other] = bits[other], bits[0, 0]
-        score[0, 0], score[other] = score[other], score[0, 0]
+        ev = row["evidence"]["layer"]  # a pair of the evidence layer, whose scores the audit recomputes
+        other = tuple(np.argwhere((bits != bits[ev, 0]) & (np.arange(bits.shape[0]) != ev)[:, None])[0])
+        bits[ev, 0], bits[other] = bits[other], bits[ev, 0]
+        score[ev, 0], score[other] = score[other], score[ev, 0]
         _save(run, row["arrays"]["alloc_bits"], bits)
         _save(run, row["arrays"]["alloc_score"], score)
         expect = "the audit's float64 concentration"
@@ -442,7 +444,8 @@ def test_live_allocation_forgeries_fail(live_finished, tmp_path, what):
         expect = "pairs at the low bits"
     elif what == "low_head_code":
         ev = row["evidence"]["arrays"]
-        name = sorted(k for k in ev if k.endswith(".key.codes"))[0]  # int2 or int4 heads of layer 0
+        name = "int2.key.codes"  # the low width's heads of the evidence layer
+        assert name in ev, sorted(ev)
         at = _bump_code(run, ev[name], int(name[3]), (0, 3, 17), 64)
         expect = name
     elif what == "share":  # the row claims another share of low pairs (the bits and bytes left as they are)
@@ -521,3 +524,19 @@ def test_audit_encoder_equals_run_encoder(side, data, bits, g, axis):
         for name in got:
             assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
             assert got[name].tobytes() == want[name].tobytes(), (name, bits, g, axis, x.shape)
+
+
+@pytest.mark.capture
+@pytest.mark.slow
+def test_arms_that_share_one_prefill_must_record_one_prefill(live_finished, tmp_path):
+    """With a shared float32 prefill every arm's recorded prefill keys are one array: one arm's,
+    changed and re-hashed, fails naming the disagreement (beside whatever else it breaks)."""
+    run = _copy(live_finished, tmp_path)
+    ev = _evidence(run, "int4")
+    k = _arrays.load(run, ev["input.k"]).copy()
+    k[0, 1, 3] = np.nextafter(k[0, 1, 3], np.float32(np.inf))
+    _save(run, ev["input.k"], k)
+    ok, failures, _ = audit(run, check_sources=False)
+    assert not ok
+    assert any("input.k[:, :P] differs between arms that share one float32 prefill" in f and "int4" in f
+               for f in failures), failures[:5]

@@ -187,6 +187,10 @@ def test_refusals_name_the_layer_and_the_peer(gemma):
     bad["live"]["peers"] = [{"backend": "quanto", "bits": 4}]
     with pytest.raises(ProtocolError, match="QuantizedCache refuses models with sliding-window layers"):
         validate_protocol(bad)
+    bad = json.loads(json.dumps(proto))  # per-head bits span every layer's heads: refused before any forward
+    bad["live"]["policies"] = bad["live"]["policies"] + ["mix28_oracle_concentrated"]
+    with pytest.raises(ProtocolError, match=r"per-head precision \(mix28_oracle_concentrated\).*sliding-window"):
+        validate_protocol(bad)
 
 
 def test_a_model_given_by_path_runs_and_is_audited_self_consistently(tmp_path, capsys):

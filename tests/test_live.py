@@ -175,10 +175,12 @@ def _tiny_protocol(tmp_path: Path, peers: bool = True) -> Path:
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
     proto["name"] = "live_tiny"
     proto["default"] = False
-    proto["live"].update({"segments": 2, "prefill": 32, "steps": 40, "batch": 2, "window": 16, "group": 16,
+    # evidence layer 2: the SHA-256 order's random mixes hold both widths there (layer 0: int8/int4 only), so the
+    # audit's re-encoding of the low width is exercised; the default run keeps layer 0 (its arrays compress 4x better)
+    proto["live"].update({"evidence_layer": 2, "segments": 2, "prefill": 32, "steps": 40, "batch": 2, "window": 16, "group": 16,
                           "evict_window": 16, "policies": ["float32", "int4", "int2_sink4", "int2_sinkmass4", "int2_ktoken",
                                                            "mxfp4", "streaming", "mix24_concentrated",
-                                                           "mix28_oracle_diffuse"],
+                                                           "mix24_random", "mix28_oracle_diffuse"],
                           "peers": [{"backend": "quanto", "bits": 4}] if peers else []})
     path = tmp_path / "live_tiny.json"
     path.write_text(json.dumps(proto))
@@ -230,7 +232,7 @@ def test_live_run_rows_and_audit(live_run):
     res = _rows(live_run)
     arms = {r["arm"] for r in res["rows"]}
     assert arms == {"dynamic_cache", "float32", "int4", "int2_sink4", "int2_sinkmass4", "int2_ktoken", "mxfp4", "streaming",
-                    "mix24_concentrated", "mix28_oracle_diffuse", "quanto_int4"}
+                    "mix24_concentrated", "mix24_random", "mix28_oracle_diffuse", "quanto_int4"}
     assert len(res["rows"]) == 2 * len(arms)
     f32, int4, int2k = _row(res, "float32"), _row(res, "int4"), _row(res, "int2_ktoken")
     assert f32["mean_kl"] < 1e-6 and f32["top1_agreement"] == 1.0

@@ -120,6 +120,23 @@ def test_plotted_value_changed(run, reliability):
                  "FAIL naming the figure")
 
 
+@pytest.mark.capture
+@pytest.mark.slow
+def test_equal_bytes_value_changed(live_tiny_run, tmp_path, reliability):
+    """The tiny live run (int4 and mix28_oracle_diffuse) carries the equal-bytes figure; one plotted
+    Δ changed by 1 % in its data block, report.html re-hashed: the audit's FAIL names the figure."""
+    run = tmp_path / "run"
+    shutil.copytree(live_tiny_run, run)
+    text = (run / REL).read_text(encoding="utf-8")
+    key = next(k for k in re.findall(r'data-key="([^"]+)"', text) if k.startswith("equal_bytes/"))
+    m = re.search(r'"arms":\[\{"arm":"mix28_oracle_diffuse",[^}]*"delta_pct":(-?[0-9.e+-]+)', figure_block(text, key))
+    assert m, figure_block(text, key)[:300]
+    value = float(m.group(1))
+    edit_report(run, m.group(0), m.group(0)[:-len(m.group(1))] + repr(value * 1.01 if value else 0.01))
+    assert_fails(reliability, "tamper: consistent forger", "one Δ of the equal-bytes figure changed by 1 %, sha256 "
+                 "updated", run, ["report.html figure", key, "plotted data differs"], "FAIL naming the figure")
+
+
 def test_figure_removed(run, reliability):
     text = (run / REL).read_text(encoding="utf-8")
     edit_report(run, figure_block(text, "ablation_pairs/ablation"), "")

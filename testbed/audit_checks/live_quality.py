@@ -27,7 +27,8 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   evidence layer, its scores recomputed in float64 from the recorded queries and keys (the
   prefill's, or the oracle pass's over the whole segment: ``input.q`` then ``oracle.q``, with
   ``oracle.k``) and each head's packed middle
-  re-encoded at its own stored bits;
+  re-encoded at its own stored bits; with a shared prefill, one prefill (``input.q``, the prefill
+  part of ``input.k`` and ``oracle.k``) and one prefill-rule ``alloc_score`` across a segment's arms;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -606,6 +607,42 @@ def check(row: dict, ctx) -> None:
             ctx.fail(row, "evidence arrays, though the protocol's evidence_layer is null")
     elif kind == "policy" and _policy(arm, live)["middle"] != "float32" and row.get("case") == first:
         _check_evidence(row, ctx, _policy(arm, live), live)
+        if whole.get("shared_prefill", True):
+            ctx.cached(("live_shared_prefill", study, row.get("case")),
+                       lambda: _check_shared_prefill(ctx, study, row.get("case"), live))
+
+
+def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
+    """With a shared prefill every arm starts from one float32 prefill, so across the evidence rows
+    of a segment: the prefill's keys (``input.k[:, :P]``), the recorded prefill queries (``input.q``)
+    and an oracle pass's prefill keys (``oracle.k[:, :P]``, the same forward on the same tokens) are
+    one array, and every prefill-rule allocation reads one measurement (``alloc_score`` equal). A
+    forger who makes one arm's recorded queries tell another allocation breaks that agreement."""
+    P = live["prefill"]
+    groups: dict[str, dict[str, bytes]] = {"input.k[:, :P]": {}, "input.q": {}, "alloc_score (prefill rules)": {}}
+    for r in ctx.results.get("rows", []):
+        if not (isinstance(r, dict) and r.get("study") == study and r.get("case") == case and r.get("kind") == "policy"):
+            continue
+        a = (r.get("evidence") or {}).get("arrays") or {}
+        arm = r.get("arm")
+        if "input.k" in a:
+            k = ctx.load(a["input.k"])
+            groups["input.k[:, :P]"][arm] = k[:, :P].tobytes()
+            if "oracle.k" in a:
+                groups["input.k[:, :P]"][f"{arm} (oracle.k)"] = ctx.load(a["oracle.k"])[:, :P].tobytes()
+        if "input.q" in a:
+            groups["input.q"][arm] = ctx.load(a["input.q"]).tobytes()
+        pol = _policy(arm, live) if arm in live.get("policies", []) else {}
+        if pol.get("low") and pol.get("alloc") in ("concentrated", "diffuse") and pol.get("alloc_from") == "prefill":
+            groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("alloc_score")).tobytes()
+    for what, by_arm in groups.items():
+        ctx.numbers += len(by_arm)
+        if len(set(by_arm.values())) > 1:
+            first = next(iter(by_arm.values()))
+            odd = sorted(a for a, v in by_arm.items() if v != first)
+            ctx.fail(f"results.json {study} {case}", f"{what} differs between arms that share one float32 prefill "
+                     f"({odd[:3]} against {next(iter(by_arm))})")
+    return True
 
 
 def _targets(ctx, study, case, live: dict) -> np.ndarray:

@@ -295,19 +295,77 @@ def _residual_figure(rows, ctx):
     return [("residual_window", cells and {"cells": cells})]
 
 
+# per-head precision budgets and the arm of the same bytes each is compared with (the study's
+# pairing, docs: mix28_* the bytes of int4, mix24_* a 3-bit layout's bytes against mix24_random)
+BUDGET_VERSUS = (("mix28", "int4"), ("mix24", "mix24_random"))
+UNIFORM_LINES = ("int2", "int4")
+
+
+def _context_of(r):
+    case = str(r["case"])
+    return case.rpartition("-")[0] if "-" in case else ""
+
+
+def _versus_reference(arm, by_case, ref):
+    ids = sorted(by_case)
+    if any(s not in ref for s in ids):
+        return None
+    rs = [by_case[s] for s in ids]
+    return {"arm": arm, "segments": ids, "bytes_per_token": math.fsum(r["bytes_per_token"] for r in rs) / len(rs),
+            "delta_pct": 100.0 * math.expm1(math.fsum(r["nll"] - ref[s]["nll"] for r, s in zip(rs, ids)) / len(ids))}
+
+
+def _equal_bytes_figure(rows):
+    """Per context (in row order) and budget: the budget's arms (``mixNN_<rule>`` other than its
+    compared arm) with Δ perplexity against the reference, 100 * (exp(mean over segments of the NLL
+    difference) - 1), sorted by (Δ, name), flagged oracle when named ``*_oracle_*``; the compared
+    arm's and the uniform int2 / int4 arms' Δ as lines. An arm with a segment the reference lacks
+    is left out."""
+    prefixes = _ordered([_context_of(r) for r in rows])
+    budgets = []
+    for prefix in prefixes:
+        sel = [r for r in rows if _context_of(r) == prefix]
+        names = _ordered([r["arm"] for r in sel])
+        seg = {arm: {r["case"]: r for r in sel if r["arm"] == arm} for arm in names}
+        refs = [a for a in names if next(iter(seg[a].values()))["kind"] == "reference"]
+        if not refs:
+            continue
+        ref = seg[refs[0]]
+
+        def delta(arm, seg=seg, ref=ref):
+            return _versus_reference(arm, seg[arm], ref)
+
+        for budget, versus in BUDGET_VERSUS:
+            if versus not in seg:
+                continue
+            vs = delta(versus)
+            arms = [p for p in (delta(a) for a in names if a.split("_")[0] == budget and a != versus) if p]
+            if vs is None or not arms:
+                continue
+            arms.sort(key=lambda p: (p["delta_pct"], p["arm"]))
+            for p in arms:
+                p["oracle"] = "_oracle_" in p["arm"]
+            lines = [p for p in (delta(a) for a in UNIFORM_LINES if a in seg and a != versus) if p]
+            budgets.append({"context": prefix[1:] if len(prefixes) > 1 else "", "budget": budget, "versus": vs,
+                            "uniform": lines, "arms": arms})
+    return budgets
+
+
 def _live_figure(rows, ctx):
     """One point per arm, or per (arm, context) where the study has several contexts (case ids
     ``c{n}-seg...``): labelled ``"arm @ n"``, the contexts in the order their rows come."""
     prefixes = _ordered([str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "" for r in rows])
+    budgets = _equal_bytes_figure(rows)
     points, agreement = [], []
     for prefix in prefixes:
         sel = [r for r in rows if (str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "") == prefix]
         one = _live_points(sel, ctx, f" @ {prefix[1:]}" if len(prefixes) > 1 else "")
         if one is None:
-            return [("live_quality", None)]
+            return [("live_quality", None), ("equal_bytes", budgets and {"budgets": budgets})]
         points += one[0]
         agreement += one[1]
-    return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement})]
+    return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement}),
+            ("equal_bytes", budgets and {"budgets": budgets})]
 
 
 def _live_points(rows, ctx, suffix: str):
@@ -456,6 +514,16 @@ CAPTIONS = {
                      "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
                      "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
                      "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
+    "equal_bytes": ("Per-head precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; mix24_*: a "
+                    "3-bit layout's bytes), its arms sorted by the perplexity change against the DynamicCache reference "
+                    "(exp of the mean per-segment NLL difference, minus 1: the live table's Δ; lower is better). The solid "
+                    "line is the arm of the same bytes each is compared with (uniform int4, or mix24_random, the "
+                    "content-blind allocation); dashed lines are the uniform int2 and int4 arms where the run has them. "
+                    "Hollow markers are the *_oracle_* arms, which choose from the whole segment's float32 attention: "
+                    "impossible online, an upper bound for the online rule, not a policy. What it does not show: the "
+                    "paired difference against the compared arm or its interval (report.md's equal-bytes table has both), "
+                    "free generation or task accuracy (teacher forcing), other models (one small model, SmolLM2-135M), "
+                    "other text (one corpus), or an interval: {segments} segments."),
     "retrieval_heatmap": ("Needle retrieval: teacher-forced exact-match accuracy per needle depth (rows, 0 = the "
                           "haystack's start) and prefill length (columns), one panel per task and arm; each cell is "
                           "the share of its trials whose every answer token was the model's argmax (the number of "
@@ -476,7 +544,8 @@ def caption(d: dict) -> str:
     groups = [item.get("distribution") for key in ("panels", "lines", "groups", "pairs", "cells")
               for item in d.get(key, [])]
     dist_word = "layer" if any(str(x).startswith("L") for x in groups) else "distribution or layout"
-    segments = len(d["arms"][0]["segments"]) if d["kind"] == "live_quality" else 0
+    segments = (len(d["arms"][0]["segments"]) if d["kind"] == "live_quality"
+                else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes" else 0)
     return CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
 
 
