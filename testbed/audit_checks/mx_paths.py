@@ -147,17 +147,33 @@ def _tiles(heads: int, queries: int, keys: int) -> list[slice]:
 
 def _attention_tile(q: np.ndarray, k64: np.ndarray, v64: np.ndarray, qp: np.ndarray, causal: bool):
     """Probabilities ``[H, c, Tk]`` and output ``[H, c, D]`` in float64 of a tile of queries ``q [H, c, D]``
-    against ``k64, v64 [H_kv, Tk, D]`` (float64), each KV head shared by its group of query heads by
-    broadcasting, never expanded to H heads."""
+    against ``k64, v64 [H_kv, Tk, D]`` (float64): one two-dimensional product per KV head and its group
+    of query heads, K and V never expanded to H heads."""
     h, c, d = q.shape
     hkv, tk = k64.shape[0], k64.shape[1]
     g = h // hkv
-    s = (q.astype(np.float64).reshape(hkv, g, c, d) @ k64[:, None].transpose(0, 1, 3, 2)) / np.sqrt(np.float64(d))
-    s = np.where(visible(qp, tk, causal)[None, None], s, -np.inf)
+    qd = q.astype(np.float64).reshape(hkv, g * c, d)
+    s = np.empty((hkv, g * c, tk))
+    for j in range(hkv):
+        np.matmul(qd[j], k64[j].T, out=s[j])
+    s /= np.sqrt(np.float64(d))
+    if causal:
+        s = np.where(np.tile(visible(qp, tk, causal), (g, 1))[None], s, -np.inf)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
-    return s.reshape(h, c, tk), (s @ v64[:, None]).reshape(h, c, d)
+    return s.reshape(h, c, tk), _times_v(s.reshape(h, c, tk), v64)
+
+
+def _times_v(p: np.ndarray, v64: np.ndarray) -> np.ndarray:
+    """``P V`` for ``p [H, c, Tk]`` with ``v64 [H_kv, Tk, D]`` shared by each group of query heads."""
+    h, c, tk = p.shape
+    hkv = v64.shape[0]
+    pg = p.reshape(hkv, (h // hkv) * c, tk)
+    out = np.empty((hkv, pg.shape[1], v64.shape[-1]))
+    for j in range(hkv):
+        np.matmul(pg[j], v64[j], out=out[j])
+    return out.reshape(h, c, v64.shape[-1])
 
 
 def _slice_payload(arrays: dict, sl: slice, keys: int) -> dict:
@@ -247,7 +263,7 @@ def check(row: dict, audit) -> None:
                 p_hat = decode_mx_raw(own, cfg, x_in.shape)
                 del codes, scales, own
             del x_in
-            o_hat = (p_hat.reshape(v64.shape[0], -1, *p_hat.shape[1:]) @ v64[:, None]).reshape(o_ref.shape)
+            o_hat = _times_v(p_hat, v64)
             pos = p_ref > 0
             zero[:, sl] = (pos & (p_hat == 0)).sum(-1) / np.maximum(pos.sum(-1), 1)
             row_sum[:, sl] = p_hat.sum(-1)
