@@ -23,6 +23,7 @@ from typing import Any
 
 from . import live, retrieval, retrieval_study
 from .analyses import ANALYSES
+from .resources import stores_p_payload
 from .schema import Key, ProtocolError, Spec, check_object, check_value, key_name
 from .sources import SOURCES
 
@@ -151,7 +152,9 @@ def estimate_protocol(proto: dict, base: Path | None = None) -> int | None:
     hook = getattr(SOURCES.get(kind), "estimate_bytes", None)
     if hook is None:
         return None
-    return int(hook(proto["source"], base) if kind in ("trace", "capture") else hook(proto["source"]))
+    p_payload = stores_p_payload(proto.get("analyses"))
+    return int(hook(proto["source"], base, p_payload=p_payload) if kind in ("trace", "capture")
+               else hook(proto["source"], p_payload=p_payload))
 
 
 def _strict_pairs(pairs):

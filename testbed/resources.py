@@ -1,8 +1,9 @@
 """Memory guard: estimate a protocol's peak memory before anything is allocated, refuse what cannot fit.
 
-A source module may define ``estimate_bytes(params) -> int``: the peak resident bytes of its
-largest Case as it goes through the analysis chain (the trace and capture sources also take
-``base``, the protocol's folder, for the files or the model a protocol names by path).
+A source module may define ``estimate_bytes(params, p_payload=True) -> int``: the peak resident
+bytes of its largest Case as it goes through the analysis chain (the trace and capture sources
+also take ``base``, the protocol's folder, for the files or the model a protocol names by path;
+``p_payload`` is `stores_p_payload` of the protocol's analyses).
 :func:`attention_chain_bytes` gives that peak for a Case of given dimensions, so most sources
 only have to name their largest Case. A source without the hook is not guarded (the run says so
 on stderr and records ``null`` in the manifest).
@@ -19,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["ResourceError", "attention_chain_bytes", "available_bytes", "check_memory",
-           "format_bytes", "synthetic_estimate_bytes", "tile_scores", "DEFAULT_MAX_SCORES"]
+           "format_bytes", "stores_p_payload", "synthetic_estimate_bytes", "tile_scores", "DEFAULT_MAX_SCORES"]
 
 
 OVERHEAD = 256 << 20
@@ -38,7 +39,7 @@ def tile_scores(heads: int, queries: int, keys: int, max_scores: int = DEFAULT_M
 
 
 def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,
-                          max_scores: int = DEFAULT_MAX_SCORES) -> int:
+                          max_scores: int = DEFAULT_MAX_SCORES, p_payload: bool = True) -> int:
     """Peak bytes of one Case ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` through the analysis chain.
 
     The analyses work over tiles of queries of about ``max_scores`` float64 scores (observation,
@@ -53,7 +54,8 @@ def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, he
       quantized one, their logits while they are computed, and the differences a row statistic
       takes (``[H, Tq, Tk]`` itself when the Case fits one tile);
     - 3 bytes per score of ``[H, Tq, Tk]``: mx_paths' stored P payload (one byte per code, its
-      scales, and the serialized copy the array store writes);
+      scales, and the serialized copy the array store writes); not with ``p_payload`` false, when
+      the protocol's mx_paths stores none (`stores_p_payload`);
     - 3 float64 copies of K or V expanded to H heads (the reference attention; about 2.3 measured);
     - 16 float32 copies of K or V at H_kv heads: dequantized K and V, the quantizers' group-padded
       working copies and their temporaries (about 14 measured);
@@ -68,17 +70,25 @@ def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, he
     q = heads * queries * head_dim
     kv = kv_heads * keys * head_dim
     case = (q + 2 * kv) * f32 + queries * 8
-    probs = 6 * tile_scores(heads, queries, keys, max_scores) * f64 + 3 * heads * queries * keys
+    probs = 6 * tile_scores(heads, queries, keys, max_scores) * f64 + (3 * heads * queries * keys if p_payload else 0)
     kv_work = 3 * heads * keys * head_dim * f64 + 16 * kv * f32
     outputs = 3 * q * f64
     return int(case + probs + kv_work + outputs + OVERHEAD)
 
 
-def synthetic_estimate_bytes(params: dict) -> int:
+def stores_p_payload(analyses: dict | None) -> bool:
+    """Whether a protocol's analyses may store mx_paths' whole P payload (``[H, Tq, Tk]`` codes):
+    false only when its mx_paths says so (``p_path`` or ``store_p`` false); a protocol without
+    mx_paths, or an unknown one (None), is counted as storing it (an upper bound)."""
+    mx = (analyses or {}).get("mx_paths")
+    return mx is None or bool(mx.get("p_path", True) and mx.get("store_p", True))
+
+
+def synthetic_estimate_bytes(params: dict, p_payload: bool = True) -> int:
     """``estimate_bytes`` for :mod:`testbed.sources.synthetic`: every Case of a protocol has the same
     heads, queries and head_dim, so the largest is the one with the longest length."""
     return attention_chain_bytes(params["heads"], params["kv_heads"], params["queries"], max(params["lengths"]),
-                                 params["head_dim"])
+                                 params["head_dim"], p_payload=p_payload)
 
 
 def _read_int(path: str) -> int | None:

@@ -230,3 +230,87 @@ def test_audit_side_imports_only_numpy_and_stdlib(module):
         else:
             continue
         assert not set(names) & {"torch", "testbed", "scipy", "torchao"}, names
+
+
+# -- the P payload not stored (store_p false, protocols/seed_scale.json) ------------------------
+
+def _small_protocol(tmp: Path, name: str, **mx) -> Path:
+    proto = json.loads(PROTOCOL.read_text())
+    proto.update(name=name, default=False, timing={"repeats": 0, "seed": 0})
+    proto["source"].update(seeds=[7], lengths=[256], distributions=["early_focus", "clean"])
+    proto["analyses"]["mx_paths"].update(mx)
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(proto))
+    return path
+
+
+@pytest.fixture(scope="module")
+def p_runs(tmp_path_factory):
+    """The same small protocol with the P payload stored and not stored, each over several tiles of
+    queries (4 heads x 256 keys: 4 queries per tile of 4,096 scores)."""
+    from testbed.run import main as run_main
+
+    tmp = tmp_path_factory.mktemp("store_p")
+    runs = {}
+    for store in (True, False):
+        folder = tmp / ("stored" if store else "unstored")
+        folder.mkdir()
+        proto = _small_protocol(folder, "mx_paths_small", store_p=store, max_scores=4096)
+        assert run_main(["--quiet", "--out", str(folder / "run"), "--protocol", str(proto)]) == 0
+        runs[store] = folder / "run"
+    return runs
+
+
+def test_unstored_p_payload_changes_nothing_but_the_stored_arrays(p_runs):
+    stored, unstored = _rows(p_runs[True]), _rows(p_runs[False])
+    assert len(stored) == len(unstored) == 2 * 2 * 3
+    for a, b in zip(stored, unstored):
+        if a["path"] == "p":
+            assert set(a["arrays"]) == {"p"} and b["arrays"] == {}
+            assert b["payload_bytes"] == a["payload_bytes"]  # the byte count of the codes that were not written
+        else:
+            assert b["arrays"].keys() == a["arrays"].keys()
+        assert {k: v for k, v in a.items() if k != "arrays"} == {k: v for k, v in b.items() if k != "arrays"}
+
+
+@pytest.mark.parametrize("audit_scores", [None, 3000], ids=["one-audit-tile", "audit-tiles"])
+def test_both_p_payloads_audit_over_tiles(p_runs, monkeypatch, audit_scores):
+    from testbed.audit_checks import mx_paths as mx_audit
+
+    if audit_scores:
+        monkeypatch.setattr(mx_audit, "MAX_SCORES", audit_scores)  # 2 queries of 4 heads x 256 keys per tile
+    for run in p_runs.values():
+        ok, failures, _ = audit(run, check_sources=False)
+        assert ok, failures[:5]
+
+
+@pytest.mark.parametrize("field", ["numerical_zero_rate_mean", "row_sum_median", "tv_median", "payload_bytes"])
+def test_unstored_p_path_forged_statistic_fails(p_runs, tmp_path, monkeypatch, field):
+    """With no codes to compare, the audit re-quantizes P itself: a P-path number that does not
+    follow from the Case still FAILs, named, whether the audit works over one tile or several."""
+    from testbed.audit_checks import mx_paths as mx_audit
+
+    monkeypatch.setattr(mx_audit, "MAX_SCORES", 3000)
+    copy = tmp_path / "copy"
+    shutil.copytree(p_runs[False], copy)
+    res = json.loads((copy / "results.json").read_text())
+    i = next(i for i, r in enumerate(res["rows"]) if r["path"] == "p" and r["distribution"] == "early_focus")
+    res["rows"][i][field] = res["rows"][i][field] + 1 if field == "payload_bytes" else res["rows"][i][field] * 1.01 + 1e-6
+    forge_results(copy, res)
+    ok, failures, _ = audit(copy, check_sources=False)
+    assert not ok
+    assert any(f.startswith("FAIL: results.json row") and field in f and "path=p" in f for f in failures), failures[:5]
+
+
+def test_a_p_payload_the_protocol_stores_cannot_be_dropped(p_runs, tmp_path):
+    """Dropping a stored payload from its row (to escape the byte-for-byte check) is caught: the
+    protocol's store_p says the row must name it."""
+    copy = tmp_path / "copy"
+    shutil.copytree(p_runs[True], copy)
+    res = json.loads((copy / "results.json").read_text())
+    i = next(i for i, r in enumerate(res["rows"]) if r["path"] == "p")
+    res["rows"][i]["arrays"] = {}
+    forge_results(copy, res)
+    ok, failures, _ = audit(copy, check_sources=False)
+    assert not ok
+    assert any("arrays.p" in f for f in failures), failures[:5]

@@ -155,6 +155,27 @@ def test_estimate_uses_the_longest_length():
     assert estimate_protocol(p) == resources.attention_chain_bytes(1, 1, 4, 4096, 16)
 
 
+
+def test_seed_scale_protocol_is_estimated_within_2_gib():
+    """protocols/seed_scale.json (32 heads, 2,340 x 6,240, D=128) fits the issue's 2 GiB by the
+    guard's own estimate because its mx_paths stores no P payload; the same protocol storing it is
+    estimated 3 bytes per score of [H, Tq, Tk] higher (payload, scales, serialized copy) and over 2 GiB."""
+    from testbed.protocol import load_protocol
+
+    proto, _ = load_protocol(REPO / "protocols" / "seed_scale.json")
+    src = proto["source"]
+    keys = (src["sink_frames"] + src["recent_frames"] + src["current_frames"]) * src["tokens_per_frame"]
+    queries = src["current_frames"] * src["tokens_per_frame"]
+    assert (src["heads"], queries, keys, src["head_dim"]) == (32, 2340, 6240, 128)
+    assert proto["analyses"]["mx_paths"]["store_p"] is False
+    est = estimate_protocol(proto)
+    assert est <= 2 << 30, resources.format_bytes(est)
+    stored = json.loads(json.dumps(proto))
+    stored["analyses"]["mx_paths"]["store_p"] = True
+    assert estimate_protocol(stored) - est == 3 * 32 * queries * keys
+    assert estimate_protocol(stored) > 2 << 30
+
+
 # -- a model given by path is sized from its files, not SmolLM2's stand-in ----------------------------
 
 def _with_model(name: str, model: str) -> dict:

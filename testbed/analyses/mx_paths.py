@@ -30,7 +30,10 @@ Everything is computed over tiles of queries holding about ``max_scores`` float6
 the output error accumulates (`testbed.metrics.OutputError`), and the P path's 32-key blocks lie
 within one query row, so a tile never splits one; the stored P payload (1 byte per score for 8-bit
 elements) is the one whole-case array. A Case that fits one tile (every default protocol's) gives
-the untiled numbers bit for bit.
+the untiled numbers bit for bit. With ``store_p`` false (protocols/seed_scale.json: 467 MB of codes
+at the seed's shape) the P path's payload is not kept at all, only its byte count; the audit then
+re-quantizes the probabilities itself (testbed/audit_checks/mx_paths.py says what it can and cannot
+check then).
 Follows the Q/K and P-path measurements of the video KV-cache attention study (docs/studies.md:
 median Q/K TV 1.52 %, argmax agreement 94.33 %, P-path numerical-zero rate median 0 and mean 2.45 %,
 P̂ row-sum median 0.999392) and OCP MX v1.0 (see ``testbed.quant.mx``).
@@ -71,6 +74,8 @@ SPEC = Spec("analysis: mx_paths", "MX quantization on the Q/K path (with and wit
                        "(floor: OCP MX v1.0; rceil: the smallest scale that needs no clamping)", ["floor"]),
     "max_scores": Key(("range", int, 1, 1 << 30), "float64 scores per tile of queries (memory bound; a tile holds "
                       "at least one query of every head)", DEFAULT_MAX_SCORES),
+    "store_p": Key(bool, "store the P path's payload (one byte per score for 8-bit elements); false: the row records "
+                   "its bytes (payload_bytes) and no array, and the audit re-quantizes the probabilities itself", True),
 })
 
 
@@ -243,20 +248,26 @@ def evaluate(case, params, ctx) -> list[dict]:
 
     p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
     for rule, mx in p_quantizers.items():
-        acc, whole = _Rows(case.heads, tq, zeros=True), _PackedRows((case.heads, tq, tk), len(tiles))
+        acc = _Rows(case.heads, tq, zeros=True)
+        whole = _PackedRows((case.heads, tq, tk), len(tiles)) if params["store_p"] else None
+        nbytes = 0  # of the whole payload: every tile's codes and scales, one header
         for sl, p_ref in reference():
             p32 = p_ref.to(torch.float32)
             pp = mx.quantize(p32, name=f"{case.id}.p")
             hit, blocks = _saturated(mx, [(p32, pp)])
             acc.hit, acc.blocks = acc.hit + hit, acc.blocks + blocks
             acc.add(sl, mx.dequantize(pp).to(torch.float64), p_ref, v64)
-            whole.add(pp)
-        pp = whole.packed
+            header = pp.tensors["header"]
+            nbytes += pp.nbytes - (header.numel() * header.element_size() if nbytes else 0)
+            if whole is not None:
+                whole.add(pp)
+            del pp
         tag = "p" + ("" if rule == "floor" else f"_{rule}")
+        arrays = {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", whole.packed)} if whole is not None else {}
         rows.append({**base, "scheme": mx.name, "rotation": "none", "scale_rule": rule, "path": "p",
                      **acc.stats(acc.hit / acc.blocks),
-                     "payload_bytes": pp.nbytes, "float32_bytes": 4 * case.heads * tq * tk,
-                     "quant": mx.config(), "arrays": {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", pp)}})
+                     "payload_bytes": whole.packed.nbytes if whole is not None else nbytes,
+                     "float32_bytes": 4 * case.heads * tq * tk, "quant": mx.config(), "arrays": arrays})
 
     # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023).
     # quantize_p / decode_p time the first tile of queries' probabilities: the whole P when the Case

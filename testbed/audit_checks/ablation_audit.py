@@ -177,16 +177,26 @@ def _select_case(case, target, orders):
     tk = k.shape[1]
     qp = case["query_positions"]
     vis = (np.arange(tk)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, tk), dtype=bool)
-    out = {"chosen": np.zeros((h, tq, tk), dtype=bool), "tau": np.zeros((h, tq)), "achieved": np.zeros((h, tq)),
-           "matched": np.zeros((h, tq), dtype=bool)}
+    # the selected keys as one bit per key (np.packbits along the keys): [H, Tq, Tk] booleans would be
+    # 467 MB per control at the seed's scale (protocols/seed_scale.json), the bits an eighth of that
+    out = {"chosen": np.zeros((h, tq, -(-tk // 8)), dtype=np.uint8), "tau": np.zeros((h, tq)),
+           "achieved": np.zeros((h, tq)), "matched": np.zeros((h, tq), dtype=bool), "keys": np.zeros((h, tq), np.int64),
+           "in_target": False}
     for hh in range(h):
         s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
         s = np.where(vis, s, -np.inf)
         e = np.exp(s - s.max(axis=1, keepdims=True))
         p = e / e.sum(axis=1, keepdims=True)
         c, t, a, m = select_mass(p, vis, target, orders)
-        out["chosen"][hh], out["tau"][hh], out["achieved"][hh], out["matched"][hh] = c, t, a, m
+        out["chosen"][hh], out["tau"][hh], out["achieved"][hh], out["matched"][hh] = np.packbits(c, axis=-1), t, a, m
+        out["keys"][hh] = c.sum(axis=-1)
+        out["in_target"] = out["in_target"] or bool(c[:, target[0]:target[1]].any())
     return out
+
+
+def chosen_keys(sel: dict, hh: int, keys: int) -> np.ndarray:
+    """The selected keys ``[Tq, Tk]`` (bool) of head ``hh`` from their bits (`_select_case`)."""
+    return np.unpackbits(sel["chosen"][hh], axis=-1, count=keys).astype(bool)
 
 
 def _masked(s, allowed, vv):
@@ -220,7 +230,7 @@ def _derive_mass(case, k, v, sel, target, ref):
         p = e / e.sum(axis=1, keepdims=True)
         o_full = p @ vv
         o_ref = o_full if ref is None else ref[hh]
-        drop = sel["chosen"][hh]
+        drop = chosen_keys(sel, hh, tk)
         m = sel["matched"][hh]
         pa, oa, ok = _masked(s, vis & ~drop, vv)
         use = m & ok
@@ -258,7 +268,7 @@ def _check_mass(row, ctx, case, k, v, ref, orders, seed):
     # the band, row by row, on the audit's own selection (and the keys never touch the target)
     if m.any() and not bool(np.all(mism <= MASS_TOLERANCE * (1 + 1e-12))):
         ctx.fail(row, f"audit's own selection: {int((mism > MASS_TOLERANCE).sum())} matched rows outside the 1 % band")
-    if bool(sel["chosen"][:, :, target[0]:target[1]].any()):
+    if sel["in_target"]:
         ctx.fail(row, "audit's own selection: a selected key lies in the target")
     reported_max = row.get("mass_mismatch_max")
     if isinstance(reported_max, (int, float)) and not isinstance(reported_max, bool) \
@@ -468,7 +478,7 @@ def _head_sums(d: dict, sel: dict | None = None) -> tuple[np.ndarray, np.ndarray
         out[:, _F["achieved_sum"]] = ach.sum(axis=1)
         out[:, _F["mismatch_sum"]] = mism.sum(axis=1)
         out[:, _F["mismatch_max"]] = mism.max(axis=1)
-        out[:, _F["keys_sum"]] = np.where(m[:, :, None], sel["chosen"], False).sum(axis=(1, 2))
+        out[:, _F["keys_sum"]] = np.where(m, sel["keys"], 0).sum(axis=1)
         out[:, _F["target_err2"]], out[:, _F["target_ref2"]] = d["t_err2"], d["t_ref2"]
     out[:, _F["undefined"]] = d["undefined"]
     for f in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2"):

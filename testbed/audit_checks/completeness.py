@@ -76,7 +76,7 @@ ANALYSIS_DEFAULTS = {
                              {"name": "int4", "key": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "channel"},
                               "value": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "token"}, "window": 0}]},
     "mx_paths": {"element": "e4m3", "block_size": 32, "rotations": ["none", "signed_hadamard"], "rotation_seed": 0,
-                 "p_path": True, "scale_rules": ["floor"]},
+                 "p_path": True, "scale_rules": ["floor"], "store_p": True},
     "observation": {"block_tokens": 16, "coverage": 0.9, "store_rows_max": 65536, "spatial_tiles": 1},
 }
 TOKENIZE_REASON = re.compile(r"^prompt has (\d+) tokens, the protocol needs (\d+)$")
@@ -277,7 +277,8 @@ def _mx_rows(p: dict) -> dict:
         if p["p_path"]:
             out[("p", "none", rule)] = {"element": e, "block_size": b, "scale_rule": rule,
                                         "quant": {"kind": "mx", "element": e, "block_size": b, "rotation": None,
-                                                  "seed": 0, "scale_rule": rule}}
+                                                  "seed": 0, "scale_rule": rule},
+                                        "arrays.p": PRESENT if p["store_p"] else ABSENT}
     return out
 
 

@@ -14,13 +14,19 @@ For every row the audit:
    recomputes every per-row TV, argmax agreement (strict, and ties that include the reference's
    argmax), numerical-zero rate and row sum, their summaries, the share of clamped blocks, the
    output relative L2 and the payload bytes.
+
+All of it over tiles of queries (`MAX_SCORES` float64 scores), each KV head shared by its query
+heads without being expanded, so the audit never holds ``[H, Tq, Tk]``. A P-path row whose payload
+was not stored (``store_p`` false, at the seed's scale) is re-derived from the audit's own encoding
+of its own probabilities instead of the stored codes: every number of the row is still checked;
+what cannot be checked is a byte-for-byte match with codes that were never written.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .common import MX_ELEMENTS, decode_mx_raw, encode_mx, expand_heads, rel_l2, softmax_attention, unpack_bits
+from .common import MX_ELEMENTS, decode_mx_raw, encode_mx, pack_bits, unpack_bits, visible
 
 TV_HIGH = 0.05
 ROTATION_BLOCK_MAX = 128
@@ -53,8 +59,11 @@ def rotation_matrix(signs: np.ndarray) -> np.ndarray:
     return signs.astype(np.float64)[:, None] * r
 
 
-def _first_diff(a: np.ndarray, b: np.ndarray) -> tuple:
-    return tuple(int(i) for i in np.argwhere(a != b)[0])
+def _first_diff(a: np.ndarray, b: np.ndarray, row0: int = 0) -> tuple:
+    """The first index at which ``a`` and ``b`` differ, its second-last (row) index moved by ``row0``."""
+    at = [int(i) for i in np.argwhere(a != b)[0]]
+    at[-2] += row0
+    return tuple(at)
 
 
 def _clamped(x_in: np.ndarray, scales: np.ndarray, element: str, block: int) -> tuple[int, int]:
@@ -70,20 +79,22 @@ def _clamped(x_in: np.ndarray, scales: np.ndarray, element: str, block: int) -> 
     return int((scaled > vmax).sum()), int(scaled.size)
 
 
-def _check_payload(row, audit, label: str, arrays: dict, x_in: np.ndarray, cfg: dict, clamped: list) -> np.ndarray:
+def _check_payload(row, audit, label: str, arrays: dict, x_in: np.ndarray, cfg: dict, clamped: list,
+                   row0: int = 0) -> np.ndarray:
     """Stored codes == the audit's own encoding of ``x_in``; returns the decoded values (float64) and
-    appends (clamped blocks, blocks) of the audit's own scales to ``clamped``."""
+    appends (clamped blocks, blocks) of the audit's own scales to ``clamped``. ``row0``: the first
+    row (query) of ``arrays`` in the whole payload, for the index a failure names."""
     element, block = cfg["element"], cfg["block_size"]
     bits, _ = MX_ELEMENTS[element]
     rule = cfg.get("scale_rule", "floor")
     codes, scales = encode_mx(x_in, element, block, rule)
     stored_scales = arrays["scales"]
     if stored_scales.shape != scales.shape or not np.array_equal(stored_scales, scales):
-        where = _first_diff(stored_scales, scales) if stored_scales.shape == scales.shape else stored_scales.shape
+        where = _first_diff(stored_scales, scales, row0) if stored_scales.shape == scales.shape else stored_scales.shape
         audit.fail(row, f"{label}: stored E8M0 scale codes differ from the audit's {rule.upper()}-rule encoding at {where}")
     stored_codes = unpack_bits(arrays["codes"], bits, codes.shape[-1])
     if stored_codes.shape != codes.shape or not np.array_equal(stored_codes, codes):
-        where = _first_diff(stored_codes, codes) if stored_codes.shape == codes.shape else stored_codes.shape
+        where = _first_diff(stored_codes, codes, row0) if stored_codes.shape == codes.shape else stored_codes.shape
         audit.fail(row, f"{label}: stored {element} element codes differ from the audit's encoding at {where}")
     audit.numbers += 2
     clamped.append(_clamped(x_in, scales, element, block))
@@ -126,11 +137,65 @@ def scheme_name(cfg: dict) -> str:
             + ("_hadamard" if cfg.get("rotation") else ""))
 
 
+MAX_SCORES = 1 << 21  # float64 scores per tile of queries of the audit's own pass (about 16 MiB a tile)
+
+
+def _tiles(heads: int, queries: int, keys: int) -> list[slice]:
+    step = max(1, MAX_SCORES // max(1, heads * keys))
+    return [slice(a, min(queries, a + step)) for a in range(0, queries, step)]
+
+
+def _attention_tile(q: np.ndarray, k64: np.ndarray, v64: np.ndarray, qp: np.ndarray, causal: bool):
+    """Probabilities ``[H, c, Tk]`` and output ``[H, c, D]`` in float64 of a tile of queries ``q [H, c, D]``
+    against ``k64, v64 [H_kv, Tk, D]`` (float64): one two-dimensional product per KV head and its group
+    of query heads, K and V never expanded to H heads."""
+    h, c, d = q.shape
+    hkv, tk = k64.shape[0], k64.shape[1]
+    g = h // hkv
+    qd = q.astype(np.float64).reshape(hkv, g * c, d)
+    s = np.empty((hkv, g * c, tk))
+    for j in range(hkv):
+        np.matmul(qd[j], k64[j].T, out=s[j])
+    s /= np.sqrt(np.float64(d))
+    if causal:
+        s = np.where(np.tile(visible(qp, tk, causal), (g, 1))[None], s, -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s.reshape(h, c, tk), _times_v(s.reshape(h, c, tk), v64)
+
+
+def _times_v(p: np.ndarray, v64: np.ndarray) -> np.ndarray:
+    """``P V`` for ``p [H, c, Tk]`` with ``v64 [H_kv, Tk, D]`` shared by each group of query heads."""
+    h, c, tk = p.shape
+    hkv = v64.shape[0]
+    pg = p.reshape(hkv, (h // hkv) * c, tk)
+    out = np.empty((hkv, pg.shape[1], v64.shape[-1]))
+    for j in range(hkv):
+        np.matmul(pg[j], v64[j], out=out[j])
+    return out.reshape(h, c, v64.shape[-1])
+
+
+def _slice_payload(arrays: dict, sl: slice, keys: int) -> dict:
+    """The rows ``sl`` of a stored ``[H, Tq, Tk]`` MX payload (its blocks run along the keys, so a slice of
+    queries is a payload of its own, with its own header)."""
+    rows = len(range(*sl.indices(arrays["scales"].shape[-2])))
+    return {"codes": arrays["codes"][..., sl, :], "scales": arrays["scales"][..., sl, :],
+            "header": np.array([rows, keys], dtype=np.int64)}
+
+
 def check(row: dict, audit) -> None:
+    """Re-derive a row over tiles of queries (`MAX_SCORES`), never holding ``[H, Tq, Tk]``.
+
+    A P-path row with no stored payload (the analysis's ``store_p`` false; completeness checks that
+    the protocol said so) is re-derived from the audit's own encoding of its own probabilities:
+    every statistic, the clamped blocks and the payload's bytes are checked, and since the encoding
+    is deterministic from the Case, nothing is left unchecked but bytes that were never written."""
     case = audit.case(row)
     q, k, v = case["q"], case["k"], case["v"]
     qp, causal = case["query_positions"], case["causal"]
-    p_ref, o_ref = audit.cached(("ref", row["study"], row["case"]), lambda: softmax_attention(q, k, v, qp, causal))
+    h, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    k64, v64 = audit.cached(("kv64", row["study"], row["case"]), lambda: (k.astype(np.float64), v.astype(np.float64)))
     cfg = row["quant"]
     audit.equal(row, "element", row["element"], cfg["element"])
     audit.equal(row, "block_size", row["block_size"], cfg["block_size"])
@@ -140,8 +205,8 @@ def check(row: dict, audit) -> None:
     loaded = {part: ({name: audit.load(path) for name, path in paths.items()} if isinstance(paths, dict) else None)
               for part, paths in row["arrays"].items()}
     payload = sum(a.nbytes for part in loaded.values() if part for a in part.values())
-    audit.equal(row, "payload_bytes", row["payload_bytes"], int(payload))
     if row["path"] == "qk":
+        audit.equal(row, "payload_bytes", row["payload_bytes"], int(payload))
         rotation = row["rotation"]
         audit.equal(row, "rotation", rotation, "none" if cfg["rotation"] is None else cfg["rotation"])
         if rotation == "signed_hadamard":
@@ -158,28 +223,64 @@ def check(row: dict, audit) -> None:
             return
         q_hat = _check_payload(row, audit, "q", loaded["q"], q_in, cfg, clamped)
         k_hat = _check_payload(row, audit, "k", loaded["k"], k_in, cfg, clamped)
-        p_hat, o_hat = softmax_attention(q_hat, k_hat, v, qp, causal)
-        zero = row_sum = None
         audit.equal(row, "float32_bytes", row["float32_bytes"], 4 * (q.size + k.size))
     elif row["path"] == "p":
         audit.equal(row, "rotation", row["rotation"], "none")
         if cfg["rotation"] is not None:
             audit.fail(row, "the P path is never rotated")
-        p_hat = _check_payload(row, audit, "p", loaded["p"], p_ref.astype(np.float32), cfg, clamped)
-        o_hat = p_hat @ expand_heads(v, q.shape[0]).astype(np.float64)
-        pos = p_ref > 0
-        zero = (pos & (p_hat == 0)).sum(-1) / np.maximum(pos.sum(-1), 1)
-        row_sum = p_hat.sum(-1)
-        audit.equal(row, "float32_bytes", row["float32_bytes"], 4 * p_ref.size)
+        stored = loaded.get("p")
+        if stored is not None:
+            audit.equal(row, "payload_bytes", row["payload_bytes"], int(payload))
+            header = stored["header"]
+            if header.dtype != np.int64 or header.tolist() != [tq, tk]:
+                audit.fail(row, f"p: header {header.tolist()} does not match (N, D) = ({tq}, {tk})")
+                return
+        elif set(loaded) - {"p"}:
+            audit.fail(row, f"P-path arrays {sorted(loaded)} are not one payload p")
+            return
+        own_bytes = 16  # the header of the whole payload, (N, D) as two int64
+        audit.equal(row, "float32_bytes", row["float32_bytes"], 4 * h * tq * tk)
     else:
         audit.fail(row, f"unknown path {row['path']!r}")
         return
-    tv = 0.5 * np.abs(p_hat - p_ref).sum(-1)
-    ref = np.argmax(p_ref, axis=-1)
-    strict = np.argmax(p_hat, axis=-1) == ref
-    at_ref = np.take_along_axis(p_hat, ref[..., None], axis=-1)[..., 0]
-    tie = ~strict & (at_ref == p_hat.max(axis=-1))
-    _summaries(row, audit, tv, (strict, tie), zero, row_sum)
+    tv, row_sum, zero = (np.empty((h, tq)) for _ in range(3))
+    strict, tie = np.empty((h, tq), dtype=bool), np.empty((h, tq), dtype=bool)
+    err2 = ref2 = 0.0
+    bits = MX_ELEMENTS[cfg["element"]][0]
+    for sl in _tiles(h, tq, tk):
+        p_ref, o_ref = _attention_tile(q[:, sl], k64, v64, qp[sl], causal)
+        if row["path"] == "qk":
+            p_hat, o_hat = _attention_tile(q_hat[:, sl], k_hat, v64, qp[sl], causal)
+        else:
+            x_in = p_ref.astype(np.float32)
+            if stored is not None:
+                p_hat = _check_payload(row, audit, "p", _slice_payload(stored, sl, tk), x_in, cfg, clamped, sl.start)
+            else:
+                codes, scales = encode_mx(x_in, cfg["element"], cfg["block_size"], cfg.get("scale_rule", "floor"))
+                own = {"codes": pack_bits(codes, bits), "scales": scales, "header": np.array(x_in.shape[-2:], np.int64)}
+                own_bytes += own["codes"].nbytes + own["scales"].nbytes
+                clamped.append(_clamped(x_in, scales, cfg["element"], cfg["block_size"]))
+                p_hat = decode_mx_raw(own, cfg, x_in.shape)
+                del codes, scales, own
+            del x_in
+            o_hat = _times_v(p_hat, v64)
+            pos = p_ref > 0
+            zero[:, sl] = (pos & (p_hat == 0)).sum(-1) / np.maximum(pos.sum(-1), 1)
+            row_sum[:, sl] = p_hat.sum(-1)
+            del pos
+        tv[:, sl] = 0.5 * np.abs(p_hat - p_ref).sum(-1)
+        ref = np.argmax(p_ref, axis=-1)
+        strict[:, sl] = np.argmax(p_hat, axis=-1) == ref
+        at_ref = np.take_along_axis(p_hat, ref[..., None], axis=-1)[..., 0]
+        tie[:, sl] = ~strict[:, sl] & (at_ref == p_hat.max(axis=-1))
+        err2 += float(np.sum((o_hat - o_ref) ** 2))
+        ref2 += float(np.sum(o_ref ** 2))
+        del p_ref, p_hat, o_ref, o_hat
+    if row["path"] == "p" and stored is None:
+        audit.equal(row, "payload_bytes", row["payload_bytes"], int(own_bytes))
+    _summaries(row, audit, tv, (strict, tie), zero if row["path"] == "p" else None,
+               row_sum if row["path"] == "p" else None)
     audit.close(row, "block_saturation", row["block_saturation"],
                 sum(c for c, _ in clamped) / sum(n for _, n in clamped))
-    audit.close(row, "rel_l2", row["rel_l2"], rel_l2(o_hat, o_ref))
+    num, den = float(np.sqrt(err2)), float(np.sqrt(ref2))
+    audit.close(row, "rel_l2", row["rel_l2"], (0.0 if num == 0 else float("inf")) if den == 0 else num / den)

@@ -525,13 +525,8 @@ class PolicyLayer(DynamicLayer):
             if alloc_score is None or tuple(alloc_score.shape) != tuple(key_states.shape[:2]):
                 raise ValueError(f"layer {self.layer_idx}: policy {p.name} allocates its bits from the prefill's "
                                  f"attention; load_prefill needs its concentration [B, H_kv] = {list(key_states.shape[:2])}")
-            if self.record and query0 is None:
-                raise ValueError(f"layer {self.layer_idx}: a recording layer of {p.name} needs the prefill's queries")
-            self.lazy_initialization(key_states, value_states)
-            k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
+            k_new, v_new = self._first_prefill(key_states, value_states, query0)
             if self.record:
-                self.recorded_k.append(k_new[0].detach().clone())
-                self.recorded_v.append(v_new[0].detach().clone())
                 self.recorded_q = query0.detach().float().clone()
             self.alloc_score = alloc_score.to(torch.float64)
             self._commit(k_new, v_new)
@@ -543,14 +538,20 @@ class PolicyLayer(DynamicLayer):
         if scores is None or scores.shape[-1] != c:
             raise ValueError(f"layer {self.layer_idx}: policy {p.name} chooses its sink from the prefill's attention; "
                              f"load_prefill needs its scores over exactly the first {c} tokens")
+        k_new, v_new = self._first_prefill(key_states, value_states, query0)
+        self._commit_chosen(k_new, v_new, scores, query0)
+
+    def _first_prefill(self, key_states, value_states, query0):
+        """Initialize the layer with the prefill's K/V as float32, recording batch row 0's when this is
+        the evidence layer (which also needs the prefill's queries)."""
         if self.record and query0 is None:
-            raise ValueError(f"layer {self.layer_idx}: a recording layer of {p.name} needs the prefill's queries")
+            raise ValueError(f"layer {self.layer_idx}: a recording layer of {self.policy.name} needs the prefill's queries")
         self.lazy_initialization(key_states, value_states)
         k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
         if self.record:
             self.recorded_k.append(k_new[0].detach().clone())
             self.recorded_v.append(v_new[0].detach().clone())
-        self._commit_chosen(k_new, v_new, scores, query0)
+        return k_new, v_new
 
     def _leave_mask(self, t: int) -> None:
         """The mask that gives each of ``t`` new tokens exactly what one token per forward sees."""

@@ -773,7 +773,7 @@ def archived_kv_heads(params: dict, prompt_id: str, kv_heads_in_model: int) -> l
     return sorted(recorded.index(h) for h in a["kv_heads"])
 
 
-def estimate_bytes(params: dict, base: Path | None = None) -> int:
+def estimate_bytes(params: dict, base: Path | None = None, p_payload: bool = True) -> int:
     """Peak bytes: the float32 model, a prefill's activations, and the largest Case's analysis chain.
     A model given by path (relative to ``base``, the protocol's folder) is sized from its files
     before it is loaded (:func:`estimate_dims`)."""
@@ -787,7 +787,8 @@ def estimate_bytes(params: dict, base: Path | None = None) -> int:
     queries = params["queries"] or params["chunk"]
     per_prompt = (len(params["layers"]) * len(params["record_chunks"]) * (heads * queries + 2 * kv * params["tokens"])
                   * dims["head_dim"] * 4)
-    return model + cache + work + per_prompt + attention_chain_bytes(heads, kv, queries, params["tokens"], dims["head_dim"])
+    return model + cache + work + per_prompt + attention_chain_bytes(heads, kv, queries, params["tokens"], dims["head_dim"],
+                                                                   p_payload=p_payload)
 
 
 def _software() -> dict:

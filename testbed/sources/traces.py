@@ -248,7 +248,7 @@ def validate(params: dict, where: str) -> dict:
     return p
 
 
-def estimate_bytes(params: dict, base: Path | None = None) -> int:
+def estimate_bytes(params: dict, base: Path | None = None, p_payload: bool = True) -> int:
     """Peak bytes of the largest record, from the safetensors headers alone (nothing is loaded);
     ``base``: the protocol file's folder.
 
@@ -266,7 +266,8 @@ def estimate_bytes(params: dict, base: Path | None = None) -> int:
             if key.endswith("/q") and len(shape) == 3:
                 k = shapes.get(key[:-2] + "/k")
                 if k is not None and len(k) == 3:
-                    best = max(best, attention_chain_bytes(shape[0], k[0], shape[1], k[1], shape[2]))
+                    best = max(best, attention_chain_bytes(shape[0], k[0], shape[1], k[1], shape[2],
+                                                                   p_payload=p_payload))
     return best
 
 

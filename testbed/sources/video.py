@@ -239,7 +239,7 @@ def units(params: dict) -> list[dict]:
     return out
 
 
-def estimate_bytes(params: dict) -> int:
+def estimate_bytes(params: dict, p_payload: bool = True) -> int:
     """Peak bytes of the largest Case (the memory guard's hook): the analysis chain of the largest
     video and LLM case, plus the float32 content the video generator makes for every frame up to
     the chunk's end (three copies: content, noise and their sum)."""
@@ -249,10 +249,12 @@ def estimate_bytes(params: dict) -> int:
         keys = (params["sink_frames"] + params["recent_frames"] + params["current_frames"]) * tpf
         frames = (max(params["chunks"]) + 1) * params["current_frames"]
         content = 3 * params["kv_heads"] * frames * tpf * d * 4
-        best = attention_chain_bytes(h, params["kv_heads"], params["current_frames"] * tpf, keys, d) + content
+        best = attention_chain_bytes(h, params["kv_heads"], params["current_frames"] * tpf, keys, d,
+                                     p_payload=p_payload) + content
     if "llm" in params["layouts"]:
         keys = params["llm_sink"] + params["llm_middle"] + params["llm_recent"] + params["llm_current"]
-        best = max(best, attention_chain_bytes(h, params["llm_kv_heads"], params["llm_current"], keys, d))
+        best = max(best, attention_chain_bytes(h, params["llm_kv_heads"], params["llm_current"], keys, d,
+                                               p_payload=p_payload))
     return int(best)
 
 
