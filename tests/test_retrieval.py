@@ -280,9 +280,21 @@ def test_peer_table_is_the_live_studys():
     live = pytest.importorskip("testbed.live")
     assert {k: (v.spec, v.default) for k, v in retrieval.PEER.keys.items()} == \
         {k: (v.spec, v.default) for k, v in live.PEER.keys.items()}
-    for key in ("policies", "window", "group", "sink", "evict_window", "batch"):
+    for key in ("window", "group", "sink", "evict_window", "batch"):
         mine, theirs = retrieval.SPEC.keys[key], live.SPEC.keys[key]
         assert (mine.spec, mine.default) == (theirs.spec, theirs.default), key
+    # the policy choices are the live study's, less the per-head precision mixes (live only: their
+    # allocation is scored on a perplexity segment's prefill)
+    (kind, (_, mine), least), (_, (_, theirs), _) = retrieval.SPEC.keys["policies"].spec, live.SPEC.keys["policies"].spec
+    assert kind == "list" and least == 1
+    assert set(mine) <= set(theirs)
+    assert {n for n in theirs if n not in mine} == {n for n in theirs if n.startswith("mix")}
+    assert {"float32", "int4", "int2", "streaming"} <= set(mine)
+
+
+def test_a_mixed_precision_policy_is_refused_by_retrieval():
+    with pytest.raises(ProtocolError, match=r"retrieval\.policies\[0\]"):
+        retrieval.validate({**GOOD, "policies": ["mix24_random"]}, "retrieval")
 
 
 # -- statistics -------------------------------------------------------------------------------------
