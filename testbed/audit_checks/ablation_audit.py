@@ -1,6 +1,9 @@
 """Audit of ablation rows: rebuild each ablation from the layout, re-encode the quantized arm's
 history from the case's K/V and require its stored payload byte for byte, decode it, and recompute
-the masked renormalized softmax directly (key by key, one head at a time) in float64.
+the masked renormalized softmax directly (key by key, one head at a time, over tiles of its queries:
+`common.row_tiles`, never the head's whole [Tq, Tk]) in float64. The per-head sums accumulate tile by
+tile; one arm's decoded K/V are held at a time (an arm's rows come together), and the float32 arm's
+outputs once per case, as the quantized arms' reference.
 
 Independent of ``testbed.ablation_core``: the dropped spans are derived here from the layout and the
 ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
@@ -222,14 +225,29 @@ def _softmax(s):
     return e
 
 
+def _masked_exp(s, allowed):
+    """``exp(s - the row's max over allowed)`` where ``allowed``, exactly 0 elsewhere (``[c, Tk]``
+    float64, in one buffer), and the rows with an allowed key. ``s`` is -inf wherever a key is not
+    visible and ``allowed`` lies within the visible keys, so every allowed score is finite."""
+    ok = allowed.any(axis=1)
+    e = np.where(allowed, s, -np.inf)
+    e -= np.where(ok, e.max(axis=1, initial=-np.inf), 0.0)[:, None]
+    np.exp(e, out=e)                                   # exp(-inf) = 0: the keys outside ``allowed``
+    return e, ok
+
+
 def _masked(s, allowed, vv):
     """Softmax of ``s`` over ``allowed`` per row, its output, and where it is defined."""
-    ok = allowed.any(axis=1)
-    sa = np.where(allowed, s, -np.inf)
-    mx = np.where(ok, sa.max(axis=1, initial=-np.inf), 0.0)
-    ea = np.where(allowed, np.exp(sa - mx[:, None]), 0.0)
-    pa = ea / np.where(ok, ea.sum(axis=1), 1.0)[:, None]
+    pa, ok = _masked_exp(s, allowed)
+    pa /= np.where(ok, pa.sum(axis=1), 1.0)[:, None]
     return pa, pa @ vv, ok
+
+
+def _tv(p, pa):
+    """Per row ``0.5 * sum |p - pa|``."""
+    d = p - pa
+    np.abs(d, out=d)
+    return 0.5 * d.sum(axis=1)
 
 
 def _derive_mass(case, k, v, sel, target, ref):
@@ -261,7 +279,7 @@ def _derive_mass(case, k, v, sel, target, ref):
             use = m & ok
             r["undefined"][hh] += int((m & ~ok).sum())
             r["tau"][hh, sl] = np.where(use, np.where(drop, p, 0.0).sum(axis=1), np.nan)
-            r["tv"][hh, sl] = np.where(use, 0.5 * np.abs(p - pa).sum(axis=1), np.nan)
+            r["tv"][hh, sl] = np.where(use, _tv(p, pa), np.nan)
             del p, pa
             r["err2"][hh] += ((oa - o_ref)[use] ** 2).sum()
             r["ref2"][hh] += (o_ref[use] ** 2).sum()
@@ -402,19 +420,14 @@ def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
                 masses[name][hh, sl] = p[:, a:b].sum(axis=1)
             norm_o = np.linalg.norm(o_full, axis=1)
             for name, keep in keeps.items():
-                allowed = vis & keep[None, :]
-                ok = allowed.any(axis=1)
-                sa = np.where(allowed, s, -np.inf)
-                mx = np.where(ok, sa.max(axis=1), 0.0)
-                ea = np.where(allowed, np.exp(sa - mx[:, None]), 0.0)
-                del sa
-                z = ea.sum(axis=1)
-                pa = ea / np.where(ok, z, 1.0)[:, None]
-                del ea
-                oa = pa @ vv
                 r = out[name]
+                if keep.all():               # "none": the kept softmax is the full one, no key dropped
+                    ok = vis.any(axis=1)
+                    pa, oa = p, o_full
+                else:
+                    pa, oa, ok = _masked(s, vis & keep[None, :], vv)
                 r["tau"][hh, sl] = np.where(ok, p[:, ~keep].sum(axis=1), np.nan)
-                r["tv"][hh, sl] = np.where(ok, 0.5 * np.abs(p - pa).sum(axis=1), np.nan)
+                r["tv"][hh, sl] = np.where(ok, _tv(p, pa), np.nan)
                 del pa
                 r["undefined"][hh] += int((~ok).sum())
                 r["err2"][hh] += ((oa - o_ref)[ok] ** 2).sum()
@@ -423,15 +436,12 @@ def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
                 r["out2"][hh] += (oa[ok] ** 2).sum()
                 r["own_err2"][hh] += ((oa - o_full)[ok] ** 2).sum()
                 r["own_ref2"][hh] += (o_full[ok] ** 2).sum()
+                if keep.all():
+                    continue                 # no dropped key: no row has a shift (NaN, as initialized)
                 # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
-                dropped = vis & ~keep[None, :]
-                has = dropped.any(axis=1)
-                sd = np.where(dropped, s, -np.inf)
-                md = np.where(has, sd.max(axis=1), 0.0)
-                ed = np.where(dropped, np.exp(sd - md[:, None]), 0.0)   # the dropped keys' own softmax:
-                del sd
+                ed, has = _masked_exp(s, vis & ~keep[None, :])          # the dropped keys' own softmax:
                 mu_d = (ed @ vv) / np.where(has, ed.sum(axis=1), 1.0)[:, None]  # stable however small their mass
-                del ed, dropped
+                del ed
                 mu_k = oa
                 good = ok & has & (norm_o > 0)
                 r["shift"][hh, sl] = np.where(good, np.linalg.norm(mu_k - mu_d, axis=1) / np.where(good, norm_o, 1.0),

@@ -1,6 +1,8 @@
 """Audit of observation rows: recompute the attention topology of a case from its q, k and layout.
 
-numpy only, one head at a time: float64 softmax over the visible keys, entropy-equivalent
+numpy only, one head at a time and, within a head, over tiles of its queries (`common.row_tiles`:
+never the head's whole [Tq, Tk] scores; the per-row statistics and the small [Tq, blocks] masses
+are gathered, the sets and nulls drawn from them): float64 softmax over the visible keys, entropy-equivalent
 support, top-k mass by sorting, the float32 softmax's strict zeros, region and history mass,
 key-block masses, top-block sets, Jaccard overlaps (and their two nulls: a seeded random pair of
 same-head queries that see the same key blocks, redrawn with stdlib ``random``; the
