@@ -227,3 +227,26 @@ def test_a_forged_query_in_the_last_partial_tile_fails_observation_and_ablation(
     assert any(" observation " in x and case in x for x in fails), fails[:5]
     assert any(" ablation " in x and case in x and "arm=float32" in x for x in fails), fails[:5]
     assert any(" ablation " in x and case in x and "ablation=mass_control_sink" in x for x in fails), fails[:5]
+
+
+def test_the_ablation_holds_one_arms_kv_and_releases_a_case_after_its_last_row(tile_run, monkeypatch):
+    """While an arm's rows are checked the audit holds that arm's decoded K/V only; after a case's
+    last ablation row none of its ablation arrays (reference outputs, selections, K/V) stay held."""
+    from testbed.audit import Audit
+
+    held = []
+    real = ablation_audit._check_row
+
+    def spy(row, ctx):
+        real(row, ctx)
+        held.append((row["case"], row["arm"], sorted(k[3] for k in ctx._cache
+                                                      if isinstance(k, tuple) and k[0] == "ablation-kv")))
+
+    monkeypatch.setattr(ablation_audit, "_check_row", spy)
+    a = Audit(tile_run)
+    a.run(False)
+    assert not a.failures, a.failures[:5]
+    quantized = [(arm, kv) for _, arm, kv in held if arm != "float32"]
+    assert len({c for c, _, _ in held}) == 2 and quantized
+    assert all(kv == [arm] for arm, kv in quantized), quantized       # never two arms', never two cases'
+    assert not [k for k in a._cache if isinstance(k, tuple) and k[0] in ablation_audit._CASE_CACHES]

@@ -468,7 +468,26 @@ def _siblings(ctx, row):
             and r.get("study") == row["study"] and r.get("case") == row["case"] and r.get("arm") == row["arm"]]
 
 
+# what the audit keeps while a case's ablation rows are checked: the float32 arm's outputs, the
+# mass-matched selections (as bits), one arm's decoded K/V and the per-row results; dropped after
+# the case's last ablation row, so that later rows (MX paths, other cases) do not hold them
+_CASE_CACHES = ("ablation-ref", "ablation-mass-select", "ablation-mass", "ablation-kv", "ablation-arm")
+
+
 def check(row: dict, ctx) -> None:
+    try:
+        _check_row(row, ctx)
+    finally:
+        # the audit checks a copy of each row carrying its position in results.json (``_index``)
+        rows = [i for i, r in enumerate(ctx.results["rows"]) if isinstance(r, dict) and r.get("analysis") == "ablation"
+                and r.get("study") == row.get("study") and r.get("case") == row.get("case")]
+        if rows and row.get("_index") == rows[-1]:
+            for key in [c for c in ctx._cache if isinstance(c, tuple) and len(c) >= 3 and c[0] in _CASE_CACHES
+                        and c[1:3] == (row.get("study"), row.get("case"))]:
+                del ctx._cache[key]
+
+
+def _check_row(row: dict, ctx) -> None:
     case = ctx.case(row)
     seed = row.get("control_seed", 0)
     mass = row["ablation"].startswith(MASS_PREFIX)
