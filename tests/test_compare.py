@@ -251,6 +251,37 @@ def test_each_arm_is_judged_on_its_own_scale():
     assert out.failures == []
 
 
+def test_the_ablations_dropped_mass_array_may_move_within_the_mass_matched_band_and_no_further():
+    """A mass-matched control's row of ``stats.tau`` is the mass its keys reached, anywhere in
+    [(1 - 0.01) t, (1 + 0.01) t] of the target's mass t: a flipped comparison on another CPU moves it
+    by up to 2 % of t, on many rows at once (no outlier quota). A move past the band still fails, and
+    every other ablation array keeps the plain float tolerance."""
+    from testbed.compare import Diffs, float_array_kind
+
+    name = "row study=s analysis=ablation case=c0 arm=float32 ablation=none layer=0 arrays.stats.tau"
+    path = "arrays/s/c0/ablation.float32.stats.tau.npy"
+    assert float_array_kind(name, path, set()) == "mass_band"
+    assert float_array_kind("arrays/s/c0/ablation.float32.stats.tau.npy", path, set()) == "mass_band"
+    assert float_array_kind(name.replace("stats.tau", "stats.tv"), path.replace("tau", "tv"), set()) == "float"
+    assert float_array_kind(name.replace("analysis=ablation", "analysis=observation"),
+                            "arrays/s/c0/observation.stats.tau.npy", set()) == "float"
+    assert float_array_kind(name, path, {"s"}) == "per_token"
+
+    rng = np.random.default_rng(0)
+    target = rng.uniform(0.05, 0.95, size=200)
+    reached = target * rng.uniform(0.99, 1.01, size=200)  # one machine's first fit
+    other = target * rng.uniform(0.99, 1.01, size=200)    # another's: the same band, other keys
+    band, plain = Diffs(), Diffs()
+    band.floats("tau", other, reached, "mass_band")
+    plain.floats("tau", other, reached, "float")
+    assert band.failures == [] and plain.failures, (band.failures, plain.failures)
+    past = other.copy()
+    past[17] = target[17] * 1.05  # 4 % beyond the band's edge: not a flip
+    band = Diffs()
+    band.floats("tau", past, reached, "mass_band")
+    assert len(band.failures) == 1 and "element 17" in band.failures[0], band.failures
+
+
 def test_a_flip_sensitive_group_allows_one_percent_of_outliers_and_no_more():
     """One flipped code moves one row: up to 1 % of a flip-sensitive group (at least one element)
     may lie beyond 5 % of its scale, none beyond 50 %; plain float groups allow no outlier."""

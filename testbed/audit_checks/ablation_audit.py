@@ -1,6 +1,9 @@
 """Audit of ablation rows: rebuild each ablation from the layout, re-encode the quantized arm's
 history from the case's K/V and require its stored payload byte for byte, decode it, and recompute
-the masked renormalized softmax directly (key by key, one head at a time) in float64.
+the masked renormalized softmax directly (key by key, one head at a time, over tiles of its queries:
+`common.row_tiles`, never the head's whole [Tq, Tk]) in float64. The per-head sums accumulate tile by
+tile; one arm's decoded K/V are held at a time (an arm's rows come together), and the float32 arm's
+outputs once per case, as the quantized arms' reference.
 
 Independent of ``testbed.ablation_core``: the dropped spans are derived here from the layout and the
 ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
@@ -20,7 +23,7 @@ import random
 
 import numpy as np
 
-from .common import decode_residual_window, encode_residual_window
+from .common import decode_residual_window, encode_residual_window, row_tiles
 from .residual_window import check_reencoded
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
@@ -138,6 +141,7 @@ def select_mass(p, vis, target, orders):
     tq, tk = p.shape
     tau = p[:, target[0]:target[1]].sum(axis=1)
     lo, hi = tau * (1.0 - MASS_TOLERANCE), tau * (1.0 + MASS_TOLERANCE)
+    floor = lo * (1.0 - 1e-9)
     chosen = np.zeros((tq, tk), dtype=bool)
     achieved = np.zeros(tq)
     matched = np.zeros(tq, dtype=bool)
@@ -147,23 +151,30 @@ def select_mass(p, vis, target, orders):
         pending = live0 & ~matched
         if not pending.any():
             break
-        pv = np.where(vis[:, order], p[:, order], 0.0)          # [Tq, E], the order's visible masses
-        after = np.cumsum(pv[:, ::-1], axis=1)[:, ::-1]          # mass at this position and after it
+        # position-major [E, Tq]: the pass reads one contiguous vector of rows per position
+        vis_o = np.ascontiguousarray(vis[:, order].T)
+        pv = np.where(vis_o, p[:, order].T, 0.0)                 # the order's visible masses
+        after = np.cumsum(pv[::-1], axis=0)[::-1]                # mass at this position and after it
         acc = np.zeros(tq)
-        taken = np.zeros((tq, tk), dtype=bool)
+        taken = np.zeros((len(order), tq), dtype=bool)
         active = pending.copy()
-        for i, t in enumerate(order):
+        for i in range(len(order)):
             if not active.any():
                 break
             # exact pruning: an attempt that cannot reach the band's bottom any more has failed
-            active &= acc + after[:, i] >= lo * (1.0 - 1e-9)
-            step = acc + p[:, t]
-            take = active & vis[:, t] & (step <= hi)
+            active &= acc + after[i] >= floor
+            step = acc + pv[i]                                   # p itself wherever the key is visible
+            take = active & vis_o[i] & (step <= hi)
             acc[take] = step[take]
-            taken[take, t] = True
+            taken[i] = take
             active &= ~(take & (acc >= lo))
+        del pv, after, vis_o
         reached = pending & (acc >= lo)
-        chosen[reached] = taken[reached]
+        rows = np.flatnonzero(reached)
+        if rows.size:
+            picked = np.zeros((rows.size, tk), dtype=bool)
+            picked[:, order] = taken[:, rows].T
+            chosen[rows] = picked
         achieved[reached] = acc[reached]
         matched |= reached
     return chosen, tau, achieved, matched
@@ -175,84 +186,118 @@ def _select_case(case, target, orders):
     h, tq, d = q.shape
     group = h // k.shape[0]
     tk = k.shape[1]
-    qp = case["query_positions"]
-    vis = (np.arange(tk)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, tk), dtype=bool)
+    qp, causal = case["query_positions"], bool(case["causal"])
     # the selected keys as one bit per key (np.packbits along the keys): [H, Tq, Tk] booleans would be
     # 467 MB per control at the seed's scale (protocols/seed_scale.json), the bits an eighth of that
     out = {"chosen": np.zeros((h, tq, -(-tk // 8)), dtype=np.uint8), "tau": np.zeros((h, tq)),
            "achieved": np.zeros((h, tq)), "matched": np.zeros((h, tq), dtype=bool), "keys": np.zeros((h, tq), np.int64),
            "in_target": False}
+    tiles = row_tiles(tq, tk)
     for hh in range(h):
-        s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
-        s = np.where(vis, s, -np.inf)
-        e = np.exp(s - s.max(axis=1, keepdims=True))
-        p = e / e.sum(axis=1, keepdims=True)
-        c, t, a, m = select_mass(p, vis, target, orders)
-        out["chosen"][hh], out["tau"][hh], out["achieved"][hh], out["matched"][hh] = np.packbits(c, axis=-1), t, a, m
-        out["keys"][hh] = c.sum(axis=-1)
-        out["in_target"] = out["in_target"] or bool(c[:, target[0]:target[1]].any())
+        kk = k[hh // group].astype(np.float64)
+        for sl in tiles:                     # a tile of the head's queries: never [Tq, Tk]
+            vis = _visible(qp[sl], tk, causal)
+            p = _softmax(np.where(vis, q[hh, sl].astype(np.float64) @ kk.T / np.sqrt(np.float64(d)), -np.inf))
+            c, t, a, m = select_mass(p, vis, target, orders)
+            del p
+            out["chosen"][hh, sl], out["tau"][hh, sl], out["achieved"][hh, sl], out["matched"][hh, sl] = \
+                np.packbits(c, axis=-1), t, a, m
+            out["keys"][hh, sl] = c.sum(axis=-1)
+            out["in_target"] = out["in_target"] or bool(c[:, target[0]:target[1]].any())
     return out
 
 
-def chosen_keys(sel: dict, hh: int, keys: int) -> np.ndarray:
-    """The selected keys ``[Tq, Tk]`` (bool) of head ``hh`` from their bits (`_select_case`)."""
-    return np.unpackbits(sel["chosen"][hh], axis=-1, count=keys).astype(bool)
+def chosen_keys(sel: dict, hh: int, keys: int, rows: slice = slice(None)) -> np.ndarray:
+    """The selected keys ``[Tq, Tk]`` (bool) of head ``hh`` (of its queries ``rows``) from their bits
+    (`_select_case`)."""
+    return np.unpackbits(sel["chosen"][hh, rows], axis=-1, count=keys).astype(bool)
+
+
+def _visible(qp, keys: int, causal: bool) -> np.ndarray:
+    """``[c, Tk]`` visibility of the queries at positions ``qp`` (all True when not causal)."""
+    return (np.arange(keys)[None, :] <= qp[:, None]) if causal else np.ones((len(qp), keys), dtype=bool)
+
+
+def _softmax(s):
+    """Row softmax of masked scores ``s`` (-inf where not visible), float64."""
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    e /= e.sum(axis=1, keepdims=True)
+    return e
+
+
+def _masked_exp(s, allowed):
+    """``exp(s - the row's max over allowed)`` where ``allowed``, exactly 0 elsewhere (``[c, Tk]``
+    float64, in one buffer), and the rows with an allowed key. ``s`` is -inf wherever a key is not
+    visible and ``allowed`` lies within the visible keys, so every allowed score is finite."""
+    ok = allowed.any(axis=1)
+    e = np.where(allowed, s, -np.inf)
+    e -= np.where(ok, e.max(axis=1, initial=-np.inf), 0.0)[:, None]
+    np.exp(e, out=e)                                   # exp(-inf) = 0: the keys outside ``allowed``
+    return e, ok
 
 
 def _masked(s, allowed, vv):
     """Softmax of ``s`` over ``allowed`` per row, its output, and where it is defined."""
-    ok = allowed.any(axis=1)
-    sa = np.where(allowed, s, -np.inf)
-    mx = np.where(ok, sa.max(axis=1, initial=-np.inf), 0.0)
-    ea = np.where(allowed, np.exp(sa - mx[:, None]), 0.0)
-    pa = ea / np.where(ok, ea.sum(axis=1), 1.0)[:, None]
+    pa, ok = _masked_exp(s, allowed)
+    pa /= np.where(ok, pa.sum(axis=1), 1.0)[:, None]
     return pa, pa @ vv, ok
 
 
+def _tv(p, pa):
+    """Per row ``0.5 * sum |p - pa|``."""
+    d = p - pa
+    np.abs(d, out=d)
+    return 0.5 * d.sum(axis=1)
+
+
 def _derive_mass(case, k, v, sel, target, ref):
-    """Per-row-mask ablation of the selected keys (and of the target, on the same rows) on this arm."""
+    """Per-row-mask ablation of the selected keys (and of the target, on the same rows) on this arm,
+    over tiles of each head's queries; the per-head sums accumulate tile by tile."""
     q = case["q"]
     h, tq, d = q.shape
     tk = k.shape[1]
     group = h // k.shape[0]
-    qp = case["query_positions"]
-    vis = (np.arange(tk)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, tk), dtype=bool)
+    qp, causal = case["query_positions"], bool(case["causal"])
     tmask = np.zeros(tk, dtype=bool)
     tmask[target[0]:target[1]] = True
     r = {key: np.full((h, tq), np.nan) for key in ("tau", "tv", "shift")}
     r.update({key: np.zeros(h) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2", "t_err2", "t_ref2")})
     r["undefined"] = np.zeros(h, np.int64)
+    tiles = row_tiles(tq, tk)
     for hh in range(h):
+        kk = k[hh // group].astype(np.float64)
         vv = v[hh // group].astype(np.float64)
-        s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
-        s = np.where(vis, s, -np.inf)
-        e = np.exp(s - s.max(axis=1, keepdims=True))
-        p = e / e.sum(axis=1, keepdims=True)
-        o_full = p @ vv
-        o_ref = o_full if ref is None else ref[hh]
-        drop = chosen_keys(sel, hh, tk)
-        m = sel["matched"][hh]
-        pa, oa, ok = _masked(s, vis & ~drop, vv)
-        use = m & ok
-        r["undefined"][hh] = int((m & ~ok).sum())
-        r["tau"][hh] = np.where(use, np.where(drop, p, 0.0).sum(axis=1), np.nan)
-        r["tv"][hh] = np.where(use, 0.5 * np.abs(p - pa).sum(axis=1), np.nan)
-        r["err2"][hh] = ((oa - o_ref)[use] ** 2).sum()
-        r["ref2"][hh] = (o_ref[use] ** 2).sum()
-        r["dot"][hh] = (oa[use] * o_ref[use]).sum()
-        r["out2"][hh] = (oa[use] ** 2).sum()
-        r["own_err2"][hh] = ((oa - o_full)[use] ** 2).sum()
-        r["own_ref2"][hh] = (o_full[use] ** 2).sum()
-        dropped = vis & drop
-        has = dropped.any(axis=1)
-        _, mu_d, _ = _masked(s, dropped, vv)                      # the dropped keys' own softmax
-        norm_o = np.linalg.norm(o_full, axis=1)
-        good = use & has & (norm_o > 0)
-        r["shift"][hh] = np.where(good, np.linalg.norm(oa - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
-        _, ot, ok_t = _masked(s, vis & ~tmask[None, :], vv)        # the target itself, on the same rows
-        both = use & ok_t
-        r["t_err2"][hh] = ((ot - o_ref)[both] ** 2).sum()
-        r["t_ref2"][hh] = (o_ref[both] ** 2).sum()
+        for sl in tiles:                     # a tile of the head's queries: never [Tq, Tk]
+            vis = _visible(qp[sl], tk, causal)
+            s = np.where(vis, q[hh, sl].astype(np.float64) @ kk.T / np.sqrt(np.float64(d)), -np.inf)
+            p = _softmax(s)
+            o_full = p @ vv
+            o_ref = o_full if ref is None else ref[hh, sl]
+            drop = chosen_keys(sel, hh, tk, sl)
+            m = sel["matched"][hh, sl]
+            pa, oa, ok = _masked(s, vis & ~drop, vv)
+            use = m & ok
+            r["undefined"][hh] += int((m & ~ok).sum())
+            r["tau"][hh, sl] = np.where(use, np.where(drop, p, 0.0).sum(axis=1), np.nan)
+            r["tv"][hh, sl] = np.where(use, _tv(p, pa), np.nan)
+            del p, pa
+            r["err2"][hh] += ((oa - o_ref)[use] ** 2).sum()
+            r["ref2"][hh] += (o_ref[use] ** 2).sum()
+            r["dot"][hh] += (oa[use] * o_ref[use]).sum()
+            r["out2"][hh] += (oa[use] ** 2).sum()
+            r["own_err2"][hh] += ((oa - o_full)[use] ** 2).sum()
+            r["own_ref2"][hh] += (o_full[use] ** 2).sum()
+            dropped = vis & drop
+            has = dropped.any(axis=1)
+            _, mu_d, _ = _masked(s, dropped, vv)                      # the dropped keys' own softmax
+            del dropped, drop
+            norm_o = np.linalg.norm(o_full, axis=1)
+            good = use & has & (norm_o > 0)
+            r["shift"][hh, sl] = np.where(good, np.linalg.norm(oa - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
+            _, ot, ok_t = _masked(s, vis & ~tmask[None, :], vv)        # the target itself, on the same rows
+            both = use & ok_t
+            r["t_err2"][hh] += ((ot - o_ref)[both] ** 2).sum()
+            r["t_ref2"][hh] += (o_ref[both] ** 2).sum()
     return r
 
 
@@ -324,70 +369,83 @@ def _kv(row, ctx, case):
         kh, vh = decode_residual_window(arrays, owner["quant"], (k.shape[0], stop, k.shape[2]))
         return np.concatenate([kh, k[:, stop:]], axis=1), np.concatenate([vh, v[:, stop:]], axis=1)
 
-    return ctx.cached(("ablation-kv", row["study"], row["case"], row["arm"]), build)
+    return _arm_cached(ctx, ("ablation-kv", row["study"], row["case"], row["arm"]), build)
 
 
-def _derive(case, k, v, spans: dict, ref):
-    """Per ablation: per-row tau and TV [H, Tq] (NaN where undefined), per-head sums, outputs."""
+def _arm_cached(ctx, key, fn):
+    """``ctx.cached`` for one arm's value (``key = (kind, study, case, arm)``), holding one arm's at a
+    time: the results list an arm's rows together, so the previous arm's decoded K/V are dropped when
+    the next arm's are built (a row of an arm met again later re-derives them, with the same numbers)."""
+    for other in [c for c in ctx._cache if isinstance(c, tuple) and len(c) == 4 and c[:3] == key[:3] and c != key]:
+        del ctx._cache[other]
+    return ctx.cached(key, fn)
+
+
+def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
+    """Per ablation: per-row tau and TV [H, Tq] (NaN where undefined), per-head sums (accumulated
+    over tiles of each head's queries, never holding [Tq, Tk]); the region masses [H, Tq]; and,
+    with ``want_out``, the outputs [H, Tq, D] (the reference of the quantized arms), else None."""
     q = case["q"]
     h, tq, d = q.shape
     keys = k.shape[1]
     group = h // k.shape[0]
-    qp = case["query_positions"]
-    vis = (np.arange(keys)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, keys), dtype=bool)
+    qp, causal = case["query_positions"], bool(case["causal"])
     regions = dict(_regions(case))
     if _history(case) is not None:
         regions["history"] = _history(case)
     out = {name: {"tau": np.full((h, tq), np.nan), "tv": np.full((h, tq), np.nan), "undefined": np.zeros(h, np.int64),
                   "err2": np.zeros(h), "ref2": np.zeros(h), "dot": np.zeros(h), "out2": np.zeros(h),
                   "own_err2": np.zeros(h), "own_ref2": np.zeros(h), "shift": np.full((h, tq), np.nan)} for name in spans}
+    keeps = {}
+    for name, sp in spans.items():
+        keep = np.ones(keys, dtype=bool)
+        for a, b in sp:
+            keep[a:b] = False
+        keeps[name] = keep
     masses = {name: np.zeros((h, tq)) for name in regions}
-    full_out = np.zeros((h, tq, d))
+    full_out = np.zeros((h, tq, d)) if want_out else None
+    tiles = row_tiles(tq, keys)
     for hh in range(h):
         kk = k[hh // group].astype(np.float64)
         vv = v[hh // group].astype(np.float64)
-        s = q[hh].astype(np.float64) @ kk.T / np.sqrt(np.float64(d))
-        s = np.where(vis, s, -np.inf)
-        e = np.exp(s - s.max(axis=1, keepdims=True))
-        p = e / e.sum(axis=1, keepdims=True)
-        o_full = p @ vv
-        full_out[hh] = o_full
-        o_ref = o_full if ref is None else ref[hh]
-        for name, (a, b) in regions.items():
-            masses[name][hh] = p[:, a:b].sum(axis=1)
-        for name, sp in spans.items():
-            keep = np.ones(keys, dtype=bool)
-            for a, b in sp:
-                keep[a:b] = False
-            allowed = vis & keep[None, :]
-            ok = allowed.any(axis=1)
-            sa = np.where(allowed, s, -np.inf)
-            mx = np.where(ok, sa.max(axis=1), 0.0)
-            ea = np.where(allowed, np.exp(sa - mx[:, None]), 0.0)
-            z = ea.sum(axis=1)
-            pa = ea / np.where(ok, z, 1.0)[:, None]
-            oa = pa @ vv
-            r = out[name]
-            r["tau"][hh] = np.where(ok, p[:, ~keep].sum(axis=1), np.nan)
-            r["tv"][hh] = np.where(ok, 0.5 * np.abs(p - pa).sum(axis=1), np.nan)
-            r["undefined"][hh] = int((~ok).sum())
-            r["err2"][hh] = ((oa - o_ref)[ok] ** 2).sum()
-            r["ref2"][hh] = (o_ref[ok] ** 2).sum()
-            r["dot"][hh] = (oa[ok] * o_ref[ok]).sum()
-            r["out2"][hh] = (oa[ok] ** 2).sum()
-            r["own_err2"][hh] = ((oa - o_full)[ok] ** 2).sum()
-            r["own_ref2"][hh] = (o_full[ok] ** 2).sum()
-            # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
-            dropped = vis & ~keep[None, :]
-            has = dropped.any(axis=1)
-            sd = np.where(dropped, s, -np.inf)
-            md = np.where(has, sd.max(axis=1), 0.0)
-            ed = np.where(dropped, np.exp(sd - md[:, None]), 0.0)   # the dropped keys' own softmax:
-            mu_d = (ed @ vv) / np.where(has, ed.sum(axis=1), 1.0)[:, None]  # stable however small their mass
-            mu_k = oa
+        for sl in tiles:                     # a tile of the head's queries: never [Tq, Tk]
+            vis = _visible(qp[sl], keys, causal)
+            s = np.where(vis, q[hh, sl].astype(np.float64) @ kk.T / np.sqrt(np.float64(d)), -np.inf)
+            p = _softmax(s)
+            o_full = p @ vv
+            if full_out is not None:
+                full_out[hh, sl] = o_full
+            o_ref = o_full if ref is None else ref[hh, sl]
+            for name, (a, b) in regions.items():
+                masses[name][hh, sl] = p[:, a:b].sum(axis=1)
             norm_o = np.linalg.norm(o_full, axis=1)
-            good = ok & has & (norm_o > 0)
-            r["shift"][hh] = np.where(good, np.linalg.norm(mu_k - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
+            for name, keep in keeps.items():
+                r = out[name]
+                if keep.all():               # "none": the kept softmax is the full one, no key dropped
+                    ok = vis.any(axis=1)
+                    pa, oa = p, o_full
+                else:
+                    pa, oa, ok = _masked(s, vis & keep[None, :], vv)
+                r["tau"][hh, sl] = np.where(ok, p[:, ~keep].sum(axis=1), np.nan)
+                r["tv"][hh, sl] = np.where(ok, _tv(p, pa), np.nan)
+                del pa
+                r["undefined"][hh] += int((~ok).sum())
+                r["err2"][hh] += ((oa - o_ref)[ok] ** 2).sum()
+                r["ref2"][hh] += (o_ref[ok] ** 2).sum()
+                r["dot"][hh] += (oa[ok] * o_ref[ok]).sum()
+                r["out2"][hh] += (oa[ok] ** 2).sum()
+                r["own_err2"][hh] += ((oa - o_full)[ok] ** 2).sum()
+                r["own_ref2"][hh] += (o_full[ok] ** 2).sum()
+                if keep.all():
+                    continue                 # no dropped key: no row has a shift (NaN, as initialized)
+                # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
+                ed, has = _masked_exp(s, vis & ~keep[None, :])          # the dropped keys' own softmax:
+                mu_d = (ed @ vv) / np.where(has, ed.sum(axis=1), 1.0)[:, None]  # stable however small their mass
+                del ed
+                mu_k = oa
+                good = ok & has & (norm_o > 0)
+                r["shift"][hh, sl] = np.where(good, np.linalg.norm(mu_k - mu_d, axis=1) / np.where(good, norm_o, 1.0),
+                                              np.nan)
     return out, masses, full_out
 
 
@@ -410,7 +468,26 @@ def _siblings(ctx, row):
             and r.get("study") == row["study"] and r.get("case") == row["case"] and r.get("arm") == row["arm"]]
 
 
+# what the audit keeps while a case's ablation rows are checked: the float32 arm's outputs, the
+# mass-matched selections (as bits), one arm's decoded K/V and the per-row results; dropped after
+# the case's last ablation row, so that later rows (MX paths, other cases) do not hold them
+_CASE_CACHES = ("ablation-ref", "ablation-mass-select", "ablation-mass", "ablation-kv", "ablation-arm")
+
+
 def check(row: dict, ctx) -> None:
+    try:
+        _check_row(row, ctx)
+    finally:
+        # the audit checks a copy of each row carrying its position in results.json (``_index``)
+        rows = [i for i, r in enumerate(ctx.results["rows"]) if isinstance(r, dict) and r.get("analysis") == "ablation"
+                and r.get("study") == row.get("study") and r.get("case") == row.get("case")]
+        if rows and row.get("_index") == rows[-1]:
+            for key in [c for c in ctx._cache if isinstance(c, tuple) and len(c) >= 3 and c[0] in _CASE_CACHES
+                        and c[1:3] == (row.get("study"), row.get("case"))]:
+                del ctx._cache[key]
+
+
+def _check_row(row: dict, ctx) -> None:
     case = ctx.case(row)
     seed = row.get("control_seed", 0)
     mass = row["ablation"].startswith(MASS_PREFIX)
@@ -435,9 +512,9 @@ def check(row: dict, ctx) -> None:
         _check_from_stats(row, ctx, case, spans, applicable, seed)
         return
     ref = None
+    ref_key = ("ablation-ref", row["study"], row["case"])
     if row["arm"] != "float32":
-        ref_key = ("ablation-ref", row["study"], row["case"])
-        ref = ctx.cached(ref_key, lambda: _derive(case, case["k"], case["v"], {}, None)[2])
+        ref = ctx.cached(ref_key, lambda: _derive(case, case["k"], case["v"], {}, None, want_out=True)[2])
 
     def derive_arm():
         names = {}
@@ -447,9 +524,14 @@ def check(row: dict, ctx) -> None:
             sp = expected_spans(case, r["case"], r["ablation"], r.get("control_seed", 0))
             if sp is not None:
                 names[r["ablation"]] = sp
-        return _derive(case, k, v, names, ref)
+        if row["arm"] != "float32":
+            return _derive(case, k, v, names, ref)[:2]
+        # the float32 arm's outputs are the quantized arms' reference: kept once per case, not per arm
+        derived, masses, full_out = _derive(case, k, v, names, None, want_out=True)
+        ctx._cache.setdefault(ref_key, full_out)
+        return derived, masses
 
-    derived, masses, _ = ctx.cached(("ablation-arm", row["study"], row["case"], row["arm"]), derive_arm)
+    derived, masses = _arm_cached(ctx, ("ablation-arm", row["study"], row["case"], row["arm"]), derive_arm)
     for name in REGION_FIELDS:
         ctx.close(row, f"{name}_mass", row.get(f"{name}_mass"), float(masses[name].mean()) if name in masses else None)
     if mass and applicable:

@@ -45,7 +45,20 @@ TOLERANCES = {
 __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention",
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
-           "payload_differences"]
+           "payload_differences", "MAX_ROW_SCORES", "row_tiles"]
+
+# float64 scores per tile of one query head's rows in the observation and ablation re-derivations
+# (16 MiB a score array; a tile's temporaries are a few times that): the per-head work never holds
+# [Tq, Tk]. Read at call time, so a test may lower it.
+MAX_ROW_SCORES = 1 << 21
+
+
+def row_tiles(queries: int, keys: int, max_scores: int | None = None) -> list[slice]:
+    """Slices of ``queries`` rows, each of at most ``max_scores`` (default ``MAX_ROW_SCORES``) scores
+    against ``keys`` keys, and at least one row; the last may be partial."""
+    budget = MAX_ROW_SCORES if max_scores is None else int(max_scores)
+    step = max(1, budget // max(1, keys))
+    return [slice(a, min(queries, a + step)) for a in range(0, queries, step)]
 
 
 def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Audit of observation rows: recompute the attention topology of a case from its q, k and layout.
 
-numpy only, one head at a time: float64 softmax over the visible keys, entropy-equivalent
+numpy only, one head at a time and, within a head, over tiles of its queries (`common.row_tiles`:
+never the head's whole [Tq, Tk] scores; the per-row statistics and the small [Tq, blocks] masses
+are gathered, the sets and nulls drawn from them): float64 softmax over the visible keys, entropy-equivalent
 support, top-k mass by sorting, the float32 softmax's strict zeros, region and history mass,
 key-block masses, top-block sets, Jaccard overlaps (and their two nulls: a seeded random pair of
 same-head queries that see the same key blocks, redrawn with stdlib ``random``; the
@@ -20,7 +22,7 @@ import random
 
 import numpy as np
 
-from .common import TOLERANCES
+from .common import TOLERANCES, row_tiles
 
 REGIONS = ("sink", "middle", "recent", "current", "history")
 PERCENTS = (1, 5, 10)
@@ -109,6 +111,40 @@ def _head_fit(bm: np.ndarray, sets: np.ndarray, vblocks: list, coverage: float) 
     return out
 
 
+def _tile_rows(s, vis, nvis, regions, frame, block, rows, hh, sl, fm, bm) -> None:
+    """One tile of one head's queries: scores ``s [c, Tk]`` (float64, unmasked) to the per-row
+    statistics ``rows[*][hh, sl]``, the per-frame masses ``fm[sl]`` and per-block masses ``bm[sl]``
+    (the same array when blocks are frames). Every quantity is per row, so a tile's rows come out as
+    they would from the whole head."""
+    c, keys = s.shape
+    s = np.where(vis, s, -np.inf)
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    p = e / e.sum(axis=1, keepdims=True)
+    del e
+    logp = np.log(np.where(p > 0, p, 1.0))
+    rows["support"][hh, sl] = np.exp(-(p * logp).sum(axis=1)) / nvis
+    del logp
+    csum = np.cumsum(-np.sort(-p, axis=1), axis=1)
+    for pc in PERCENTS:
+        cnt = np.maximum((pc * nvis.astype(np.int64) + 99) // 100, 1)
+        rows[f"top{pc}"][hh, sl] = csum[np.arange(c), np.minimum(cnt, keys) - 1]
+    del csum
+    s32 = s.astype(np.float32)
+    e32 = np.exp(s32 - s32.max(axis=1, keepdims=True))
+    p32 = e32 / e32.sum(axis=1, keepdims=True)
+    rows["zero_rate"][hh, sl] = ((p32 == 0) & vis).sum(axis=1) / nvis
+    del s32, e32, p32
+    for name, (a, b) in regions.items():
+        rows[f"{name}_mass"][hh, sl] = p[:, a:b].sum(axis=1)
+    nkb = fm.shape[1]
+    pp = np.concatenate([p, np.zeros((c, nkb * frame - keys))], axis=1) if nkb * frame != keys else p
+    fm[sl] = pp.reshape(c, nkb, frame).sum(axis=2)                          # per frame: the heatmap
+    if bm is not fm:
+        nbb = bm.shape[1]
+        pb = np.concatenate([p, np.zeros((c, nbb * block - keys))], axis=1) if nbb * block != keys else p
+        bm[sl] = pb.reshape(c, nbb, block).sum(axis=2)                      # per key block: the sets
+
+
 def derive(case, frame: int, coverage: float, case_id: str = "", block: int | None = None) -> dict:
     block = frame if block is None else block
     q, k = case["q"], case["k"]
@@ -116,8 +152,9 @@ def derive(case, frame: int, coverage: float, case_id: str = "", block: int | No
     keys = k.shape[1]
     group = h // k.shape[0]
     qp = case["query_positions"].astype(np.int64)
-    vis = (np.arange(keys)[None, :] <= qp[:, None]) if case["causal"] else np.ones((tq, keys), dtype=bool)
-    nvis = vis.sum(axis=1).astype(np.float64)
+    causal = bool(case["causal"])
+    # visible keys per query (key t is visible to a causal query at position p iff t <= p)
+    nvis = (np.clip(qp + 1, 0, keys) if causal else np.full(tq, keys)).astype(np.float64)
     regions = {r["name"]: (int(r["start"]), int(r["stop"])) for r in case["layout"]}
     if "current" in regions:
         regions["history"] = (0, regions["current"][0])
@@ -135,31 +172,17 @@ def derive(case, frame: int, coverage: float, case_id: str = "", block: int | No
     size = np.zeros((h, tq))
     nbb = -(-keys // block)
     fit = {k: np.zeros((h, tq)) for k in ("jaccard", "jaccard_null", "mass", "mass_null", "size")}
+    scale = np.sqrt(np.float64(d))
+    tiles = row_tiles(tq, keys)
     for hh in range(h):
-        s = q[hh].astype(np.float64) @ k[hh // group].astype(np.float64).T / np.sqrt(np.float64(d))
-        s = np.where(vis, s, -np.inf)
-        e = np.exp(s - s.max(axis=1, keepdims=True))
-        p = e / e.sum(axis=1, keepdims=True)
+        kk = k[hh // group].astype(np.float64)
+        fm = np.zeros((tq, nkb))
+        bm = fm if block == frame else np.zeros((tq, nbb))
         rows["visible_keys"][hh] = nvis
-        logp = np.log(np.where(p > 0, p, 1.0))
-        rows["support"][hh] = np.exp(-(p * logp).sum(axis=1)) / nvis
-        csum = np.cumsum(-np.sort(-p, axis=1), axis=1)
-        for pc in PERCENTS:
-            cnt = np.maximum((pc * nvis.astype(np.int64) + 99) // 100, 1)
-            rows[f"top{pc}"][hh] = csum[np.arange(tq), np.minimum(cnt, keys) - 1]
-        s32 = s.astype(np.float32)
-        e32 = np.exp(s32 - s32.max(axis=1, keepdims=True))
-        p32 = e32 / e32.sum(axis=1, keepdims=True)
-        rows["zero_rate"][hh] = ((p32 == 0) & vis).sum(axis=1) / nvis
-        for name, (a, b) in regions.items():
-            rows[f"{name}_mass"][hh] = p[:, a:b].sum(axis=1)
-        pp = np.concatenate([p, np.zeros((tq, nkb * frame - keys))], axis=1) if nkb * frame != keys else p
-        fm = pp.reshape(tq, nkb, frame).sum(axis=2)                         # per frame: the heatmap
-        if block == frame:
-            bm = fm
-        else:
-            pb = np.concatenate([p, np.zeros((tq, nbb * block - keys))], axis=1) if nbb * block != keys else p
-            bm = pb.reshape(tq, nbb, block).sum(axis=2)                     # per key block: the sets
+        for sl in tiles:                     # a tile of the head's queries: never [Tq, Tk]
+            vis = (np.arange(keys)[None, :] <= qp[sl, None]) if causal else np.ones((sl.stop - sl.start, keys), bool)
+            _tile_rows(q[hh, sl].astype(np.float64) @ kk.T / scale, vis, nvis[sl], regions, frame, block,
+                       rows, hh, sl, fm, bm)
         sets = _top_sets(bm, coverage)
         for key, val in _head_fit(bm, sets, vblocks, coverage).items():
             fit[key][hh] = val
