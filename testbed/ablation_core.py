@@ -44,10 +44,17 @@ an independent masked softmax.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+try:  # numba is a declared dependency; the numpy path serves where a platform lacks a wheel
+    import numba
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    numba = None
 
 from .attention import DEFAULT_MAX_SCORES
 from .metrics import history_span, score_tiles
@@ -445,29 +452,46 @@ def select_mass_matched(p: torch.Tensor, target: torch.Tensor, orders: list[list
     of ``orders``) that reached; a row none reached, or with ``tau`` 0 or NaN, is *unmatched* and
     drops nothing.
 
-    The attempts are independent, so they run side by side (one loop over order positions, numpy
-    on ``[attempts, rows]``); rows whose whole eligible visible mass is below ``lo`` cannot match
-    and are left out from the start (a shortcut only, with a 1e-9 relative margin so that it never
-    changes an outcome).
+    The attempts of a row are independent, and so are the rows: a compiled loop (numba, one row
+    and one attempt at a time, stopping at the first attempt that reaches) runs the rule as
+    written, in the same float64 additions and comparisons as the vectorized numpy path
+    (`_select_numpy`: one loop over order positions on ``[attempts, rows]``), which serves where
+    numba is missing or ``TESTBED_FAST=0``; the tests hold the two equal bit for bit. Rows whose
+    whole eligible visible mass is below ``lo`` cannot match and are left out from the start (a
+    shortcut only, with a 1e-9 relative margin so that it never changes an outcome).
 
     Returns torch ``(selected [..., c, Tk] bool, False on unmatched rows; tau; acc, the selected
     keys' mass, 0 on unmatched rows; matched bool)``.
     """
-    import numpy as np
-
     shape, tk = p.shape[:-1], p.shape[-1]
-    pn = p.detach().to(torch.float64).reshape(-1, tk).numpy()
+    pn = np.ascontiguousarray(p.detach().to(torch.float64).reshape(-1, tk).numpy())
     rows = pn.shape[0]
-    if vis is None:
-        visn = np.ones((rows, tk), dtype=bool)
-    else:
-        visn = vis.expand(*shape, tk).reshape(-1, tk).numpy()
-    order = np.asarray(orders, dtype=np.int64).reshape(len(orders), -1)     # [A, E]
+    order = np.ascontiguousarray(np.asarray(orders, dtype=np.int64).reshape(len(orders), -1))     # [A, E]
     tau = pn[:, target.numpy()].sum(axis=1)
     hi = tau * (1.0 + tol)
     lo = tau * (1.0 - tol)
     with np.errstate(invalid="ignore"):
         hopeless = ~(tau > 0) | (pn[:, order[0]].sum(axis=1) < lo * (1.0 - 1e-9))
+    if _select_rows is not None and os.environ.get("TESTBED_FAST", "1") != "0":
+        c = shape[-1] if len(shape) else 1
+        visn = (np.ones((1, tk), dtype=bool) if vis is None
+                else np.ascontiguousarray(vis.expand(c, tk).numpy()))
+        sel = np.zeros((rows, tk), dtype=bool)
+        achieved = np.zeros(rows)
+        matched = np.zeros(rows, dtype=bool)
+        _select_rows(pn, visn, 0 if vis is None else c, order, lo, hi, hopeless, sel, achieved, matched)
+    else:
+        visn = (np.ones((rows, tk), dtype=bool) if vis is None
+                else vis.expand(*shape, tk).reshape(-1, tk).numpy())
+        sel, achieved, matched = _select_numpy(pn, visn, order, lo, hi, hopeless)
+    return (torch.from_numpy(sel).reshape(*shape, tk), torch.from_numpy(tau).reshape(shape),
+            torch.from_numpy(achieved).reshape(shape), torch.from_numpy(matched).reshape(shape))
+
+
+def _select_numpy(pn, visn, order, lo, hi, hopeless):
+    """The selection of `select_mass_matched` vectorized over ``[attempts, rows]`` (``pn``, ``visn``
+    ``[rows, Tk]``): ``(sel [rows, Tk], achieved [rows], matched [rows])``."""
+    rows, tk = pn.shape
     attempts, e = order.shape
     acc = np.zeros((attempts, rows))
     done = np.broadcast_to(hopeless, (attempts, rows)).copy()
@@ -489,8 +513,45 @@ def select_mass_matched(p: torch.Tensor, target: torch.Tensor, orders: list[list
     sel = np.zeros((rows, tk), dtype=bool)
     sel[ar[:, None], order[first]] = took[first, ar] & matched[:, None]
     achieved = np.where(matched, acc[first, ar], 0.0)
-    return (torch.from_numpy(sel).reshape(*shape, tk), torch.from_numpy(tau).reshape(shape),
-            torch.from_numpy(achieved).reshape(shape), torch.from_numpy(matched).reshape(shape))
+    return sel, achieved, matched
+
+
+def _select_rows_py(pn, visn, c, order, lo, hi, hopeless, sel, achieved, matched):  # pragma: no cover - compiled
+    """The rule of `select_mass_matched`, one row and one attempt at a time (compiled by numba):
+    fills ``sel [rows, Tk]``, ``achieved`` and ``matched`` (zero-initialized) in place. Row ``r``
+    reads the visibility row ``r % c`` of ``visn`` (row 0 when ``c`` is 0: no causal mask)."""
+    rows = pn.shape[0]
+    attempts, e = order.shape
+    taken = np.empty(e, dtype=np.int64)
+    for r in range(rows):
+        if hopeless[r]:
+            continue
+        vr = r % c if c > 0 else 0
+        for a in range(attempts):
+            acc = 0.0
+            n = 0
+            reached = False
+            for i in range(e):
+                t = order[a, i]
+                if not visn[vr, t]:
+                    continue
+                nxt = acc + pn[r, t]
+                if nxt <= hi[r]:
+                    acc = nxt
+                    taken[n] = t
+                    n += 1
+                    if acc >= lo[r]:
+                        reached = True
+                        break
+            if reached:
+                for m in range(n):
+                    sel[r, taken[m]] = True
+                achieved[r] = acc
+                matched[r] = True
+                break
+
+
+_select_rows = None if numba is None else numba.njit(cache=True)(_select_rows_py)
 
 
 def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop: torch.Tensor, vj: torch.Tensor):
