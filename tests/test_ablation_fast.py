@@ -121,3 +121,122 @@ def test_compiled_and_vectorized_selection_agree_bit_for_bit(monkeypatch):
         for x, y in zip(fast, slow):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert np.array_equal(x.numpy(), y.numpy(), equal_nan=x.dtype == torch.float64)
+
+
+# -- the per-row masked softmax, computed in reused scratch ------------------------------------------
+
+def plain_drop_rows(s, vis, p, drop, vj):
+    """The masked renormalized softmax of a per-row drop mask, written out of place."""
+    visible = torch.ones_like(drop) if vis is None else vis.unsqueeze(0).expand_as(drop)
+    allowed = visible & ~drop
+    ok = allowed.any(dim=-1)
+    sa = s.masked_fill(~allowed, float("-inf"))
+    mx = torch.where(ok, sa.amax(dim=-1), torch.zeros(ok.shape, dtype=s.dtype))
+    ea = torch.exp(sa - mx.unsqueeze(-1))
+    za = ea.sum(dim=-1)
+    pa = ea / torch.where(ok, za, torch.ones_like(za)).unsqueeze(-1)
+    out = torch.matmul(pa, vj)
+    tau = p.masked_fill(~drop, 0.0).sum(dim=-1)
+    tv = 0.5 * (p - pa).abs().sum(dim=-1)
+    dv = visible & drop
+    has = dv.any(dim=-1)
+    sd = s.masked_fill(~dv, float("-inf"))
+    md = torch.where(has, sd.amax(dim=-1), torch.zeros(has.shape, dtype=s.dtype))
+    ed = torch.exp(sd - md.unsqueeze(-1))
+    zd = ed.sum(dim=-1)
+    mu_d = torch.matmul(ed, vj) / torch.where(has, zd, torch.ones_like(zd)).unsqueeze(-1)
+    return out, ok, tau, tv, mu_d, has
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_drop_rows_in_scratch_equals_the_plain_masked_softmax_bit_for_bit(causal):
+    g = torch.Generator().manual_seed(3)
+    heads, c, tk, d = 3, 17, 203, 16
+    s = 3.0 * torch.randn(heads, c, tk, generator=g, dtype=torch.float64)
+    vis = (torch.arange(tk)[None, :] <= torch.arange(tk - c, tk)[:, None]) if causal else None
+    drop = torch.rand(heads, c, tk, generator=g) < 0.3
+    drop[0, 0] = True                 # every key dropped: an undefined row
+    drop[1, 1] = False                # nothing dropped: no dropped mean
+    vj = torch.randn(tk, d, generator=g, dtype=torch.float64)
+    p = torch.softmax(s if vis is None else s.masked_fill(~vis, float("-inf")), dim=-1)
+    want = plain_drop_rows(s, vis, p, drop, vj)
+    # scratch larger than the tile and full of garbage, as a smaller last tile finds it
+    work = torch.full((s.numel() + 99,), 7.0, dtype=torch.float64)
+    work2 = torch.full((s.numel() + 5,), -3.0, dtype=torch.float64)
+    for w, w2 in ((None, None), (work, work2)):
+        got = ac._drop_rows(s, vis, p, drop, vj, w, w2)
+        assert not got[1][0, 0] and not got[5][1, 1]
+        for x, y in zip(got, want):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert np.array_equal(x.numpy(), y.numpy(), equal_nan=True)
+        out, ok = ac._drop_rows(s, vis, p, drop, vj, w, outputs_only=True)
+        assert torch.equal(out, want[0]) and torch.equal(ok, want[1])
+
+
+# -- the selections shared by a Case's arms ---------------------------------------------------------
+
+def video_like_case(seed, heads=4, kv_heads=2):
+    from testbed.case import Case, Region
+    g = torch.Generator().manual_seed(seed)
+    sizes = (12, 40, 30, 33)
+    bounds = np.cumsum((0,) + sizes).tolist()
+    layout = tuple(Region(n, a, b) for n, a, b in zip(("sink", "middle", "recent", "current"), bounds[:-1], bounds[1:]))
+    tk = bounds[-1]
+    pos = torch.arange(bounds[3], tk)
+    return Case(id=f"fast{seed}", q=3.0 * torch.randn(heads, len(pos), 16, generator=g),
+                k=torch.randn(kv_heads, tk, 16, generator=g), v=torch.randn(kv_heads, tk, 16, generator=g),
+                query_positions=pos, causal=True, layout=layout)
+
+
+def controls_of(case):
+    out = {}
+    for name in ("mass_control_sink", "mass_control_recent"):
+        abl = ac.make_ablation(name, 0)
+        out[name] = (abl.target_spans(case), abl.orders(case))
+    return out
+
+
+def same_result(a, b):
+    import dataclasses
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.shape == y.shape and x.dtype == y.dtype, f.name
+            assert np.array_equal(x.numpy(), y.numpy(), equal_nan=x.is_floating_point()), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_arms_sharing_selections_give_what_each_arm_gives_alone(monkeypatch):
+    case = video_like_case(5)
+    ctrl = controls_of(case)
+    arms = [(None, None), ((case.k * 4).round() / 4, (case.v * 4).round() / 4), ((case.k * 2).round() / 2, case.v)]
+    alone, ref = [], None
+    for k, v in arms:
+        alone.append(ac.mass_control_case(case, ctrl, k, v, ref=ref, max_scores=1500))
+        ref = alone[0].output
+    shared, ref = ac.MassSelections(case.k), None
+    for n, (k, v) in enumerate(arms):
+        if n == 1:
+            # a later arm reads the first arm's selections: it selects nothing itself
+            def refuse(*args, **kw):
+                raise AssertionError("a later arm selected again")
+            monkeypatch.setattr(ac, "select_mass_matched", refuse)
+        got = ac.mass_control_case(case, ctrl, k, v, ref=ref, max_scores=1500, selections=shared)
+        ref = got.output if n == 0 else ref
+        same_result(got, alone[n])
+        assert got.matched.any() and not got.matched.all()
+
+
+def test_selections_of_another_reference_are_not_read():
+    case, other = video_like_case(5), video_like_case(6)
+    ctrl = controls_of(case)
+    shared = ac.MassSelections(case.k)
+    ac.mass_control_case(case, ctrl, max_scores=1500, selections=shared)
+    assert shared.complete
+    # another Case of the same shapes (another reference K): its own selections, not the stored ones
+    same_result(ac.mass_control_case(other, ctrl, max_scores=1500, selections=shared),
+                ac.mass_control_case(other, ctrl, max_scores=1500))
+    # the same reference with another tile size: the tiles differ, so it selects again
+    same_result(ac.mass_control_case(case, ctrl, max_scores=900, selections=shared),
+                ac.mass_control_case(case, ctrl, max_scores=900))
