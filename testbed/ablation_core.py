@@ -631,26 +631,27 @@ class MassResult(ArmResult):
 
 
 class MassSelections:
-    """The mass-matched selections of one Case, tile by tile, shared by its K/V arms.
+    """The mass-matched selections of one Case, shared by its K/V arms.
 
     The selection reads only the reference attention (the float64 softmax of the Case's own K),
     so every arm of a Case selects the same keys per row; the first `mass_control` pass (the
     float32 arm) stores each tile's selection here (the selected keys as bits over the eligible
-    keys, with ``tau``, ``acc`` and ``matched``), and a later pass over the same controls, tiles
-    and reference K reads them back instead of re-scoring the reference and re-selecting. ``k_ref``
-    is the reference K the selections were read from: a pass with any other reference K (or other
-    controls, tile size or tolerance) neither reads nor writes them.
+    keys, with ``tau``, ``acc`` and ``matched``, in arrays of the whole ``[H, Tq]`` allocated
+    once, so that nothing small and long-lived is left between a tile's temporaries), and a later
+    pass over the same controls, tiles and reference K reads them back instead of re-scoring the
+    reference and re-selecting. ``k_ref`` is the reference K the selections were read from: a pass
+    with any other reference K (or other controls, tile size or tolerance) neither reads nor
+    writes them.
     """
 
     def __init__(self, k_ref: torch.Tensor):
         self.k_ref = k_ref
-        self.tiles: dict = {}
         self.complete: set = set()
         self._signatures: list = []
+        self._store: dict = {}
 
     def signature(self, sig) -> int:
-        """A small id for a pass's signature (controls, tile size, tolerance, shapes): the tiles'
-        keys hold it instead of the signature's long orders."""
+        """A small id for a pass's signature (controls, tile size, tolerance, shapes)."""
         if sig not in self._signatures:
             self._signatures.append(sig)
         return self._signatures.index(sig)
@@ -658,15 +659,25 @@ class MassSelections:
     def usable(self, k_ref: torch.Tensor) -> bool:
         return k_ref is self.k_ref
 
-    def put(self, key, sel: torch.Tensor, eligible: np.ndarray, tau, acc, matched) -> None:
-        bits = np.packbits(sel.reshape(-1, sel.shape[-1]).numpy()[:, eligible], axis=-1)
-        self.tiles[key] = (bits, tuple(sel.shape), tau, acc, matched)
+    def put(self, sid: int, name: str, heads: slice, qs: slice, shape: tuple[int, int], sel: torch.Tensor,
+            eligible: np.ndarray, tau, acc, matched) -> None:
+        """Store one tile's selection of control ``name`` (``shape``: the Case's ``(H, Tq)``)."""
+        key = (sid, name)
+        if key not in self._store:
+            self._store[key] = (np.zeros(shape + ((len(eligible) + 7) // 8,), dtype=np.uint8),
+                                torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64),
+                                torch.zeros(shape, dtype=torch.bool))
+        bits, t, a, m = self._store[key]
+        bits[heads, qs] = np.packbits(sel.numpy()[..., eligible], axis=-1)
+        t[heads, qs], a[heads, qs], m[heads, qs] = tau, acc, matched
 
-    def get(self, key, eligible: np.ndarray):
-        bits, shape, tau, acc, matched = self.tiles[key]
-        sel = np.zeros((bits.shape[0], shape[-1]), dtype=bool)
-        sel[:, eligible] = np.unpackbits(bits, axis=-1, count=len(eligible)).astype(bool)
-        return torch.from_numpy(sel).reshape(shape), tau, acc, matched
+    def get(self, sid: int, name: str, heads: slice, qs: slice, tk: int, eligible: np.ndarray):
+        """One tile's ``(sel [g, c, Tk], tau, acc, matched)`` as `select_mass_matched` returned them."""
+        bits, t, a, m = self._store[(sid, name)]
+        b = bits[heads, qs]
+        sel = np.zeros(b.shape[:-1] + (tk,), dtype=bool)
+        sel[..., eligible] = np.unpackbits(b, axis=-1, count=len(eligible)).astype(bool)
+        return torch.from_numpy(sel), t[heads, qs].clone(), a[heads, qs].clone(), m[heads, qs].clone()
 
 
 def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
@@ -730,11 +741,11 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
         fn_row = full.norm(dim=-1)
         for i, name in enumerate(names):
             if cached:
-                sel, tau, acc, matched = selections.get((sid, name, j, qs.start), eligible[i])
+                sel, tau, acc, matched = selections.get(sid, name, heads, qs, keys, eligible[i])
             else:
                 sel, tau, acc, matched = select_mass_matched(p_ref, targets[i], controls[name][1], vis, tol)
                 if selections is not None:
-                    selections.put((sid, name, j, qs.start), sel, eligible[i], tau, acc, matched)
+                    selections.put(sid, name, heads, qs, (h, tq), sel, eligible[i], tau, acc, matched)
             out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj, work, work2)
             t_out, t_ok = _drop_rows(s, vis, p, targets[i].expand_as(sel), vj, work, outputs_only=True)
             use = matched & ok
