@@ -463,6 +463,8 @@ def select_mass_matched(p: torch.Tensor, target: torch.Tensor, orders: list[list
     Returns torch ``(selected [..., c, Tk] bool, False on unmatched rows; tau; acc, the selected
     keys' mass, 0 on unmatched rows; matched bool)``.
     """
+    if not 0.0 <= tol < 1.0:  # lo = (1 - tol) tau must stay positive: a row that took nothing is no match
+        raise ValueError(f"mass tolerance must lie in [0, 1), got {tol!r}")
     shape, tk = p.shape[:-1], p.shape[-1]
     pn = np.ascontiguousarray(p.detach().to(torch.float64).reshape(-1, tk).numpy())
     rows = pn.shape[0]

@@ -240,3 +240,13 @@ def test_selections_of_another_reference_are_not_read():
     # the same reference with another tile size: the tiles differ, so it selects again
     same_result(ac.mass_control_case(case, ctrl, max_scores=900, selections=shared),
                 ac.mass_control_case(case, ctrl, max_scores=900))
+
+
+def test_a_tolerance_outside_zero_to_one_is_refused():
+    """At tol >= 1 the band's floor is at or below 0, where a row that took no key would count as
+    matched: the selection refuses such a tolerance rather than let its two paths disagree."""
+    p = torch.full((1, 4), 0.25, dtype=torch.float64)
+    target = torch.tensor([True, False, False, False])
+    for tol in (1.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="mass tolerance"):
+            select_mass_matched(p, target, [[1, 2, 3]], None, tol)
