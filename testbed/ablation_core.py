@@ -44,10 +44,17 @@ an independent masked softmax.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+try:  # numba is a declared dependency; the numpy path serves where a platform lacks a wheel
+    import numba
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    numba = None
 
 from .attention import DEFAULT_MAX_SCORES
 from .metrics import history_span, score_tiles
@@ -445,29 +452,48 @@ def select_mass_matched(p: torch.Tensor, target: torch.Tensor, orders: list[list
     of ``orders``) that reached; a row none reached, or with ``tau`` 0 or NaN, is *unmatched* and
     drops nothing.
 
-    The attempts are independent, so they run side by side (one loop over order positions, numpy
-    on ``[attempts, rows]``); rows whose whole eligible visible mass is below ``lo`` cannot match
-    and are left out from the start (a shortcut only, with a 1e-9 relative margin so that it never
-    changes an outcome).
+    The attempts of a row are independent, and so are the rows: a compiled loop (numba, one row
+    and one attempt at a time, stopping at the first attempt that reaches) runs the rule as
+    written, in the same float64 additions and comparisons as the vectorized numpy path
+    (`_select_numpy`: one loop over order positions on ``[attempts, rows]``), which serves where
+    numba is missing or ``TESTBED_FAST=0``; the tests hold the two equal bit for bit. Rows whose
+    whole eligible visible mass is below ``lo`` cannot match and are left out from the start (a
+    shortcut only, with a 1e-9 relative margin so that it never changes an outcome).
 
     Returns torch ``(selected [..., c, Tk] bool, False on unmatched rows; tau; acc, the selected
     keys' mass, 0 on unmatched rows; matched bool)``.
     """
-    import numpy as np
-
+    if not 0.0 <= tol < 1.0:  # lo = (1 - tol) tau must stay positive: a row that took nothing is no match
+        raise ValueError(f"mass tolerance must lie in [0, 1), got {tol!r}")
     shape, tk = p.shape[:-1], p.shape[-1]
-    pn = p.detach().to(torch.float64).reshape(-1, tk).numpy()
+    pn = np.ascontiguousarray(p.detach().to(torch.float64).reshape(-1, tk).numpy())
     rows = pn.shape[0]
-    if vis is None:
-        visn = np.ones((rows, tk), dtype=bool)
-    else:
-        visn = vis.expand(*shape, tk).reshape(-1, tk).numpy()
-    order = np.asarray(orders, dtype=np.int64).reshape(len(orders), -1)     # [A, E]
+    order = np.ascontiguousarray(np.asarray(orders, dtype=np.int64).reshape(len(orders), -1))     # [A, E]
     tau = pn[:, target.numpy()].sum(axis=1)
     hi = tau * (1.0 + tol)
     lo = tau * (1.0 - tol)
     with np.errstate(invalid="ignore"):
         hopeless = ~(tau > 0) | (pn[:, order[0]].sum(axis=1) < lo * (1.0 - 1e-9))
+    if _select_rows is not None and os.environ.get("TESTBED_FAST", "1") != "0":
+        c = shape[-1] if len(shape) else 1
+        visn = (np.ones((1, tk), dtype=bool) if vis is None
+                else np.ascontiguousarray(vis.expand(c, tk).numpy()))
+        sel = np.zeros((rows, tk), dtype=bool)
+        achieved = np.zeros(rows)
+        matched = np.zeros(rows, dtype=bool)
+        _select_rows(pn, visn, 0 if vis is None else c, order, lo, hi, hopeless, sel, achieved, matched)
+    else:
+        visn = (np.ones((rows, tk), dtype=bool) if vis is None
+                else vis.expand(*shape, tk).reshape(-1, tk).numpy())
+        sel, achieved, matched = _select_numpy(pn, visn, order, lo, hi, hopeless)
+    return (torch.from_numpy(sel).reshape(*shape, tk), torch.from_numpy(tau).reshape(shape),
+            torch.from_numpy(achieved).reshape(shape), torch.from_numpy(matched).reshape(shape))
+
+
+def _select_numpy(pn, visn, order, lo, hi, hopeless):
+    """The selection of `select_mass_matched` vectorized over ``[attempts, rows]`` (``pn``, ``visn``
+    ``[rows, Tk]``): ``(sel [rows, Tk], achieved [rows], matched [rows])``."""
+    rows, tk = pn.shape
     attempts, e = order.shape
     acc = np.zeros((attempts, rows))
     done = np.broadcast_to(hopeless, (attempts, rows)).copy()
@@ -489,35 +515,91 @@ def select_mass_matched(p: torch.Tensor, target: torch.Tensor, orders: list[list
     sel = np.zeros((rows, tk), dtype=bool)
     sel[ar[:, None], order[first]] = took[first, ar] & matched[:, None]
     achieved = np.where(matched, acc[first, ar], 0.0)
-    return (torch.from_numpy(sel).reshape(*shape, tk), torch.from_numpy(tau).reshape(shape),
-            torch.from_numpy(achieved).reshape(shape), torch.from_numpy(matched).reshape(shape))
+    return sel, achieved, matched
 
 
-def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop: torch.Tensor, vj: torch.Tensor):
+def _select_rows_py(pn, visn, c, order, lo, hi, hopeless, sel, achieved, matched):  # pragma: no cover - compiled
+    """The rule of `select_mass_matched`, one row and one attempt at a time (compiled by numba):
+    fills ``sel [rows, Tk]``, ``achieved`` and ``matched`` (zero-initialized) in place. Row ``r``
+    reads the visibility row ``r % c`` of ``visn`` (row 0 when ``c`` is 0: no causal mask)."""
+    rows = pn.shape[0]
+    attempts, e = order.shape
+    taken = np.empty(e, dtype=np.int64)
+    for r in range(rows):
+        if hopeless[r]:
+            continue
+        vr = r % c if c > 0 else 0
+        for a in range(attempts):
+            acc = 0.0
+            n = 0
+            reached = False
+            for i in range(e):
+                t = order[a, i]
+                if not visn[vr, t]:
+                    continue
+                nxt = acc + pn[r, t]
+                if nxt <= hi[r]:
+                    acc = nxt
+                    taken[n] = t
+                    n += 1
+                    if acc >= lo[r]:
+                        reached = True
+                        break
+            if reached:
+                for m in range(n):
+                    sel[r, taken[m]] = True
+                achieved[r] = acc
+                matched[r] = True
+                break
+
+
+_select_rows = None if numba is None else numba.njit(cache=True)(_select_rows_py)
+
+
+def _scratch(buf: torch.Tensor | None, shape, dtype=torch.float64) -> torch.Tensor:
+    """A contiguous ``shape`` tensor in ``buf``'s memory when it holds enough (a tile's scratch,
+    reused from tile to tile instead of allocated per operation), else a new one."""
+    n = 1
+    for x in shape:
+        n *= int(x)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        return torch.empty(shape, dtype=dtype)
+    return buf.view(-1)[:n].view(shape)
+
+
+_NINF = torch.tensor(float("-inf"), dtype=torch.float64)
+_ZERO = torch.tensor(0.0, dtype=torch.float64)
+
+
+def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop: torch.Tensor, vj: torch.Tensor,
+               work: torch.Tensor | None = None, work2: torch.Tensor | None = None, outputs_only: bool = False):
     """One masked renormalized softmax per row, dropping ``drop [g, c, Tk]`` (a per-row mask).
 
     Returns ``(out [g, c, D], ok, tau, tv, mu_dropped [g, c, D], has)``: ``ok`` where the kept
     visible set is not empty, ``tau`` the dropped mass of ``p``, ``tv = 0.5 sum |p - p'|`` key by
     key, ``mu_dropped`` the value mean under the dropped keys' own softmax, ``has`` where a visible
-    key is dropped.
+    key is dropped; ``(out, ok)`` only with ``outputs_only``. ``work`` / ``work2``: float64 scratch
+    of at least the tile's size (`_scratch`; None allocates): the softmaxes are computed in place
+    there, the same operations on the same shapes as out of place, so the same values.
     """
-    visible = torch.ones_like(drop) if vis is None else vis.unsqueeze(0).expand_as(drop)
-    ninf = float("-inf")
-    allowed = visible & ~drop
+    allowed = ~drop if vis is None else vis.unsqueeze(0) & ~drop
     ok = allowed.any(dim=-1)
-    sa = s.masked_fill(~allowed, ninf)
-    mx = torch.where(ok, sa.amax(dim=-1), torch.zeros_like(ok, dtype=s.dtype))
-    ea = torch.exp(sa - mx.unsqueeze(-1))
+    ea = torch.where(allowed, s, _NINF, out=_scratch(work, s.shape))              # s on the kept keys, else -inf
+    mx = torch.where(ok, ea.amax(dim=-1), torch.zeros_like(ok, dtype=s.dtype))
+    ea.sub_(mx.unsqueeze(-1)).exp_()
     za = ea.sum(dim=-1)
-    pa = ea / torch.where(ok, za, torch.ones_like(za)).unsqueeze(-1)
+    pa = ea.div_(torch.where(ok, za, torch.ones_like(za)).unsqueeze(-1))
     out = torch.matmul(pa, vj)
-    tau = p.masked_fill(~drop, 0.0).sum(dim=-1)
-    tv = 0.5 * (p - pa).abs().sum(dim=-1)
-    dv = visible & drop
+    if outputs_only:
+        return out, ok
+    w2 = _scratch(work2, s.shape)
+    tau = torch.where(drop, p, _ZERO, out=w2).sum(dim=-1)
+    tv = 0.5 * torch.sub(p, pa, out=w2).abs_().sum(dim=-1)
+    dv = drop if vis is None else vis.unsqueeze(0) & drop
     has = dv.any(dim=-1)
-    sd = s.masked_fill(~dv, ninf)
-    md = torch.where(has, sd.amax(dim=-1), torch.zeros_like(has, dtype=s.dtype))
-    ed = torch.exp(sd - md.unsqueeze(-1))
+    ed = torch.where(dv, s, _NINF, out=pa)                                          # s on the dropped keys, else -inf
+    md = torch.where(has, ed.amax(dim=-1), torch.zeros_like(has, dtype=s.dtype))
+    ed.sub_(md.unsqueeze(-1)).exp_()
     zd = ed.sum(dim=-1)
     mu_d = torch.matmul(ed, vj) / torch.where(has, zd, torch.ones_like(zd)).unsqueeze(-1)
     return out, ok, tau, tv, mu_d, has
@@ -550,16 +632,68 @@ class MassResult(ArmResult):
         return float("nan") if den == 0 else (float(self.target_err2[i].sum()) / den) ** 0.5
 
 
+class MassSelections:
+    """The mass-matched selections of one Case, shared by its K/V arms.
+
+    The selection reads only the reference attention (the float64 softmax of the Case's own K),
+    so every arm of a Case selects the same keys per row; the first `mass_control` pass (the
+    float32 arm) stores each tile's selection here (the selected keys as bits over the eligible
+    keys, with ``tau``, ``acc`` and ``matched``, in arrays of the whole ``[H, Tq]`` allocated
+    once, so that nothing small and long-lived is left between a tile's temporaries), and a later
+    pass over the same controls, tiles and reference K reads them back instead of re-scoring the
+    reference and re-selecting. ``k_ref`` is the reference K the selections were read from: a pass
+    with any other reference K (or other controls, tile size or tolerance) neither reads nor
+    writes them.
+    """
+
+    def __init__(self, k_ref: torch.Tensor):
+        self.k_ref = k_ref
+        self.complete: set = set()
+        self._signatures: list = []
+        self._store: dict = {}
+
+    def signature(self, sig) -> int:
+        """A small id for a pass's signature (controls, tile size, tolerance, shapes)."""
+        if sig not in self._signatures:
+            self._signatures.append(sig)
+        return self._signatures.index(sig)
+
+    def usable(self, k_ref: torch.Tensor) -> bool:
+        return k_ref is self.k_ref
+
+    def put(self, sid: int, name: str, heads: slice, qs: slice, shape: tuple[int, int], sel: torch.Tensor,
+            eligible: np.ndarray, tau, acc, matched) -> None:
+        """Store one tile's selection of control ``name`` (``shape``: the Case's ``(H, Tq)``)."""
+        key = (sid, name)
+        if key not in self._store:
+            self._store[key] = (np.zeros(shape + ((len(eligible) + 7) // 8,), dtype=np.uint8),
+                                torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64),
+                                torch.zeros(shape, dtype=torch.bool))
+        bits, t, a, m = self._store[key]
+        bits[heads, qs] = np.packbits(sel.numpy()[..., eligible], axis=-1)
+        t[heads, qs], a[heads, qs], m[heads, qs] = tau, acc, matched
+
+    def get(self, sid: int, name: str, heads: slice, qs: slice, tk: int, eligible: np.ndarray):
+        """One tile's ``(sel [g, c, Tk], tau, acc, matched)`` as `select_mass_matched` returned them."""
+        bits, t, a, m = self._store[(sid, name)]
+        b = bits[heads, qs]
+        sel = np.zeros(b.shape[:-1] + (tk,), dtype=bool)
+        sel[..., eligible] = np.unpackbits(b, axis=-1, count=len(eligible)).astype(bool)
+        return torch.from_numpy(sel), t[heads, qs].clone(), a[heads, qs].clone(), m[heads, qs].clone()
+
+
 def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
                  layout, controls: dict[str, tuple[list[tuple[int, int]], list[list[int]]]], *, k_ref: torch.Tensor | None = None,
                  ref: torch.Tensor | None = None, max_scores: int = DEFAULT_MAX_SCORES,
-                 tol: float = MASS_TOLERANCE) -> MassResult:
+                 tol: float = MASS_TOLERANCE, selections: MassSelections | None = None) -> MassResult:
     """Run the mass-matched controls ``controls`` ({name: (target spans, `MassControl.orders`)}) on
     one K/V arm, tile by tile (one KV head x a slice of queries, as `ablate`).
 
     ``k_ref``: the original K the selection reads (None: ``k`` itself, the float32 arm); ``ref``:
     the output errors are measured against (None: this arm's own full output). Each row of a tile
     is a direct masked softmax over its own kept keys (no atoms: the dropped set differs per row).
+    ``selections``: a `MassSelections` of the reference K, filled by the first pass and read by
+    the next ones (None: every pass selects on its own).
     """
     h, tq, d = q.shape
     keys = k.shape[1]
@@ -581,14 +715,26 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
         for a, b in controls[name][0]:
             tmask[a:b] = True
         targets.append(tmask)
-    ref_tiles = None if k_ref is None else score_tiles(q, k_ref, query_positions, causal, max_scores)
+    eligible = [np.sort(np.asarray(controls[name][1][0], dtype=np.int64)) for name in names]
+    sig = (tuple(names), tuple((tuple(map(tuple, sp)), tuple(map(tuple, od))) for sp, od in controls.values()),
+           int(max_scores), float(tol), tuple(q.shape), tuple(k.shape))
+    if selections is not None and not selections.usable(k if k_ref is None else k_ref):
+        selections = None
+    sid = None if selections is None else selections.signature(sig)
+    cached = selections is not None and sid in selections.complete
+    ref_tiles = None if k_ref is None or cached else score_tiles(q, k_ref, query_positions, causal, max_scores)
+    work = work2 = None
     for j, heads, qs, s, vis in score_tiles(q, k, query_positions, causal, max_scores):
+        if work is None or work.numel() < s.numel():
+            work, work2 = torch.empty(s.numel(), dtype=f64), torch.empty(s.numel(), dtype=f64)
         vj = v[j].to(f64)
         sm = s if vis is None else s.masked_fill(~vis, float("-inf"))
         p = torch.softmax(sm, dim=-1)
         full = torch.matmul(p, vj)
         output[heads, qs] = full
-        if ref_tiles is None:
+        if cached:
+            p_ref = None
+        elif ref_tiles is None:
             p_ref = p
         else:
             s_ref = next(ref_tiles)[3]
@@ -596,9 +742,14 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
         o_ref = full if ref is None else ref[heads, qs].to(f64)
         fn_row = full.norm(dim=-1)
         for i, name in enumerate(names):
-            sel, tau, acc, matched = select_mass_matched(p_ref, targets[i], controls[name][1], vis, tol)
-            out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj)
-            t_out, t_ok, *_ = _drop_rows(s, vis, p, targets[i].expand_as(sel), vj)
+            if cached:
+                sel, tau, acc, matched = selections.get(sid, name, heads, qs, keys, eligible[i])
+            else:
+                sel, tau, acc, matched = select_mass_matched(p_ref, targets[i], controls[name][1], vis, tol)
+                if selections is not None:
+                    selections.put(sid, name, heads, qs, (h, tq), sel, eligible[i], tau, acc, matched)
+            out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj, work, work2)
+            t_out, t_ok = _drop_rows(s, vis, p, targets[i].expand_as(sel), vj, work, outputs_only=True)
             use = matched & ok
             both = use & t_ok
             per_row["target_mass"][i, heads, qs] = tau
@@ -617,21 +768,26 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
             tr = torch.where(bb, o_ref, torch.zeros_like(o_ref))
             sums["target_err2"][i, heads] += ((to - tr) ** 2).sum(dim=(-1, -2))
             sums["target_ref2"][i, heads] += (tr ** 2).sum(dim=(-1, -2))
-    return MassResult(names, per_row["dropped_mass"], per_row["tv"], undefined, sums["err2"], sums["ref2"], sums["dot"],
-                      sums["out2"], sums["own_err2"], sums["own_ref2"], {}, output, per_row["mean_shift"],
-                      target_mass=per_row["target_mass"], achieved=per_row["achieved"], matched=matched_all, keys=nkeys,
-                      target_err2=sums["target_err2"], target_ref2=sums["target_ref2"])
+    result = MassResult(names, per_row["dropped_mass"], per_row["tv"], undefined, sums["err2"], sums["ref2"], sums["dot"],
+                        sums["out2"], sums["own_err2"], sums["own_ref2"], {}, output, per_row["mean_shift"],
+                        target_mass=per_row["target_mass"], achieved=per_row["achieved"], matched=matched_all, keys=nkeys,
+                        target_err2=sums["target_err2"], target_ref2=sums["target_ref2"])
+    if selections is not None:
+        selections.complete.add(sid)
+    return result
 
 
-def mass_control_case(case, controls, k=None, v=None, *, ref=None, max_scores: int = DEFAULT_MAX_SCORES) -> MassResult:
+def mass_control_case(case, controls, k=None, v=None, *, ref=None, max_scores: int = DEFAULT_MAX_SCORES,
+                      selections: MassSelections | None = None) -> MassResult:
     """`mass_control` on a Case; with replaced (e.g. dequantized) K and V the selection still reads
-    the Case's own K (the reference attention)."""
+    the Case's own K (the reference attention). ``selections``: a `MassSelections` of ``case.k``
+    shared by the Case's arms (each arm then selects nothing the first one did not)."""
     return mass_control(case.q, case.k if k is None else k, case.v if v is None else v, case.query_positions,
                         case.causal, case.layout, controls, k_ref=None if k is None or k is case.k else case.k, ref=ref,
-                        max_scores=max_scores)
+                        max_scores=max_scores, selections=selections)
 
 
-__all__.append("mass_control_case")
+__all__ += ["mass_control_case", "MassSelections"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ from collections import defaultdict
 import torch
 from tabulate import tabulate
 
-from ..ablation_core import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, ablate_case,
-                             control_block, make_ablation, mass_control_case, row_statistics)
+from ..ablation_core import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl,
+                             MassSelections, ablate_case, control_block, make_ablation, mass_control_case,
+                             row_statistics)
 from ..context import case_fields
 from ..metrics import history_span, holm, paired_wilcoxon
 from ..schema import Key, ProtocolError, Spec
@@ -189,6 +190,7 @@ def evaluate(case, params, ctx) -> list[dict]:
             info[name].update(control_of=target, control_seed=params["control_seed"], control_kind=kind)
     rows = []
     ref = None
+    selections = MassSelections(case.k)  # every arm selects the same keys per row: the first arm's pass stores them
     hkv, d = case.kv_heads, case.k.shape[-1]
     base = case_fields(case)
     for arm, packer, stop, reason in build_arms(case, params):
@@ -214,7 +216,7 @@ def evaluate(case, params, ctx) -> list[dict]:
         if mass:
             mres = ctx.timed(case.id, arm, "mass_control", 0,
                              lambda: mass_control_case(case, mass, k, v, ref=ref,  # noqa: B023
-                                                       max_scores=params["max_scores"]))
+                                                       max_scores=params["max_scores"], selections=selections))
         if packer is None:
             ref = res.output
         stats_paths, stats_layout = None, None

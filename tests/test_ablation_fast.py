@@ -1,0 +1,252 @@
+"""The ablation's fast paths (issue #35, the seed-scale time target) against their definitions.
+
+The mass-matched selection has two implementations, a compiled per-row loop (numba) and a numpy
+loop vectorized over attempts and rows; both must give, bit for bit, what the rule in
+`select_mass_matched`'s docstring gives when it is written again here as a plain Python loop over
+one row at a time, on random rows with ties, hidden keys, rows whose target mass is 0 or NaN, and
+rows that match only on a later attempt or not at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from testbed import ablation_core as ac
+from testbed.ablation_core import MASS_TOLERANCE, select_mass_matched
+
+PATHS = ["numpy"] + (["numba"] if ac._select_rows is not None else [])
+
+
+def rule_row(p_row, vis_row, target_keys, orders, tol=MASS_TOLERANCE):
+    """The documented rule for one row: (attempt, keys taken in order, acc) or None (unmatched).
+
+    ``tau`` is the row's target mass (numpy's sum of the target's values, the definition's sum);
+    the accumulation is the rule's own: start at 0.0, add each taken key's mass in order."""
+    tau = float(np.sum(np.asarray([p_row[t] for t in target_keys], dtype=np.float64)))
+    if not tau > 0:
+        return None
+    lo, hi = tau * (1.0 - tol), tau * (1.0 + tol)
+    for a, order in enumerate(orders):
+        acc, taken = 0.0, []
+        for t in order:
+            if not vis_row[t]:
+                continue
+            if acc + p_row[t] <= hi:
+                acc += p_row[t]
+                taken.append(t)
+                if acc >= lo:
+                    return a, taken, acc
+    return None
+
+
+def random_tile(rng, kind):
+    """``(p [g, c, Tk] float64, vis [c, Tk] or None, target [Tk] bool, orders)``."""
+    g, c, tk = int(rng.integers(1, 4)), int(rng.integers(1, 12)), int(rng.integers(6, 48))
+    a = int(rng.integers(0, tk - 2))
+    b = int(rng.integers(a + 1, tk - 1))
+    target = torch.zeros(tk, dtype=torch.bool)
+    target[a:b] = True
+    eligible = [t for t in range(tk) if not target[t]]
+    orders = [[int(x) for x in rng.permutation(eligible)] for _ in range(int(rng.integers(1, 6)))]
+    logits = rng.normal(size=(g, c, tk)) * rng.uniform(0.2, 6.0)
+    if kind == "ties":
+        logits = np.round(logits)          # many keys of exactly equal mass
+    elif kind == "uniform":
+        logits = np.zeros((g, c, tk))      # every key the same mass: a count of keys matches or none does
+    elif kind == "peaked":
+        logits[..., a] += 12.0             # the target holds nearly all mass: most rows cannot match
+    vis = None
+    if kind != "uniform" and rng.random() < 0.7:
+        vis = torch.from_numpy(rng.random((c, tk)) < 0.75)
+        vis[:, int(rng.integers(0, tk))] = True
+    s = torch.from_numpy(logits)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+        if c > 1:
+            s[0, 0] = float("-inf")        # a row that sees nothing: NaN probabilities, tau NaN
+    p = torch.softmax(s, dim=-1)
+    if kind == "ties" and c > 1:
+        p[-1, -1, target] = 0.0            # a row whose target mass is exactly 0
+    return p, vis, target, orders
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", ["normal", "ties", "uniform", "peaked"])
+def test_selection_equals_the_documented_rule_row_by_row(path, kind, monkeypatch):
+    monkeypatch.setenv("TESTBED_FAST", "1" if path == "numba" else "0")
+    rng = np.random.default_rng({"normal": 1, "ties": 2, "uniform": 3, "peaked": 4}[kind])
+    seen = {"matched": 0, "unmatched": 0, "later": 0}
+    for _ in range(40):
+        p, vis, target, orders = random_tile(rng, kind)
+        sel, tau, acc, matched = select_mass_matched(p, target, orders, vis)
+        g, c, tk = p.shape
+        assert sel.shape == (g, c, tk) and tau.shape == acc.shape == matched.shape == (g, c)
+        tkeys = torch.nonzero(target).flatten().tolist()
+        for h in range(g):
+            for i in range(c):
+                row = p[h, i].tolist()
+                vrow = [True] * tk if vis is None else vis[i].tolist()
+                want = rule_row(row, vrow, tkeys, orders)
+                if want is None:
+                    seen["unmatched"] += 1
+                    assert not matched[h, i] and not sel[h, i].any() and acc[h, i].item() == 0.0
+                    continue
+                attempt, taken, mass = want
+                seen["matched"] += 1
+                seen["later"] += attempt > 0
+                assert matched[h, i]
+                assert sorted(torch.nonzero(sel[h, i]).flatten().tolist()) == sorted(taken)
+                assert acc[h, i].item() == mass   # the same additions in the same order: exactly equal
+        # tau is the row's target mass whatever the match (NaN where the row sees nothing)
+        want_tau = p[..., target].sum(-1)
+        assert torch.equal(torch.isnan(tau), torch.isnan(want_tau))
+        ok = ~torch.isnan(want_tau)
+        torch.testing.assert_close(tau[ok], want_tau[ok], rtol=1e-15, atol=0)
+    assert seen["matched"] > 0 and seen["unmatched"] > 0
+    if kind in ("normal", "ties"):
+        assert seen["later"] > 0   # some rows match only on a later attempt
+
+
+@pytest.mark.skipif(ac._select_rows is None, reason="numba is not installed")
+def test_compiled_and_vectorized_selection_agree_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(7)
+    for t in range(60):
+        p, vis, target, orders = random_tile(rng, ("normal", "ties", "uniform", "peaked")[t % 4])
+        monkeypatch.setenv("TESTBED_FAST", "1")
+        fast = select_mass_matched(p, target, orders, vis)
+        monkeypatch.setenv("TESTBED_FAST", "0")
+        slow = select_mass_matched(p, target, orders, vis)
+        for x, y in zip(fast, slow):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert np.array_equal(x.numpy(), y.numpy(), equal_nan=x.dtype == torch.float64)
+
+
+# -- the per-row masked softmax, computed in reused scratch ------------------------------------------
+
+def plain_drop_rows(s, vis, p, drop, vj):
+    """The masked renormalized softmax of a per-row drop mask, written out of place."""
+    visible = torch.ones_like(drop) if vis is None else vis.unsqueeze(0).expand_as(drop)
+    allowed = visible & ~drop
+    ok = allowed.any(dim=-1)
+    sa = s.masked_fill(~allowed, float("-inf"))
+    mx = torch.where(ok, sa.amax(dim=-1), torch.zeros(ok.shape, dtype=s.dtype))
+    ea = torch.exp(sa - mx.unsqueeze(-1))
+    za = ea.sum(dim=-1)
+    pa = ea / torch.where(ok, za, torch.ones_like(za)).unsqueeze(-1)
+    out = torch.matmul(pa, vj)
+    tau = p.masked_fill(~drop, 0.0).sum(dim=-1)
+    tv = 0.5 * (p - pa).abs().sum(dim=-1)
+    dv = visible & drop
+    has = dv.any(dim=-1)
+    sd = s.masked_fill(~dv, float("-inf"))
+    md = torch.where(has, sd.amax(dim=-1), torch.zeros(has.shape, dtype=s.dtype))
+    ed = torch.exp(sd - md.unsqueeze(-1))
+    zd = ed.sum(dim=-1)
+    mu_d = torch.matmul(ed, vj) / torch.where(has, zd, torch.ones_like(zd)).unsqueeze(-1)
+    return out, ok, tau, tv, mu_d, has
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_drop_rows_in_scratch_equals_the_plain_masked_softmax_bit_for_bit(causal):
+    g = torch.Generator().manual_seed(3)
+    heads, c, tk, d = 3, 17, 203, 16
+    s = 3.0 * torch.randn(heads, c, tk, generator=g, dtype=torch.float64)
+    vis = (torch.arange(tk)[None, :] <= torch.arange(tk - c, tk)[:, None]) if causal else None
+    drop = torch.rand(heads, c, tk, generator=g) < 0.3
+    drop[0, 0] = True                 # every key dropped: an undefined row
+    drop[1, 1] = False                # nothing dropped: no dropped mean
+    vj = torch.randn(tk, d, generator=g, dtype=torch.float64)
+    p = torch.softmax(s if vis is None else s.masked_fill(~vis, float("-inf")), dim=-1)
+    want = plain_drop_rows(s, vis, p, drop, vj)
+    # scratch larger than the tile and full of garbage, as a smaller last tile finds it
+    work = torch.full((s.numel() + 99,), 7.0, dtype=torch.float64)
+    work2 = torch.full((s.numel() + 5,), -3.0, dtype=torch.float64)
+    for w, w2 in ((None, None), (work, work2)):
+        got = ac._drop_rows(s, vis, p, drop, vj, w, w2)
+        assert not got[1][0, 0] and not got[5][1, 1]
+        for x, y in zip(got, want):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert np.array_equal(x.numpy(), y.numpy(), equal_nan=True)
+        out, ok = ac._drop_rows(s, vis, p, drop, vj, w, outputs_only=True)
+        assert torch.equal(out, want[0]) and torch.equal(ok, want[1])
+
+
+# -- the selections shared by a Case's arms ---------------------------------------------------------
+
+def video_like_case(seed, heads=4, kv_heads=2):
+    from testbed.case import Case, Region
+    g = torch.Generator().manual_seed(seed)
+    sizes = (12, 40, 30, 33)
+    bounds = np.cumsum((0,) + sizes).tolist()
+    layout = tuple(Region(n, a, b) for n, a, b in zip(("sink", "middle", "recent", "current"), bounds[:-1], bounds[1:]))
+    tk = bounds[-1]
+    pos = torch.arange(bounds[3], tk)
+    return Case(id=f"fast{seed}", q=3.0 * torch.randn(heads, len(pos), 16, generator=g),
+                k=torch.randn(kv_heads, tk, 16, generator=g), v=torch.randn(kv_heads, tk, 16, generator=g),
+                query_positions=pos, causal=True, layout=layout)
+
+
+def controls_of(case):
+    out = {}
+    for name in ("mass_control_sink", "mass_control_recent"):
+        abl = ac.make_ablation(name, 0)
+        out[name] = (abl.target_spans(case), abl.orders(case))
+    return out
+
+
+def same_result(a, b):
+    import dataclasses
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.shape == y.shape and x.dtype == y.dtype, f.name
+            assert np.array_equal(x.numpy(), y.numpy(), equal_nan=x.is_floating_point()), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_arms_sharing_selections_give_what_each_arm_gives_alone(monkeypatch):
+    case = video_like_case(5)
+    ctrl = controls_of(case)
+    arms = [(None, None), ((case.k * 4).round() / 4, (case.v * 4).round() / 4), ((case.k * 2).round() / 2, case.v)]
+    alone, ref = [], None
+    for k, v in arms:
+        alone.append(ac.mass_control_case(case, ctrl, k, v, ref=ref, max_scores=1500))
+        ref = alone[0].output
+    shared, ref = ac.MassSelections(case.k), None
+    for n, (k, v) in enumerate(arms):
+        if n == 1:
+            # a later arm reads the first arm's selections: it selects nothing itself
+            def refuse(*args, **kw):
+                raise AssertionError("a later arm selected again")
+            monkeypatch.setattr(ac, "select_mass_matched", refuse)
+        got = ac.mass_control_case(case, ctrl, k, v, ref=ref, max_scores=1500, selections=shared)
+        ref = got.output if n == 0 else ref
+        same_result(got, alone[n])
+        assert got.matched.any() and not got.matched.all()
+
+
+def test_selections_of_another_reference_are_not_read():
+    case, other = video_like_case(5), video_like_case(6)
+    ctrl = controls_of(case)
+    shared = ac.MassSelections(case.k)
+    ac.mass_control_case(case, ctrl, max_scores=1500, selections=shared)
+    assert shared.complete
+    # another Case of the same shapes (another reference K): its own selections, not the stored ones
+    same_result(ac.mass_control_case(other, ctrl, max_scores=1500, selections=shared),
+                ac.mass_control_case(other, ctrl, max_scores=1500))
+    # the same reference with another tile size: the tiles differ, so it selects again
+    same_result(ac.mass_control_case(case, ctrl, max_scores=900, selections=shared),
+                ac.mass_control_case(case, ctrl, max_scores=900))
+
+
+def test_a_tolerance_outside_zero_to_one_is_refused():
+    """At tol >= 1 the band's floor is at or below 0, where a row that took no key would count as
+    matched: the selection refuses such a tolerance rather than let its two paths disagree."""
+    p = torch.full((1, 4), 0.25, dtype=torch.float64)
+    target = torch.tensor([True, False, False, False])
+    for tol in (1.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="mass tolerance"):
+            select_mass_matched(p, target, [[1, 2, 3]], None, tol)
