@@ -788,8 +788,8 @@ def comparator(arm: str, arms) -> str | None:
     """The arm a per-head precision arm is compared with at equal bytes: ``mix28_*`` (the bytes of
     int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes, which no uniform arm has) with
     ``mix24_random``, the content-blind allocation of the same bytes; ``int2_hh`` (heavy hitters at
-    int2's bytes) with uniform ``int2``; None when that arm is absent."""
-    if arm == "int2_hh":  # heavy hitters at int2's bytes
+    int2's bytes) and ``int2_hh_first`` (its content-blind control) with uniform ``int2``; None when that arm is absent."""
+    if arm in ("int2_hh", "int2_hh_first"):  # heavy hitters (or the first tokens) at int2's bytes
         return "int2" if "int2" in arms else None
     if not arm.startswith("mix"):
         return None
@@ -826,7 +826,8 @@ EQUAL_BYTES_NOTE = (
     "Per-head precision at equal bytes: each mix* arm (and int2_hh) against the arm of the same bytes it is compared with "
     "(mix28_*, the bytes of int4 with 60 of the 90 (layer, KV head) pairs int2 and 30 int8, against uniform int4; "
     "mix24_*, a 3-bit layout's bytes with 45 pairs int2 and 45 int4, against mix24_random, the content-blind "
-    "allocation of those bytes; int2_hh, heavy hitters kept float32 at int2's bytes, against uniform int2). Δ is "
+    "allocation of those bytes; int2_hh, heavy hitters kept float32 at int2's bytes, and "
+    "int2_hh_first, its content-blind control, against uniform int2). Δ is "
     "paired per segment (exp of the mean NLL difference, minus 1; negative: the "
     "arm predicts better); 'segments better' counts segments whose perplexity fell. *_oracle_* arms decide from the "
     "whole segment's float32 attention: impossible online, an upper bound for the online rule, not a policy.")

@@ -126,6 +126,16 @@ def test_the_held_tokens_are_the_rules_top_count_of_the_accumulated_score():
     assert not np.array_equal(want[0, 0], np.arange(C))
 
 
+def test_the_content_blind_control_holds_the_first_packed_tokens_at_the_same_bytes():
+    pol, hh = preset("int2_hh_first", window=24, group=8), preset("int2_hh", window=24, group=8)
+    assert (pol.heavy, pol.window) == (hh.heavy, hh.window)
+    layer, k, v, calls = _drive(pol, 40, 50)
+    assert np.array_equal(layer.hh_index.numpy(), np.broadcast_to(np.arange(pol.heavy), (2, H, pol.heavy)))
+    other, *_ = _drive(hh, 40, 50)
+    assert layer.stored_bytes() == other.stored_bytes() == pol.layer_bytes(90, H, D)
+    assert not torch.equal(layer.hh_index, other.hh_index)
+
+
 def test_a_prefill_choice_is_the_top_count_of_its_own_softmax():
     """A prefill alone: the held tokens are the C largest prefill scores among the tokens it packed."""
     pol = preset("int2_hh", window=24, group=8)
@@ -254,7 +264,7 @@ def hh_run(tmp_path_factory):
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
     proto["name"], proto["default"] = "live_tiny", False
     proto["live"].update({"evidence_layer": 2, "segments": 2, "prefill": 48, "steps": 40, "batch": 2, "window": 24,
-                          "group": 8, "policies": ["int2", "int2_hh"], "peers": []})
+                          "group": 8, "policies": ["int2", "int2_hh", "int2_hh_first"], "peers": []})
     (tmp / "p.json").write_text(json.dumps(proto))
     out = tmp / "run"
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(tmp / "p.json")]) == 0
@@ -277,7 +287,7 @@ def test_a_heavy_hitter_run_passes_the_audit(hh_run):
 
 @pytest.mark.capture
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "bytes", "held_k", "evidence_index"])
+@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "bytes", "held_k", "evidence_index", "first_rule"])
 def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
     from testbed.audit import audit
     from tests import _arrays
@@ -287,7 +297,8 @@ def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
     run = tmp_path / "copy"
     shutil.copytree(hh_run, run)
     res = json.loads((run / "results.json").read_text())
-    row = next(r for r in res["rows"] if r["arm"] == "int2_hh" and r["case"] == "seg000")
+    arm = "int2_hh_first" if what == "first_rule" else "int2_hh"
+    row = next(r for r in res["rows"] if r["arm"] == arm and r["case"] == "seg000")
 
     def forge(rel, edit):
         x = _arrays.load(run, rel).copy()
@@ -310,6 +321,9 @@ def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
     elif what == "held_k":  # a held key that is not the token's float32 input
         forge(row["evidence"]["arrays"]["hh.k"], lambda x: x.__setitem__((0, 0, 0), x[0, 0, 0] + 1.0))
         expect = "hh.k"
+    elif what == "first_rule":  # the control's last held token swapped for a later packed one (distinct, ascending)
+        forge(row["arrays"]["hh_index"], lambda x: x.__setitem__((3, 2, -1), x[3, 2, -1] + 5))
+        expect = "content-blind rule 'first'"
     else:  # the evidence layer's indices moved off the row's (row and evidence disagree)
         forge(row["evidence"]["arrays"]["hh.index"], lambda x: x.__setitem__((0, 0), x[0, 0] + 1))
         expect = "hh.index"

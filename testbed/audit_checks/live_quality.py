@@ -92,8 +92,8 @@ MIXED = {f"{b}_{r}": (high, low, share, alloc, source) for b, (high, low, share)
 POLICY_TABLE.update({name: (high, False, "window", "channel") for name, (high, *_) in MIXED.items()})
 # heavy-hitter presets: name -> middle; window R - G (at least 1) and a heavy-hitter count C per
 # (layer, KV head) that int2's bytes at window R pay for (heavy_count, the audit's own statement)
-HEAVY = {"int2_hh": "int2"}
-POLICY_TABLE.update({name: (middle, False, "window", "channel") for name, middle in HEAVY.items()})
+HEAVY = {"int2_hh": ("int2", "attention"), "int2_hh_first": ("int2", "first")}
+POLICY_TABLE.update({name: (middle, False, "window", "channel") for name, (middle, _) in HEAVY.items()})
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")
 HEADER = 16
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
@@ -110,6 +110,7 @@ def _policy(name: str, live: dict) -> dict:
         out.update(zip(MIXED_FIELDS, MIXED[name][1:]))
     if name in HEAVY:  # the window gives G tokens to the middle; the bytes freed pay for C heavy hitters
         out["heavy"] = heavy_count(out["window"], out["group"])
+        out["heavy_rule"] = HEAVY[name][1]
         out["window"] = max(1, out["window"] - out["group"])
     return out
 
@@ -334,6 +335,9 @@ def _check_heavy_index(row, ctx, pol: dict, dims: dict, n: int) -> int:
         ctx.fail(row, f"hh_index holds a token outside the {p} packed tokens [0, {p})")
     if index.shape[2] > 1 and np.any(np.diff(index.astype(np.int64), axis=-1) <= 0):
         ctx.fail(row, "hh_index repeats a token or is not in ascending order within a (layer, KV head)")
+    if pol.get("heavy_rule") == "first" and not np.array_equal(index, np.broadcast_to(np.arange(index.shape[2]),
+                                                                                      index.shape)):
+        ctx.fail(row, "hh_index of the content-blind rule 'first' is not the first packed tokens")
     return int(index.shape[2])
 
 
@@ -638,7 +642,7 @@ def check(row: dict, ctx) -> None:
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
-                    "alloc_from", "heavy"):
+                    "alloc_from", "heavy", "heavy_rule"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

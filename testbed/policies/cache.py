@@ -560,7 +560,8 @@ class PolicyLayer(DynamicLayer):
         token held, in order) to the scores of the candidates -- the float32 window, the held heavy
         hitters and the tokens the last flush moved into the middle -- then keep as heavy hitters
         the ``heavy`` candidates of largest score among the held ones and the moved ones
-        (:func:`choose_heavy`). The other packed tokens' scores are no longer kept: their float32
+        (:func:`choose_heavy`; ``heavy_rule == "first"``: the oldest, whatever their score). The
+        other packed tokens' scores are no longer kept: their float32
         values are gone, so they can never become heavy hitters."""
         n = received.shape[-1]
         if n != self.seen:
@@ -579,7 +580,8 @@ class PolicyLayer(DynamicLayer):
         score = add(score, idx)
         cand_i = torch.cat([self.hh_index, idx], dim=-1)  # held ones are older: ascending
         cand_s = torch.cat([self.hh_score, score], dim=-1)
-        keep = choose_heavy(cand_i, cand_s, self.policy.heavy)
+        rank = cand_s if self.policy.heavy_rule == "attention" else -cand_i.to(torch.float32)  # "first": the oldest
+        keep = choose_heavy(cand_i, rank, self.policy.heavy)
         at = keep[..., None].expand(-1, -1, -1, k.shape[-1])
         self.hh_k = torch.gather(torch.cat([self.hh_k, k], dim=2), 2, at)
         self.hh_v = torch.gather(torch.cat([self.hh_v, v], dim=2), 2, at)

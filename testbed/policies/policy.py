@@ -70,7 +70,10 @@ SINK_SELECT = ("first", "mass")
 ALLOC = ("concentrated", "diffuse", "late", "random")
 ALLOC_FROM = ("prefill", "oracle")
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")  # in a row's policy config only when mixed
-HEAVY_FIELDS = ("heavy",)  # in a row's policy config only when heavy hitters are kept
+HEAVY_FIELDS = ("heavy", "heavy_rule")  # in a row's policy config only when heavy hitters are kept
+# which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), or the
+# oldest (content-blind: a float32 sink of C tokens at the same bytes, the control)
+HEAVY_RULES = ("attention", "first")
 # bytes per held heavy hitter per KV head beside its float32 K and V: its int32 index and float32 score
 HEAVY_TOKEN_EXTRA = 8
 
@@ -134,6 +137,7 @@ class Policy:
     alloc: str | None = None
     alloc_from: str = "prefill"
     heavy: int = 0
+    heavy_rule: str = "attention"
     description: str = ""
 
     def __post_init__(self):
@@ -161,6 +165,8 @@ class Policy:
                            or self.low is not None):
             raise ValueError(f"policy {self.name}: heavy hitters are built for a uniform integer middle with K per "
                              "channel and no sink")
+        if self.heavy_rule not in HEAVY_RULES:
+            raise ValueError(f"policy {self.name}: heavy_rule must be one of {list(HEAVY_RULES)}, got {self.heavy_rule!r}")
         if self.low is None:
             if self.alloc is not None or self.low_share:
                 raise ValueError(f"policy {self.name}: alloc and low_share need a low scheme")
@@ -368,6 +374,9 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
                       "received over the KV head's query heads, from the prefill and every decode step), chosen when "
                       f"a group enters the middle; window R={hw} (R - G) so the bytes match int2's at R={window}, "
                       f"G={group}"))
+    out.append(Policy("int2_hh_first", "int2", 0, hw, group, heavy=c, heavy_rule="first",
+                      description=f"the content-blind control of int2_hh at its bytes: the same storage, but the {c} "
+                      "held tokens are the first packed ones (a float32 sink of C tokens), whatever their attention"))
     for b, (high, low, share, what) in budgets.items():
         for r, (alloc, source, how) in rules.items():
             out.append(Policy(f"{b}_{r}", high, 0, window, group, low=low, low_share=share, alloc=alloc,
