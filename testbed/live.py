@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
-from .policies.policy import sink_candidates
+from .policies.policy import heavy_count, sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
                               _hardware, _software, estimate_dims, load_checked, load_model)
@@ -149,6 +149,13 @@ def check_model(p: dict, dims: dict, where: str) -> None:
         raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
                             f"layer's KV heads, and {p['model']} has sliding-window layers (window "
                             f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
+    fit = heavy_count(p["window"], p["group"], head_dim=dims["head_dim"])
+    over = [q.name for q in policies_of(p) if q.heavy > fit]
+    if over:
+        raise ProtocolError(f"{where}.policies: {', '.join(over)} hold {max(q.heavy for q in policies_of(p))} heavy "
+                            f"hitters per (layer, KV head), sized for head dim 64; at {p['model']}'s head dim "
+                            f"{dims['head_dim']} only {fit} fit in int2's bytes (R={p['window']}, G={p['group']}): "
+                            "the arms would not be at equal bytes; drop those policies")
     if dims.get("sliding_window") and p["peers"]:
         raise ProtocolError(f"{where}.peers: transformers' QuantizedCache refuses models with sliding-window layers, "
                             f"and {p['model']} has them (window {dims['sliding_window']}); drop the peers")

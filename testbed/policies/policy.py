@@ -76,6 +76,7 @@ HEAVY_FIELDS = ("heavy", "heavy_rule")  # in a row's policy config only when hea
 HEAVY_RULES = ("attention", "first")
 # bytes per held heavy hitter per KV head beside its float32 K and V: its int32 index and float32 score
 HEAVY_TOKEN_EXTRA = 8
+HEAVY_PRESETS = ("int2_hh", "int2_hh_first")
 
 
 def scheme_bytes_per_token(middle: str, heads: int, head_dim: int, group: int = 32, feature_group: int = 32,
@@ -392,4 +393,8 @@ def preset(name: str, *, window: int = 128, group: int = 32, evict_window: int =
     table = _presets(window, group, evict_window, sink)
     if name not in table:
         raise ValueError(f"unknown policy {name!r}; presets: {', '.join(PRESETS)}")
+    if name in HEAVY_PRESETS and (window <= group or heavy_count(window, group) < 1):
+        raise ValueError(f"{name} pays for its heavy hitters with G float32 window tokens at int2's bytes: it needs "
+                         f"a window R larger than the group G and room for at least one heavy hitter (R={window}, "
+                         f"G={group}: {heavy_count(window, group) if window > group else 0} fit)")
     return table[name]
