@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
-from .policies.policy import sink_candidates
+from .policies.policy import heavy_count, sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
                               _hardware, _software, estimate_dims, load_checked, load_model)
@@ -149,6 +149,13 @@ def check_model(p: dict, dims: dict, where: str) -> None:
         raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
                             f"layer's KV heads, and {p['model']} has sliding-window layers (window "
                             f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
+    fit = heavy_count(p["window"], p["group"], head_dim=dims["head_dim"])
+    over = [q.name for q in policies_of(p) if q.heavy > fit]
+    if over:
+        raise ProtocolError(f"{where}.policies: {', '.join(over)} hold {max(q.heavy for q in policies_of(p))} heavy "
+                            f"hitters per (layer, KV head), sized for head dim 64; at {p['model']}'s head dim "
+                            f"{dims['head_dim']} only {fit} fit in int2's bytes (R={p['window']}, G={p['group']}): "
+                            "the arms would not be at equal bytes; drop those policies")
     if dims.get("sliding_window") and p["peers"]:
         raise ProtocolError(f"{where}.peers: transformers' QuantizedCache refuses models with sliding-window layers, "
                             f"and {p['model']} has them (window {dims['sliding_window']}); drop the peers")
@@ -305,19 +312,23 @@ class SharedPrefill:
     ``candidates`` tokens (:func:`testbed.policies.cache.sink_scores`); when a mixed policy
     allocates its bits from the prefill's attention, each layer's head concentration ``[B, H_kv]``
     (:func:`testbed.policies.cache.concentration`); in either case the queries of batch row 0 of
-    the ``record_layer`` (the audit's evidence)."""
+    the ``record_layer`` (the audit's evidence); when a policy keeps heavy hitters, each layer's
+    accumulated attention ``[B, H_kv, P]`` (:func:`testbed.policies.cache.accumulated_attention`)."""
 
-    def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0, concentration=None):
+    def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0, concentration=None,
+                 received=None):
         self.keys, self.values, self.scores = keys, values, scores
         self.query0, self.record_layer = query0, record_layer
         self.seconds = seconds
         self.concentration = concentration
+        self.received = received
 
     def _map(self, f) -> "SharedPrefill":
         return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
                              None if self.scores is None else [None if s is None else f(s) for s in self.scores],
                              None if self.query0 is None else f(self.query0), self.record_layer, self.seconds,
-                             None if self.concentration is None else [f(c) for c in self.concentration])
+                             None if self.concentration is None else [f(c) for c in self.concentration],
+                             None if self.received is None else [f(r) for r in self.received])
 
     def as_numpy(self) -> "SharedPrefill":
         """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
@@ -348,30 +359,38 @@ class SharedPrefill:
                     if (mass or measured) and layer.record and i != self.record_layer:
                         raise ValueError(f"layer {i} records evidence; the shared prefill recorded the queries of "
                                          f"layer {self.record_layer}")
+                    if layer.policy.heavy and self.received is None:
+                        raise ValueError(f"policy {layer.policy.name} keeps heavy hitters from the attention keys "
+                                         "receive, but the shared prefill measured none")
                     layer.load_prefill(k, v, self.scores[i] if mass else None,
                                        self.query0 if (mass or measured) and layer.record else None,
-                                       self.concentration[i] if measured else None)
+                                       self.concentration[i] if measured else None,
+                                       self.received[i] if layer.policy.heavy else None)
                 else:
                     cache.update(k, v, i)
 
 
 def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
-                   record_layer: int | None = None, concentration: bool = False) -> tuple[SharedPrefill, object]:
+                   record_layer: int | None = None, concentration: bool = False,
+                   heavy: bool = False) -> tuple[SharedPrefill, object]:
     """Run the prefill ``ids [B, P]`` once through a float32 ``DynamicCache`` with logits of the
     last position only; returns the :class:`SharedPrefill` and the DynamicCache (the reference
     continues from it). With ``candidates``, the attention function also computes every layer's
     sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys;
-    with ``concentration``, every layer's head concentration likewise."""
+    with ``concentration``, every layer's head concentration likewise; with ``heavy``, every layer's
+    accumulated attention per key."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from .policies.cache import accumulated_attention
     from .policies.cache import concentration as head_concentration
     from .policies.cache import sink_scores
 
     n_layers = int(model.config.num_hidden_layers)
     scores: list = [None] * n_layers
     conc: list = [None] * n_layers
+    received: list = [None] * n_layers
     keys: list = [None] * n_layers
     values: list = [None] * n_layers
     query0: list = [None]
@@ -388,6 +407,8 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
             scores[i] = sink_scores(query, key, scale, candidates)
         if concentration:
             conc[i] = head_concentration(query, key, scale)
+        if heavy:
+            received[i] = accumulated_attention(query, key, scale)
         if (candidates is not None or concentration) and i == record_layer:
             query0[0] = query[0].detach().float().clone()
         return out
@@ -408,7 +429,7 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
         raise RuntimeError("the shared prefill did not see every layer's K/V of the whole prefill")
     shared = SharedPrefill(keys, values, None if candidates is None else scores, query0[0], record_layer,
-                           time.perf_counter() - t0, conc if concentration else None)
+                           time.perf_counter() - t0, conc if concentration else None, received if heavy else None)
     return shared, cache
 
 
@@ -558,7 +579,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     if arm == REFERENCE and p["shared_prefill"]:
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
         shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer,
-                                       _measures_concentration(p))
+                                       _measures_concentration(p), any(pol.heavy for pol in policies_of(p)))
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})
@@ -640,6 +661,9 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         if isinstance(what, Policy) and what.mixed:  # the allocation: each pair's bits, from which scores
             arrays["alloc_bits"] = store.save(f"{prefix}/alloc_bits", cache.alloc_bits()[j].numpy())
             arrays["alloc_score"] = store.save(f"{prefix}/alloc_score", cache.alloc_score[j].numpy().astype(np.float64))
+        elif isinstance(what, Policy) and what.heavy:  # the heavy hitters held at the end: [L, H, count] token indices
+            held = [layer.hh_index[j] for layer in cache.layers if getattr(layer, "hh_index", None) is not None]
+            arrays["hh_index"] = store.save(f"{prefix}/hh_index", torch.stack(held).numpy().astype(np.int32))
         elif kind == "peer":
             row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": p["peer_group"],
                            "residual_length": p["window"], "axis_key": 0, "axis_value": 0}
@@ -770,7 +794,10 @@ def summarize(rows: list[dict]) -> list[dict]:
 def comparator(arm: str, arms) -> str | None:
     """The arm a per-head precision arm is compared with at equal bytes: ``mix28_*`` (the bytes of
     int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes, which no uniform arm has) with
-    ``mix24_random``, the content-blind allocation of the same bytes; None when that arm is absent."""
+    ``mix24_random``, the content-blind allocation of the same bytes; ``int2_hh`` (heavy hitters at
+    int2's bytes) and ``int2_hh_first`` (its content-blind control) with uniform ``int2``; None when that arm is absent."""
+    if arm in ("int2_hh", "int2_hh_first"):  # heavy hitters (or the first tokens) at int2's bytes
+        return "int2" if "int2" in arms else None
     if not arm.startswith("mix"):
         return None
     other = {"mix28": "int4", "mix24": "mix24_random"}.get(arm.split("_")[0])
@@ -803,10 +830,12 @@ def equal_bytes(rows: list[dict]) -> list[dict]:
 
 
 EQUAL_BYTES_NOTE = (
-    "Per-head precision at equal bytes: each mix* arm against the arm of the same bytes it is compared with "
+    "Per-head precision at equal bytes: each mix* arm (and int2_hh) against the arm of the same bytes it is compared with "
     "(mix28_*, the bytes of int4 with 60 of the 90 (layer, KV head) pairs int2 and 30 int8, against uniform int4; "
     "mix24_*, a 3-bit layout's bytes with 45 pairs int2 and 45 int4, against mix24_random, the content-blind "
-    "allocation of those bytes). Δ is paired per segment (exp of the mean NLL difference, minus 1; negative: the "
+    "allocation of those bytes; int2_hh, heavy hitters kept float32 at int2's bytes, and "
+    "int2_hh_first, its content-blind control, against uniform int2). Δ is "
+    "paired per segment (exp of the mean NLL difference, minus 1; negative: the "
     "arm predicts better); 'segments better' counts segments whose perplexity fell. *_oracle_* arms decide from the "
     "whole segment's float32 attention: impossible online, an upper bound for the online rule, not a policy.")
 

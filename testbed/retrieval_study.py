@@ -215,7 +215,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     t0 = time.perf_counter()
     with torch.no_grad():
         if arm == REFERENCE:
-            shared, cache = shared_prefill(model, kw, ids[:, :P], _mass_candidates({**p, "prefill": P}), None)
+            shared, cache = shared_prefill(model, kw, ids[:, :P], _mass_candidates({**p, "prefill": P}), None,
+                                           heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in _arms(p)))
             ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                                 "seconds": shared.seconds, "trials": len(batch), "tokens": len(batch) * P,
                                 "forwards": 1})

@@ -435,12 +435,13 @@ def test_live_protocol_errors_name_the_key(tmp_path):
             validate_protocol(bad)
 
 
-@pytest.mark.parametrize("arm", ["int4", "streaming", "int2_sinkmass4", "quanto_int2"])
+@pytest.mark.parametrize("arm", ["int4", "streaming", "int2_sinkmass4", "int2_hh", "quanto_int2"])
 def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
     """An arm handed the batch's one shared float32 prefill (K/V through its cache's own update; a
     sink chosen from attention from the recorded prefill scores) scores every decode token as the
     same arm running its own prefill does (within 1e-5), and stores the same state: a quantized
-    middle, an evicting window, a chosen sink, a peer's own quantization of the prefill."""
+    middle, an evicting window, a chosen sink, the heavy hitters, a peer's own quantization of the
+    prefill."""
     from transformers import QuantizedCache
 
     from testbed.live import _forward_kwargs, _mass_candidates, _run_arm, chunk_schedule, shared_prefill
@@ -463,7 +464,8 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
         def make():
             return PolicyCache(pol, 30, record_layer=3)
         schedule, bytes_of = chunk_schedule(pol, 64, 48, "chunked", 256), (lambda c: c.stored_bytes())
-    shared, ref_cache = shared_prefill(model, kw, ids[:, :64], _mass_candidates(p), record_layer=3)
+    shared, ref_cache = shared_prefill(model, kw, ids[:, :64], _mass_candidates(p), record_layer=3,
+                                       heavy=arm == "int2_hh")
     assert ref_cache.get_seq_length() == 64 and len(shared.keys) == 30
     bytes_of = bytes_of or (lambda c: 0)
     own_cache, got_cache = make(), make()
@@ -483,6 +485,9 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
                        for layer in got_cache.layers)
             for a, b in zip(own_cache.layers, got_cache.layers):
                 assert torch.equal(a.sink_index, b.sink_index)
+        if arm == "int2_hh":  # the heavy hitters chosen from the shared prefill's scores are the arm's own
+            for a, b in zip(own_cache.layers, got_cache.layers):
+                assert torch.equal(a.hh_index, b.hh_index)
 
 
 def test_shared_prefill_refuses_a_mass_sink_without_scores(smollm2):

@@ -93,6 +93,8 @@ def _bytes_formula(pol: Policy, n: int) -> int:
             else:
                 k = v
             total += k + v
+    if pol.heavy:  # per head: each held heavy hitter's float32 K and V, int32 index and float32 score; a
+        total += H * (min(pol.heavy, packed) * (2 * D * 4 + 4 + 4) + floats * 4)  # score per float token
     return total
 
 

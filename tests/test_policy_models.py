@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from testbed.live import chunk_schedule  # noqa: E402  (after the importorskip: live needs transformers)
 from testbed.policies import PRESETS, preset  # noqa: E402
+from testbed.policies.policy import HEAVY_PRESETS  # noqa: E402
 from testbed.policies.cache import (PolicyCache, PolicyLayer, SlidingLayer, layer_kinds,  # noqa: E402
                                     policy_attention)
 from testbed.sources.capture import _forward_kwargs  # noqa: E402
@@ -74,7 +75,8 @@ def _ids(arch: str) -> torch.Tensor:
 
 
 def _policy(name: str):
-    return preset(name, window=8, group=8, evict_window=20, sink=4)
+    # a heavy-hitter preset pays for its float32 heavy hitters with one group of its window: R = 2 G
+    return preset(name, window=16 if name in HEAVY_PRESETS else 8, group=8, evict_window=20, sink=4)
 
 
 def _run(model, ids, cache, schedule, after=None):

@@ -90,6 +90,10 @@ MIXED_RULES = {"concentrated": ("concentrated", "prefill"), "diffuse": ("diffuse
 MIXED = {f"{b}_{r}": (high, low, share, alloc, source) for b, (high, low, share) in MIXED_BUDGETS.items()
          for r, (alloc, source) in MIXED_RULES.items()}
 POLICY_TABLE.update({name: (high, False, "window", "channel") for name, (high, *_) in MIXED.items()})
+# heavy-hitter presets: name -> middle; window R - G (at least 1) and a heavy-hitter count C per
+# (layer, KV head) that int2's bytes at window R pay for (heavy_count, the audit's own statement)
+HEAVY = {"int2_hh": ("int2", "attention"), "int2_hh_first": ("int2", "first")}
+POLICY_TABLE.update({name: (middle, False, "window", "channel") for name, (middle, _) in HEAVY.items()})
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")
 HEADER = 16
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
@@ -104,7 +108,21 @@ def _policy(name: str, live: dict) -> dict:
            "sink_select": select[0] if select else "first"}
     if name in MIXED:  # a uniform policy's config has no mixed fields (low, low_share, alloc, alloc_from)
         out.update(zip(MIXED_FIELDS, MIXED[name][1:]))
+    if name in HEAVY:  # the window gives G tokens to the middle; the bytes freed pay for C heavy hitters
+        out["heavy"] = heavy_count(out["window"], out["group"])
+        out["heavy_rule"] = HEAVY[name][1]
+        out["window"] = max(1, out["window"] - out["group"])
     return out
+
+
+def heavy_count(window: int, group: int, d: int = 64) -> int:
+    """C for a heavy-hitter int2 policy beside uniform int2 at window ``window`` (head dim 64): G
+    float32 window tokens (8 d bytes per KV head each) become int2 tokens (d / 4 code bytes of K
+    and of V, a float16 scale and zero per channel per G tokens of K, per 32 features of V); what that
+    frees, less a float32 score for each of at most ``window - 1`` float32 tokens, buys heavy
+    hitters of 8 d + 8 bytes each (float32 K and V, int32 index, float32 score)."""
+    int2 = 2 * (d // 4) + 4 * d / group + 4 * (d // 32)
+    return max(0, int((group * (8 * d - int2) - 4 * (window - 1)) // (8 * d + 8)))
 
 
 def _low_count(pol: dict, pairs: int) -> int:
@@ -200,14 +218,22 @@ def sliding_bytes(n: int, dims: dict) -> int:
     return (dims["layers"] - _full_layers(dims)) * min(n, w - 1) * 2 * dims["kv_heads"] * dims["head_dim"] * 4
 
 
-def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None) -> int:
+def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, held: int | None = None) -> int:
     """The cache's bytes after n tokens; a mixed policy's with ``low_pairs`` of its (layer, KV head)
-    pairs at the low scheme (default: the protocol's share) and one byte of bits per pair."""
+    pairs at the low scheme (default: the protocol's share) and one byte of bits per pair; a
+    heavy-hitter policy's with ``held`` heavy hitters per (layer, KV head) (default: C, or every
+    packed token while fewer are packed), each float32 K and V, an int32 index and a float32 score,
+    and a float32 score per float32 window token."""
     s, p, f = _spans(pol, n)
     h, d = dims["kv_heads"], dims["head_dim"]
     full = _full_layers(dims)
+    heavy = 0
+    if pol.get("heavy"):
+        held = min(pol["heavy"], p) if held is None else held
+        heavy = full * h * (held * (2 * d * 4 + 4 + 4) + f * 4)
     if not pol.get("low"):
-        return full * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d)) + sliding_bytes(n, dims)
+        return (full * (HEADER + (s + f) * 2 * h * d * 4 + _packed_bytes(pol, p, h, d)) + heavy
+                + sliding_bytes(n, dims))
     pairs = full * h
     lo = _low_count(pol, pairs) if low_pairs is None else low_pairs
     return (full * (HEADER + (s + f) * 2 * h * d * 4) + lo * _packed_bytes({**pol, "middle": pol["low"]}, p, 1, d)
@@ -291,6 +317,28 @@ def _check_allocation(row, ctx, pol: dict, dims: dict) -> np.ndarray:
     if not np.array_equal(bits.flatten(), want):
         ctx.fail(row, f"alloc_bits are not the {pol['alloc']} rule's choice from alloc_score")
     return bits
+
+
+def _check_heavy_index(row, ctx, pol: dict, dims: dict, n: int) -> int:
+    """A heavy-hitter row's stored indices ``hh_index [L, H, c]`` after n tokens: c is C, or every
+    packed token while fewer are packed; each (layer, KV head)'s indices are distinct packed tokens
+    (in [0, packed)), in ascending order. Returns c (the bytes are re-derived from it)."""
+    index = ctx.load(row.get("arrays", {}).get("hh_index"))
+    _, p, _ = _spans(pol, n)
+    c = min(pol["heavy"], p)
+    shape = (_full_layers(dims), dims["kv_heads"], c)
+    if index.dtype != np.int32 or index.ndim != 3 or index.shape[:2] != shape[:2]:
+        raise ValueError(f"hh_index must be int32 [{shape[0]}, {shape[1]}, count], got {index.dtype} {list(index.shape)}")
+    ctx.equal(row, "heavy hitters held per (layer, KV head)", int(index.shape[2]), c)
+    ctx.numbers += index.size
+    if index.size and (index.min() < 0 or index.max() >= p):
+        ctx.fail(row, f"hh_index holds a token outside the {p} packed tokens [0, {p})")
+    if index.shape[2] > 1 and np.any(np.diff(index.astype(np.int64), axis=-1) <= 0):
+        ctx.fail(row, "hh_index repeats a token or is not in ascending order within a (layer, KV head)")
+    if pol.get("heavy_rule") == "first" and not np.array_equal(index, np.broadcast_to(np.arange(index.shape[2]),
+                                                                                      index.shape)):
+        ctx.fail(row, "hh_index of the content-blind rule 'first' is not the first packed tokens")
+    return int(index.shape[2])
 
 
 def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dims: dict) -> int:
@@ -395,6 +443,8 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     layer_bits = None
     if pol.get("low"):
         layer_bits = _mixed_evidence(row, ctx, pol, live, a, ev.get("layer"))
+    if pol.get("heavy"):
+        want.update(_heavy_evidence(row, ctx, pol, live, a, ev.get("layer"), p))
     for name, label in (("k", "key"), ("v", "value")):
         x = a[f"input.{name}"]
         if x.dtype != np.float32 or x.ndim != 3 or x.shape[1] != n:
@@ -419,6 +469,9 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         want["alloc.bits"] = layer_bits
     stored = {k: v for k, v in a.items() if not k.startswith(("input.", "oracle."))
               and k not in ("sink.index", "sink.score", "alloc.score")}
+    if pol.get("heavy"):  # the heavy hitters' bytes are counted below with every held index, whole
+        held = a.get("hh.index")
+        held = None if held is None else int(held.shape[-1])
     ctx.numbers += len(want)
     for line in payload_differences(stored, want, f"the recorded float32 inputs (packed tokens [{s}, {s + p}))"):
         ctx.fail(row, line)
@@ -427,7 +480,43 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     total = sum(int(v.nbytes) for k, v in stored.items())
     one = {**model_dims(live, row), **ONE_FULL_LAYER}
     low_here = None if layer_bits is None else int((layer_bits == int(pol["low"][3:])).sum())
-    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, one, low_here))
+    held = held if pol.get("heavy") else None
+    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, one, low_here, held))
+
+
+def _heavy_evidence(row, ctx, pol: dict, live: dict, a: dict, layer, p: int) -> dict:
+    """The evidence layer of a heavy-hitter row: ``hh.index`` is the row's ``hh_index[layer]``, and
+    ``hh.k`` / ``hh.v`` are the recorded float32 inputs at those tokens, exactly. The scores
+    (``hh.score``, ``float.score``) rest on attention the audit did not see; they are checked for
+    form and bound only: finite, >= 0, and at most what every query head of the KV group that saw the
+    token could give (one per query). Returns the arrays the stored payload must hold."""
+    index = ctx.load(row.get("arrays", {}).get("hh_index"))
+    if not isinstance(layer, int) or not 0 <= layer < index.shape[0]:
+        raise ValueError(f"evidence layer {layer!r} is outside hh_index {list(index.shape)}")
+    n = live["prefill"] + live["steps"]
+    mine = index[layer]
+    x_k, x_v = a["input.k"], a["input.v"]
+    h, c = mine.shape
+    ok = mine.size == 0 or (mine.min() >= 0 and mine.max() < p)
+    at = np.clip(mine.astype(np.int64), 0, max(0, n - 1))[..., None]
+    want = {"hh.index": mine, "hh.k": np.take_along_axis(x_k, at, axis=1) if ok else x_k[:, :0],
+            "hh.v": np.take_along_axis(x_v, at, axis=1) if ok else x_v[:, :0]}
+    s, _, f = _spans(pol, n)
+    q = model_dims(live, row).get("heads")  # query heads: a model given by path may not state them
+    for name, shape, pos in (("hh.score", (h, c), mine.astype(np.int64)),
+                             ("float.score", (h, f), np.broadcast_to(np.arange(n - f, n), (h, f)))):
+        got = a.get(name)
+        if got is None or got.dtype != np.float32 or got.shape != shape:
+            ctx.fail(row, f"{name} must be float32 {list(shape)}, got "
+                          f"{None if got is None else (got.dtype, list(got.shape))}")
+            continue
+        want[name] = got
+        ctx.numbers += got.size
+        if not np.all(np.isfinite(got)) or np.any(got < 0):
+            ctx.fail(row, f"{name} holds a negative or non-finite accumulated attention")
+        elif q and np.any(got.astype(np.float64) > (q // h) * (n - pos) * (1 + 1e-5)):
+            ctx.fail(row, f"{name} exceeds what the queries that saw a token could give it (one per query)")
+    return want
 
 
 def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarray:
@@ -553,7 +642,7 @@ def check(row: dict, ctx) -> None:
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
-                    "alloc_from"):
+                    "alloc_from", "heavy", "heavy_rule"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):
@@ -564,6 +653,9 @@ def check(row: dict, ctx) -> None:
             bits = _check_allocation(row, ctx, pol, dims)
             low_pairs = int((bits == int(pol["low"][3:])).sum())
             want_b = [policy_bytes(pol, n, dims, low_pairs) for n in want_ctx]
+        if pol.get("heavy"):  # the last bytes from the stored heavy-hitter indices themselves
+            held = _check_heavy_index(row, ctx, pol, dims, want_ctx[-1])
+            want_b[-1] = policy_bytes(pol, want_ctx[-1], dims, held=held)
     elif kind == "reference":
         want_b = [reference_bytes(n, dims) for n in want_ctx]
     else:

@@ -56,7 +56,7 @@ from .policy import HEADER_BYTES, Policy, sink_candidates
 
 __all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
            "policy_attention", "sink_scores", "choose_sink", "concentration", "allocation_keys", "allocate",
-           "observe_concentration", "Observed", "OBSERVE_SECONDS"]
+           "observe_concentration", "Observed", "OBSERVE_SECONDS", "accumulated_attention", "choose_heavy"]
 
 ATTN_NAME = "testbed_policy"
 # layer index -> (the layer, the boolean mask its last update left for the attention call after it)
@@ -177,6 +177,35 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
         s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
         acc += effective_support(torch.softmax(s, dim=-1), qpos + 1).sum(dim=(2, 3))
     return acc if total else acc / (g * t)
+
+
+def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scale: float, block: int = 256) -> torch.Tensor:
+    """``[B, H_kv, n]`` float64: the attention each of the ``n`` keys received in one causal pass,
+    summed over the pass's queries and the KV head's query heads (H2O's accumulated score).
+    ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions; float64
+    scores (so a pass cut into chunks sums to the same up to float64 rounding), queries in blocks."""
+    b, hq, t, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    g = hq // hkv
+    q = query.to(torch.float64).reshape(b, hkv, g, t, d)
+    k = key.to(torch.float64)
+    acc = torch.zeros(b, hkv, n, dtype=torch.float64, device=query.device)
+    kpos = torch.arange(n, device=query.device)
+    for a in range(0, t, block):
+        z = min(t, a + block)
+        qpos = torch.arange(n - t + a, n - t + z, device=query.device)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        acc += torch.softmax(s, dim=-1).sum(dim=(2, 3))
+    return acc
+
+
+def choose_heavy(index: torch.Tensor, score: torch.Tensor, count: int) -> torch.Tensor:
+    """``[B, H, min(count, m)]`` positions into the last axis of ``index`` / ``score [B, H, m]`` (the
+    candidates, ``index`` ascending): the ``count`` largest scores, ties to the lower token index,
+    returned in ascending token order."""
+    order = torch.sort(-score.to(torch.float64), dim=-1, stable=True).indices[..., :count]
+    return order.sort(dim=-1).values
 
 
 def allocation_keys(policy: Policy, scores: torch.Tensor) -> torch.Tensor:
@@ -413,6 +442,12 @@ class PolicyLayer(DynamicLayer):
         self.alloc_score = None  # [B, H] float64: a mixed policy's measured prefill concentration
         self._prefill = None  # (k, v) of a prefill waiting for its sink to be chosen by attention
         self.sink_index = self.sink_score = self.recorded_q = None
+        # heavy hitters: [B, H, c] token indices (int64 in memory, counted as int32) and float32
+        # scores, [B, H, c, D] float32 K/V; float32 scores of the window's tokens; the tokens the
+        # last flush moved into the middle, waiting for the attention call to score them
+        self.hh_index = self.hh_score = self.hh_k = self.hh_v = self.tail_score = None
+        self._hh_moved = None
+        self._hh_waiting = False
         if policy.observes and layer_idx is None:
             raise ValueError("a policy that decides from attention needs the layer's index")
 
@@ -422,6 +457,10 @@ class PolicyLayer(DynamicLayer):
         empty = key_states[..., :0, :].to(torch.float32)
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = empty
         self.keys = self.values = empty  # transformers reads these for dtype/device only
+        if self.policy.heavy:
+            self.hh_k = self.hh_v = empty
+            self.hh_score = self.tail_score = empty[..., 0]
+            self.hh_index = torch.zeros(empty.shape[:2] + (0,), dtype=torch.int64, device=empty.device)
         self.is_initialized = True
 
     # -- the transformers API ------------------------------------------------------------------
@@ -437,6 +476,10 @@ class PolicyLayer(DynamicLayer):
         if self._prefill is not None:
             raise RuntimeError(f"layer {self.layer_idx}: the prefill's sink was never chosen (its attention call did not "
                                "run through testbed.policies.cache.policy_attention(model))")
+        if self._hh_waiting:
+            raise RuntimeError(f"layer {self.layer_idx}: the previous update's attention call never reported its "
+                               "attention (a heavy-hitter policy accumulates it; run the model inside "
+                               "testbed.policies.cache.policy_attention(model))")
         if self.policy.mixed and self.seen > 0 and self.mixed is None:
             raise RuntimeError(f"layer {self.layer_idx}: a mixed policy's bits are allocated after the prefill "
                                "(PolicyCache.finish_prefill) before any further token")
@@ -456,8 +499,12 @@ class PolicyLayer(DynamicLayer):
                                    "run the model inside testbed.policies.cache.policy_attention(model)")
             _DIRECT[self.layer_idx] = (self, t, self.mid_k.tokens)  # attention reads these codes
         elif self.mid_k is not None and self.mid_k.tokens:
-            parts_k.append(self.mid_k.decode())
-            parts_v.append(self.mid_v.decode())
+            mk, mv = self.mid_k.decode(), self.mid_v.decode()
+            if self.hh_index is not None and self.hh_index.shape[-1]:  # the heavy hitters read as float32
+                at = self.hh_index[..., None].expand(-1, -1, -1, mk.shape[-1])
+                mk, mv = mk.scatter(2, at, self.hh_k), mv.scatter(2, at, self.hh_v)
+            parts_k.append(mk)
+            parts_v.append(mv)
         elif self.mixed is not None and self.mixed.tokens:
             mk, mv = self.mixed.decode(self.tail_k)
             parts_k.append(mk)
@@ -466,6 +513,12 @@ class PolicyLayer(DynamicLayer):
         parts_v += [self.tail_v, v_new]
         keys = torch.cat(parts_k, dim=-2).to(key_states.dtype)
         values = torch.cat(parts_v, dim=-2).to(value_states.dtype)
+        if self.policy.heavy:  # every attention call reports what each key received
+            _require_active("a heavy-hitter policy", self.layer_idx)
+            _SELECT[self.layer_idx] = self
+            self._commit(k_new, v_new)
+            self._hh_waiting = True
+            return keys, values
         if self.policy.observes and self.seen == 0:
             _require_active("a policy that decides from attention", self.layer_idx)
             _SELECT[self.layer_idx] = self  # the attention call measures the prefill's attention
@@ -480,6 +533,14 @@ class PolicyLayer(DynamicLayer):
         measures its heads' :func:`concentration`; a ``"mass"`` sink is chosen (:func:`sink_scores`,
         :func:`choose_sink`) and the prefill committed."""
         t0 = time.perf_counter()
+        if self.policy.heavy:
+            if key.shape[-2] != self.seen:
+                raise RuntimeError(f"layer {self.layer_idx}: attention over {key.shape[-2]} keys, the cache holds "
+                                   f"{self.seen} tokens")
+            self._hh_waiting = False
+            self.take_attention(accumulated_attention(query, key, scale))
+            OBSERVE_SECONDS[0] += time.perf_counter() - t0
+            return
         if self.record:
             self.recorded_q = query[0].detach().float().clone()
         if self.policy.mixed:
@@ -493,6 +554,39 @@ class PolicyLayer(DynamicLayer):
         OBSERVE_SECONDS[0] += time.perf_counter() - t0
 
     choose_sink_from = observe_prefill  # the name before mixed policies measured the prefill too
+
+    def take_attention(self, received: torch.Tensor) -> None:
+        """A heavy-hitter policy: add ``received [B, H, n]`` (:func:`accumulated_attention` of every
+        token held, in order) to the scores of the candidates -- the float32 window, the held heavy
+        hitters and the tokens the last flush moved into the middle -- then keep as heavy hitters
+        the ``heavy`` candidates of largest score among the held ones and the moved ones
+        (:func:`choose_heavy`; ``heavy_rule == "first"``: the oldest, whatever their score). The
+        other packed tokens' scores are no longer kept: their float32
+        values are gone, so they can never become heavy hitters."""
+        n = received.shape[-1]
+        if n != self.seen:
+            raise RuntimeError(f"layer {self.layer_idx}: attention received by {n} keys, {self.seen} held")
+        add = lambda score, at: (score.to(torch.float64) + torch.gather(received, 2, at)).to(torch.float32)  # noqa: E731
+        b, h = received.shape[:2]
+        tail = self.tail_k.shape[-2]
+        tail_at = torch.arange(n - tail, n, device=received.device).expand(b, h, tail)
+        self.tail_score = add(self.tail_score, tail_at)
+        if self.hh_index.shape[-1]:
+            self.hh_score = add(self.hh_score, self.hh_index)
+        if self._hh_moved is None:
+            return
+        idx, k, v, score = self._hh_moved
+        self._hh_moved = None
+        score = add(score, idx)
+        cand_i = torch.cat([self.hh_index, idx], dim=-1)  # held ones are older: ascending
+        cand_s = torch.cat([self.hh_score, score], dim=-1)
+        rank = cand_s if self.policy.heavy_rule == "attention" else -cand_i.to(torch.float32)  # "first": the oldest
+        keep = choose_heavy(cand_i, rank, self.policy.heavy)
+        at = keep[..., None].expand(-1, -1, -1, k.shape[-1])
+        self.hh_k = torch.gather(torch.cat([self.hh_k, k], dim=2), 2, at)
+        self.hh_v = torch.gather(torch.cat([self.hh_v, v], dim=2), 2, at)
+        self.hh_index = torch.gather(cand_i, 2, keep)
+        self.hh_score = torch.gather(cand_s, 2, keep)
 
     def _commit_chosen(self, k_new, v_new, scores: torch.Tensor, query0: torch.Tensor | None) -> None:
         index = choose_sink(scores, self.policy.sink)
@@ -510,7 +604,8 @@ class PolicyLayer(DynamicLayer):
         self._flush()
 
     def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, scores: torch.Tensor | None = None,
-                     query0: torch.Tensor | None = None, alloc_score: torch.Tensor | None = None) -> None:
+                     query0: torch.Tensor | None = None, alloc_score: torch.Tensor | None = None,
+                     received: torch.Tensor | None = None) -> None:
         """Take a prefill computed elsewhere (a shared float32 prefill: its post-RoPE K/V
         ``[B, H_kv, P, D]``) into an empty layer, leaving the state the model's own prefill through
         this layer would leave. A sink chosen from attention needs the prefill's ``scores``
@@ -521,6 +616,18 @@ class PolicyLayer(DynamicLayer):
         if self.is_initialized and self.seen:
             raise RuntimeError(f"layer {self.layer_idx}: load_prefill needs an empty layer ({self.seen} tokens held)")
         p, t = self.policy, key_states.shape[-2]
+        if p.heavy:
+            if received is None or tuple(received.shape) != tuple(key_states.shape[:3]):
+                raise ValueError(f"layer {self.layer_idx}: policy {p.name} keeps heavy hitters from the attention keys "
+                                 f"receive; load_prefill needs the prefill's accumulated attention {list(key_states.shape[:3])}")
+            self.lazy_initialization(key_states, value_states)
+            k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
+            if self.record:
+                self.recorded_k.append(k_new[0].detach().clone())
+                self.recorded_v.append(v_new[0].detach().clone())
+            self._commit(k_new, v_new)
+            self.take_attention(received.to(torch.float64))
+            return
         if p.mixed and p.observes:
             if alloc_score is None or tuple(alloc_score.shape) != tuple(key_states.shape[:2]):
                 raise ValueError(f"layer {self.layer_idx}: policy {p.name} allocates its bits from the prefill's "
@@ -623,6 +730,8 @@ class PolicyLayer(DynamicLayer):
         if take < t:
             self.tail_k = torch.cat([self.tail_k, k_new[..., take:, :]], dim=-2)
             self.tail_v = torch.cat([self.tail_v, v_new[..., take:, :]], dim=-2)
+            if self.tail_score is not None:  # a new token has received no attention yet
+                self.tail_score = torch.cat([self.tail_score, self.tail_score.new_zeros(*k_new.shape[:2], t - take)], -1)
         self.seen += t + (0 if index is None else index.shape[-1])
         self._flush()
 
@@ -639,8 +748,17 @@ class PolicyLayer(DynamicLayer):
             if p.mixed:
                 self.mixed.append(self.tail_k[..., :m, :], self.tail_v[..., :m, :])
             else:
+                start = self.mid_k.tokens + self.sink_k.shape[-2]
                 self.mid_k.append(self.tail_k[..., :m, :])
                 self.mid_v.append(self.tail_v[..., :m, :])
+                if p.heavy:  # candidates until the attention call has scored them (take_attention)
+                    if self._hh_moved is not None:
+                        raise RuntimeError(f"layer {self.layer_idx}: two flushes without an attention call between")
+                    b, h = self.tail_k.shape[:2]
+                    idx = torch.arange(start, start + m, device=self.tail_k.device).expand(b, h, m)
+                    self._hh_moved = (idx, self.tail_k[..., :m, :].contiguous(), self.tail_v[..., :m, :].contiguous(),
+                                      self.tail_score[..., :m])
+                    self.tail_score = self.tail_score[..., m:].contiguous()
             self.tail_k = self.tail_k[..., m:, :].contiguous()
             self.tail_v = self.tail_v[..., m:, :].contiguous()
 
@@ -661,6 +779,9 @@ class PolicyLayer(DynamicLayer):
             total += self.mid_k.used_bytes() + self.mid_v.used_bytes()
         if self.mixed is not None:
             total += self.mixed.used_bytes()
+        if self.hh_index is not None:  # heavy hitters' K/V and scores, indices as int32, the window's scores
+            total += sum(x.numel() * x.element_size() for x in (self.hh_k, self.hh_v, self.hh_score, self.tail_score))
+            total += self.hh_index.numel() * 4
         return total
 
     def evidence(self) -> dict[str, torch.Tensor]:
@@ -673,6 +794,9 @@ class PolicyLayer(DynamicLayer):
                     out[f"{label}.{name}"] = buf.view()[0]
         if self.mixed is not None:
             out.update(self.mixed.evidence())
+        if self.hh_index is not None:
+            out.update({"hh.index": self.hh_index[0].to(torch.int32), "hh.score": self.hh_score[0], "hh.k": self.hh_k[0],
+                        "hh.v": self.hh_v[0], "float.score": self.tail_score[0]})
         if self.alloc_score is not None:
             out["alloc.score"] = self.alloc_score[0]
         if self.sink_index is not None:  # the chosen sink: which prefill tokens, from which scores

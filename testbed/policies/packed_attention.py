@@ -47,7 +47,8 @@ KERNEL_MAX_ROWS = 12
 
 def supported(policy) -> bool:
     """Integer middles with K per channel and V per token (the layouts whose scales fold)."""
-    return policy.quantized and policy.middle.startswith("int") and policy.key_axis == "channel" and not policy.mixed
+    return policy.quantized and policy.middle.startswith("int") and policy.key_axis == "channel" and not policy.mixed \
+        and not policy.heavy
 
 
 if njit is not None:

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, replace
 from ..quant import MX, IntGrouped, Quantizer
 
 __all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
-           "scheme_bytes_per_token"]
+           "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA"]
 
 HEADER_BYTES = 16
 # Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
@@ -70,6 +70,13 @@ SINK_SELECT = ("first", "mass")
 ALLOC = ("concentrated", "diffuse", "late", "random")
 ALLOC_FROM = ("prefill", "oracle")
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")  # in a row's policy config only when mixed
+HEAVY_FIELDS = ("heavy", "heavy_rule")  # in a row's policy config only when heavy hitters are kept
+# which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), or the
+# oldest (content-blind: a float32 sink of C tokens at the same bytes, the control)
+HEAVY_RULES = ("attention", "first")
+# bytes per held heavy hitter per KV head beside its float32 K and V: its int32 index and float32 score
+HEAVY_TOKEN_EXTRA = 8
+HEAVY_PRESETS = ("int2_hh", "int2_hh_first")
 
 
 def scheme_bytes_per_token(middle: str, heads: int, head_dim: int, group: int = 32, feature_group: int = 32,
@@ -89,6 +96,17 @@ def scheme_bytes_per_token(middle: str, heads: int, head_dim: int, group: int = 
     else:
         k = v
     return heads * (k + v)
+
+
+def heavy_count(window: int, group: int, head_dim: int = 64, key_axis: str = "channel") -> int:
+    """The heavy-hitter count C that a heavy-hitter int2 policy with window ``window - group`` pays for
+    out of uniform int2's bytes at window ``window`` (same G): moving G window tokens into the int2
+    middle frees G (8 D - int2 bytes per token) per KV head; each heavy hitter costs its float32 K
+    and V, its int32 index and float32 score (8 D + 8), and every float32 window token's score
+    (4 B, at most ``window - 1`` of them) is paid from the same. Per KV head, independent of the
+    head count; never more bytes than uniform int2 once the middle holds C tokens."""
+    freed = group * (8 * head_dim - scheme_bytes_per_token("int2", 1, head_dim, group, 32, key_axis))
+    return max(0, int((freed - 4 * (window - 1)) // (8 * head_dim + HEAVY_TOKEN_EXTRA)))
 
 
 def sink_candidates(prefill: int, sink: int, window: int) -> int:
@@ -119,6 +137,8 @@ class Policy:
     low_share: float = 0.0
     alloc: str | None = None
     alloc_from: str = "prefill"
+    heavy: int = 0
+    heavy_rule: str = "attention"
     description: str = ""
 
     def __post_init__(self):
@@ -140,6 +160,14 @@ class Policy:
             raise ValueError(f"policy {self.name}: sink_select {self.sink_select!r} needs a sink and a quantized middle")
         if self.middle == "drop" and self.window == 0:
             raise ValueError(f"policy {self.name}: a dropped middle needs a window of at least one token")
+        if not isinstance(self.heavy, int) or isinstance(self.heavy, bool) or self.heavy < 0:
+            raise ValueError(f"policy {self.name}: heavy must be a non-negative integer, got {self.heavy!r}")
+        if self.heavy and (self.middle not in ("int2", "int4", "int8") or self.key_axis != "channel" or self.sink
+                           or self.low is not None):
+            raise ValueError(f"policy {self.name}: heavy hitters are built for a uniform integer middle with K per "
+                             "channel and no sink")
+        if self.heavy_rule not in HEAVY_RULES:
+            raise ValueError(f"policy {self.name}: heavy_rule must be one of {list(HEAVY_RULES)}, got {self.heavy_rule!r}")
         if self.low is None:
             if self.alloc is not None or self.low_share:
                 raise ValueError(f"policy {self.name}: alloc and low_share need a low scheme")
@@ -175,9 +203,14 @@ class Policy:
 
     @property
     def observes(self) -> bool:
-        """The prefill's attention decides something (the sink or the allocation)."""
-        return self.sink_select == "mass" or (self.mixed and self.alloc_from == "prefill"
-                                              and self.alloc in ("concentrated", "diffuse"))
+        """The prefill's attention decides something (the sink, the allocation or the heavy hitters)."""
+        return self.sink_select == "mass" or self.heavy > 0 or (self.mixed and self.alloc_from == "prefill"
+                                                                 and self.alloc in ("concentrated", "diffuse"))
+
+    def heavy_held(self, n: int) -> int:
+        """Heavy hitters held per (sequence, KV head) after ``n`` tokens: C, or every packed token
+        while fewer than C are packed."""
+        return min(self.heavy, self.packed_tokens(n))
 
     def low_count(self, pairs: int) -> int:
         """How many of ``pairs`` (layer, KV head) pairs get the low bits (Python's round, half to even)."""
@@ -206,6 +239,9 @@ class Policy:
         out = asdict(self)
         if not self.mixed:
             for key in MIXED_FIELDS:
+                del out[key]
+        if not self.heavy:
+            for key in HEAVY_FIELDS:
                 del out[key]
         return out
 
@@ -266,7 +302,12 @@ class Policy:
         spans = self.kept_spans(n)
         floats = sum(b - a for key, (a, b) in spans.items() if key != "packed")
         p = spans["packed"][1] - spans["packed"][0]
-        return int(HEADER_BYTES + floats * 2 * heads * head_dim * 4 + round(p * self.packed_bytes_per_token(heads, head_dim)))
+        # heavy hitters: per KV head, each held one's float32 K and V, index and score, and a float32
+        # score for every float32 window token (a candidate until it enters the middle)
+        heavy = (heads * (self.heavy_held(n) * (2 * head_dim * 4 + HEAVY_TOKEN_EXTRA) + floats * 4)
+                 if self.heavy else 0)
+        return int(HEADER_BYTES + floats * 2 * heads * head_dim * 4 + round(p * self.packed_bytes_per_token(heads, head_dim))
+                   + heavy)
 
     def cache_bytes(self, n: int, layers: int, heads: int, head_dim: int) -> int:
         """Exact bytes of the whole cache (one sequence, ``layers`` layers) after ``n`` tokens; a
@@ -324,6 +365,19 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
                                      "the whole segment's float32 attention"),
              "oracle_diffuse": ("diffuse", "oracle", "ORACLE, impossible online: the diffuse rule from the whole "
                                 "segment's float32 attention")}
+    # heavy hitters at int2's bytes: the window gives G float32 tokens to the middle, which pays for C
+    # float32 heavy hitters per (layer, KV head) (heavy_count: sized for head_dim 64, SmolLM2's)
+    hw = max(1, window - group)
+    c = heavy_count(window, group)
+    out.append(Policy("int2_hh", "int2", 0, hw, group, heavy=c,
+                      description=f"int2 (KIVI-style) with the {c} heavy hitters per (layer, KV head) kept float32: the "
+                      "packed tokens with the largest accumulated attention (H2O: the sum of the attention each key "
+                      "received over the KV head's query heads, from the prefill and every decode step), chosen when "
+                      f"a group enters the middle; window R={hw} (R - G) so the bytes match int2's at R={window}, "
+                      f"G={group}"))
+    out.append(Policy("int2_hh_first", "int2", 0, hw, group, heavy=c, heavy_rule="first",
+                      description=f"the content-blind control of int2_hh at its bytes: the same storage, but the {c} "
+                      "held tokens are the first packed ones (a float32 sink of C tokens), whatever their attention"))
     for b, (high, low, share, what) in budgets.items():
         for r, (alloc, source, how) in rules.items():
             out.append(Policy(f"{b}_{r}", high, 0, window, group, low=low, low_share=share, alloc=alloc,
@@ -339,4 +393,8 @@ def preset(name: str, *, window: int = 128, group: int = 32, evict_window: int =
     table = _presets(window, group, evict_window, sink)
     if name not in table:
         raise ValueError(f"unknown policy {name!r}; presets: {', '.join(PRESETS)}")
+    if name in HEAVY_PRESETS and (window <= group or heavy_count(window, group) < 1):
+        raise ValueError(f"{name} pays for its heavy hitters with G float32 window tokens at int2's bytes: it needs "
+                         f"a window R larger than the group G and room for at least one heavy hitter (R={window}, "
+                         f"G={group}: {heavy_count(window, group) if window > group else 0} fit)")
     return table[name]
