@@ -24,6 +24,7 @@ import torch
 from testbed.audit import audit
 from testbed.live import chunk_schedule
 from testbed.policies import PRESETS, preset
+from testbed.policies.policy import HEAVY_PRESETS
 from testbed.policies.cache import PolicyCache, policy_attention
 from testbed.sources import capture
 
@@ -130,7 +131,8 @@ def test_every_preset_chunked_equals_step_and_bytes_follow_layer_types(gemma, na
     from transformers import DynamicCache
 
     model, tok = gemma
-    pol = preset(name, window=16, group=16, sink=4, evict_window=32)
+    # a heavy-hitter preset pays for its heavy hitters with one group of its window: R = 2 G there
+    pol = preset(name, window=32 if name in HEAVY_PRESETS else 16, group=16, sink=4, evict_window=32)
     ids = _ids(tok, PREFILL + STEPS + 1)
     a, b = PolicyCache.for_model(pol, model.config), PolicyCache.for_model(pol, model.config)
     sched = chunk_schedule(pol, PREFILL, STEPS, "chunked", 256)

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.policies import PRESETS, Policy, preset
+from testbed.policies.policy import HEAVY_PRESETS
 from testbed.quant import MX, IntGrouped
 
 cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: pip install -e '.[capture]'")
@@ -98,7 +99,9 @@ def _bytes_formula(pol: Policy, n: int) -> int:
     return total
 
 
-POLICIES = [p for p in (preset(name, window=16, group=16, evict_window=24, sink=4) for name in PRESETS)
+# a heavy-hitter preset pays for its heavy hitters with one group of its window: R = 2 G there
+POLICIES = [p for p in (preset(name, window=32 if name in HEAVY_PRESETS else 16, group=16, evict_window=24, sink=4)
+                        for name in PRESETS)
             if not p.mixed]  # per-head precision: tests/test_mixed_precision.py
 
 
@@ -124,7 +127,7 @@ def test_the_audits_policy_table_states_every_preset():
     live = {"window": 16, "group": 16, "evict_window": 24, "sink": 4}
     dims = {"layers": 1, "kv_heads": H, "head_dim": D, "sliding_window": None, "full_layers": None}
     for pol in POLICIES:
-        mine = lq._policy(pol.name, live)
+        mine = lq._policy(pol.name, {**live, "window": pol.window + pol.group} if pol.heavy else live)
         assert mine == {k: pol.config()[k] for k in mine}, pol.name
         for n in range(120):
             assert lq.policy_bytes(mine, n, dims) == pol.layer_bytes(n, H, D), (pol.name, n)
