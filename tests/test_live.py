@@ -449,7 +449,7 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
 
     model, tok = smollm2
     kw = _forward_kwargs(model)
-    p = {"prefill": 64, "steps": 48, "sink": 4, "window": 16, "group": 16, "evict_window": 16,
+    p = {"prefill": 64, "steps": 48, "sink": 4, "window": 32 if arm == "int2_hh" else 16, "group": 16, "evict_window": 16,
          "policies": [arm] if not arm.startswith("quanto") else ["int4"]}
     ids = _ids(tok, 64 + 48 + 1, batch=2)
     if arm.startswith("quanto"):
@@ -459,7 +459,7 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
             return QuantizedCache("quanto", model.config, nbits=2, q_group_size=32, residual_length=16)
         schedule, bytes_of = [1] * 48, None
     else:
-        pol = preset(arm, window=16, group=16, evict_window=16, sink=4)
+        pol = preset(arm, window=32 if arm == "int2_hh" else 16, group=16, evict_window=16, sink=4)
 
         def make():
             return PolicyCache(pol, 30, record_layer=3)
