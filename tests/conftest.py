@@ -5,6 +5,9 @@ session for the suites that read it (test_live, test_audit_reencode); tests copy
 
 ``smollm2``: the capture model, loaded once per session (test_capture, test_archive).
 
+``attention_block``: a test that plays a model's attention calls itself, inside a
+``policy_attention`` block's flag (test_mixed_precision, test_heavy_hitters).
+
 ``reliability`` (tests/_reliability.py) is offered here rather than imported into each suite: a
 fixture imported into a test module and then requested as a test's argument reads to pyflakes as
 a name redefined while unused (ruff F811).
@@ -43,3 +46,17 @@ def smollm2():
         return capture.load_model()
     except capture.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+
+
+@pytest.fixture
+def attention_block():
+    """The test plays the attention calls itself inside a policy_attention block's flag; the
+    block's pending state is cleared after it."""
+    cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: "
+                                    "pip install -e '.[capture]'")
+    cache_mod._ACTIVE[0] += 1
+    yield
+    cache_mod._ACTIVE[0] -= 1
+    cache_mod._PENDING.clear()
+    cache_mod._DIRECT.clear()
+    cache_mod._SELECT.clear()

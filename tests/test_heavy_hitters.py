@@ -31,15 +31,7 @@ PolicyLayer = cache_mod.PolicyLayer
 H, D, G_Q = 3, 64, 3  # KV heads, head dim, query heads per KV head (SmolLM2's shape per layer)
 
 
-@pytest.fixture(autouse=True)
-def attention_block():
-    """The tests play the attention call themselves inside a policy_attention block's flag."""
-    cache_mod._ACTIVE[0] += 1
-    yield
-    cache_mod._ACTIVE[0] -= 1
-    cache_mod._PENDING.clear()
-    cache_mod._DIRECT.clear()
-    cache_mod._SELECT.clear()
+pytestmark = pytest.mark.usefixtures("attention_block")  # tests/conftest.py
 
 
 def _kv(n, seed=0, batch=2):

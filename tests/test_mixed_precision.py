@@ -17,14 +17,7 @@ cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache
 L, H, D, HQ = 4, 3, 64, 9  # a small model: 4 layers, 3 KV heads (3 query heads each)
 
 
-@pytest.fixture(autouse=True)
-def attention_block():
-    cache_mod._ACTIVE[0] += 1
-    yield
-    cache_mod._ACTIVE[0] -= 1
-    cache_mod._PENDING.clear()
-    cache_mod._DIRECT.clear()
-    cache_mod._SELECT.clear()
+pytestmark = pytest.mark.usefixtures("attention_block")  # tests/conftest.py
 
 
 def _kv(n, seed=0, batch=2):

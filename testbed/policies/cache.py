@@ -135,6 +135,24 @@ def policy_attention(model):
         model.set_attn_implementation(previous)
 
 
+def _causal_softmax_blocks(query: torch.Tensor, key: torch.Tensor, scale: float, block: int, dtype: torch.dtype):
+    """Yield ``(P [B, H_kv, g, z - a, n], qpos)`` per block of queries ``a:z`` of one causal pass:
+    ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions (the pass's
+    keys in order, a cache's history first), scores and softmax in ``dtype``, the query heads
+    grouped by KV head (g per head); memory ``B H_q block n``."""
+    b, hq, t, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    q = query.to(dtype).reshape(b, hkv, hq // hkv, t, d)
+    k = key.to(dtype)
+    kpos = torch.arange(n, device=query.device)
+    for a in range(0, t, block):
+        z = min(t, a + block)
+        qpos = torch.arange(n - t + a, n - t + z, device=query.device)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        yield torch.softmax(s, dim=-1), qpos
+
+
 def sink_scores(query: torch.Tensor, key: torch.Tensor, scale: float, candidates: int, block: int = 256) -> torch.Tensor:
     """``[B, H_kv, candidates]``: for each of the first ``candidates`` keys of a causal prefill, the
     mean share of attention it receives over the queries that see it (query positions >= its own)
@@ -143,15 +161,9 @@ def sink_scores(query: torch.Tensor, key: torch.Tensor, scale: float, candidates
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    q = query.float().reshape(b, hkv, g, t, d)
-    k = key.float()
     total = torch.zeros(b, hkv, candidates, dtype=torch.float32, device=query.device)
-    kpos = torch.arange(t, device=query.device)
-    for a in range(0, t, block):
-        z = min(t, a + block)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
-        s = s.masked_fill(kpos[None, :] > torch.arange(a, z, device=query.device)[:, None], float("-inf"))
-        total += torch.softmax(s, dim=-1)[..., :candidates].sum(dim=(2, 3))
+    for p, _ in _causal_softmax_blocks(query, key, scale, block, torch.float32):
+        total += p[..., :candidates].sum(dim=(2, 3))
     seen_by = (t - torch.arange(candidates, device=query.device)).to(torch.float32) * g
     return total / seen_by
 
@@ -164,19 +176,11 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
     mean). ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions (the
     pass's keys in order, a cache's history first); float32 scores, queries in blocks."""
     b, hq, t, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    g = hq // hkv
-    q = query.float().reshape(b, hkv, g, t, d)
-    k = key.float()
+    hkv = key.shape[1]
     acc = torch.zeros(b, hkv, dtype=torch.float64, device=query.device)
-    kpos = torch.arange(n, device=query.device)
-    for a in range(0, t, block):
-        z = min(t, a + block)
-        qpos = torch.arange(n - t + a, n - t + z, device=query.device)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
-        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        acc += effective_support(torch.softmax(s, dim=-1), qpos + 1).sum(dim=(2, 3))
-    return acc if total else acc / (g * t)
+    for p, qpos in _causal_softmax_blocks(query, key, scale, block, torch.float32):
+        acc += effective_support(p, qpos + 1).sum(dim=(2, 3))
+    return acc if total else acc / (hq // hkv * t)
 
 
 def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scale: float, block: int = 256) -> torch.Tensor:
@@ -184,19 +188,10 @@ def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scale: float, 
     summed over the pass's queries and the KV head's query heads (H2O's accumulated score).
     ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions; float64
     scores (so a pass cut into chunks sums to the same up to float64 rounding), queries in blocks."""
-    b, hq, t, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    g = hq // hkv
-    q = query.to(torch.float64).reshape(b, hkv, g, t, d)
-    k = key.to(torch.float64)
+    b, hkv, n = query.shape[0], key.shape[1], key.shape[2]
     acc = torch.zeros(b, hkv, n, dtype=torch.float64, device=query.device)
-    kpos = torch.arange(n, device=query.device)
-    for a in range(0, t, block):
-        z = min(t, a + block)
-        qpos = torch.arange(n - t + a, n - t + z, device=query.device)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
-        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        acc += torch.softmax(s, dim=-1).sum(dim=(2, 3))
+    for p, _ in _causal_softmax_blocks(query, key, scale, block, torch.float64):
+        acc += p.sum(dim=(2, 3))
     return acc
 
 
