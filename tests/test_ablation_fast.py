@@ -14,31 +14,10 @@ import pytest
 import torch
 
 from testbed import ablation_core as ac
-from testbed.ablation_core import MASS_TOLERANCE, select_mass_matched
+from testbed.ablation_core import select_mass_matched
+from tests.test_mass_control import rule_row  # the documented rule as a plain per-row loop
 
 PATHS = ["numpy"] + (["numba"] if ac._select_rows is not None else [])
-
-
-def rule_row(p_row, vis_row, target_keys, orders, tol=MASS_TOLERANCE):
-    """The documented rule for one row: (attempt, keys taken in order, acc) or None (unmatched).
-
-    ``tau`` is the row's target mass (numpy's sum of the target's values, the definition's sum);
-    the accumulation is the rule's own: start at 0.0, add each taken key's mass in order."""
-    tau = float(np.sum(np.asarray([p_row[t] for t in target_keys], dtype=np.float64)))
-    if not tau > 0:
-        return None
-    lo, hi = tau * (1.0 - tol), tau * (1.0 + tol)
-    for a, order in enumerate(orders):
-        acc, taken = 0.0, []
-        for t in order:
-            if not vis_row[t]:
-                continue
-            if acc + p_row[t] <= hi:
-                acc += p_row[t]
-                taken.append(t)
-                if acc >= lo:
-                    return a, taken, acc
-    return None
 
 
 def random_tile(rng, kind):

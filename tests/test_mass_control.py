@@ -64,13 +64,16 @@ def explicit_order(case, target, seed, attempt):
     return sorted(eligible, key=lambda t: (draws[t], t))
 
 
-def explicit_row(p_row, vis_row, target_keys, orders, tol=MASS_TOLERANCE):
-    """The documented rule for one row, as a plain loop: (set of keys, mass) or None (unmatched)."""
-    tau = float(sum(p_row[t] for t in target_keys))
+def rule_row(p_row, vis_row, target_keys, orders, tol=MASS_TOLERANCE):
+    """The documented rule for one row, as a plain loop: (attempt, keys taken in order, acc) or
+    None (unmatched). ``tau`` is the row's target mass (numpy's sum of the target's values, the
+    definition's sum); the accumulation is the rule's own: start at 0.0, add each taken key's
+    mass in order."""
+    tau = float(np.sum(np.asarray([p_row[t] for t in target_keys], dtype=np.float64)))
     if not tau > 0:
         return None
     lo, hi = (1.0 - tol) * tau, (1.0 + tol) * tau
-    for order in orders:
+    for a, order in enumerate(orders):
         acc, taken = 0.0, []
         for t in order:
             if not vis_row[t]:
@@ -79,8 +82,14 @@ def explicit_row(p_row, vis_row, target_keys, orders, tol=MASS_TOLERANCE):
                 acc += p_row[t]
                 taken.append(t)
                 if acc >= lo:
-                    return set(taken), acc
+                    return a, taken, acc
     return None
+
+
+def explicit_row(p_row, vis_row, target_keys, orders, tol=MASS_TOLERANCE):
+    """:func:`rule_row` as (set of keys, mass) or None (unmatched)."""
+    got = rule_row(p_row, vis_row, target_keys, orders, tol)
+    return None if got is None else (set(got[1]), got[2])
 
 
 def run_selection(case, name, seed=0):
