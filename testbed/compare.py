@@ -233,14 +233,20 @@ def array_names(manifest: dict, results: dict) -> dict[str, tuple[str, str | Non
     return names
 
 
+def _in_studies(path: str, studies: set) -> bool:
+    """Whether an array path ``arrays/STUDY/...`` belongs to one of ``studies``."""
+    parts = path.split("/")
+    return len(parts) > 1 and parts[1] in studies
+
+
 def float_array_kind(name: str, path: str, flip_studies: set) -> str:
     """The tolerance (a key of ``TOLERANCES``) of a float array named ``name`` stored at ``path``
     (``arrays/STUDY/CASE/FILE.npy``): a model study's per-token arrays, the ablation's per-row
     dropped mass (the mass-matched selection's band), or plain floats."""
-    parts = path.split("/")
-    if len(parts) > 1 and parts[1] in flip_studies:
+    if _in_studies(path, flip_studies):
         return "per_token"
-    stem = parts[-1][:-len(".npy")] if parts[-1].endswith(".npy") else parts[-1]
+    last = path.rsplit("/", 1)[-1]
+    stem = last[:-len(".npy")] if last.endswith(".npy") else last
     ablation = " analysis=ablation " in f" {name} " or stem.startswith("ablation.")
     if ablation and any(w.endswith(tuple("." + a for a in MASS_BAND_ARRAYS)) for w in (name, stem)):
         return "mass_band"
@@ -287,7 +293,7 @@ def _compare_arrays(ra: Path, rb: Path, ma: dict, mb: dict, res_a: dict, res_b: 
         else:
             words = (name.rsplit(" ", 1)[-1], pb.rsplit("/", 1)[-1])
             out.integers(what, x, y, exact=any(word in w for word in EXACT_ARRAYS for w in words),
-                         per_token=bool(pb.split("/")[1:2]) and pb.split("/")[1] in flip_studies)
+                         per_token=_in_studies(pb, flip_studies))
     ca.close()
     cb.close()
     return len(set(na) & set(nb))

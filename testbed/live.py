@@ -144,15 +144,16 @@ def check_model(p: dict, dims: dict, where: str) -> None:
     if ev is not None and ev not in full:
         raise ProtocolError(f"{where}.evidence_layer: layer {ev} of {p['model']} is a sliding-window layer, which keeps "
                             f"what DynamicCache keeps; the policy runs on its full-attention layers {full}")
-    mixed = [q.name for q in policies_of(p) if q.mixed]
+    pols = policies_of(p)
+    mixed = [q.name for q in pols if q.mixed]
     if dims.get("sliding_window") and mixed:
         raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
                             f"layer's KV heads, and {p['model']} has sliding-window layers (window "
                             f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
     fit = heavy_count(p["window"], p["group"], head_dim=dims["head_dim"])
-    over = [q.name for q in policies_of(p) if q.heavy > fit]
+    over = [q for q in pols if q.heavy > fit]
     if over:
-        raise ProtocolError(f"{where}.policies: {', '.join(over)} hold {max(q.heavy for q in policies_of(p))} heavy "
+        raise ProtocolError(f"{where}.policies: {', '.join(q.name for q in over)} hold {max(q.heavy for q in over)} heavy "
                             f"hitters per (layer, KV head), sized for head dim 64; at {p['model']}'s head dim "
                             f"{dims['head_dim']} only {fit} fit in int2's bytes (R={p['window']}, G={p['group']}): "
                             "the arms would not be at equal bytes; drop those policies")

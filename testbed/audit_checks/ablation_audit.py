@@ -250,6 +250,18 @@ def _tv(p, pa):
     return 0.5 * d.sum(axis=1)
 
 
+def _add_output_sums(r, hh, oa, o_ref, o_full, rows):
+    """Add one tile's output sums of head ``hh`` over the ``rows`` it defines: the arm's output
+    ``oa`` against the reference ``o_ref`` (err2, ref2, dot, out2) and against its own full
+    attention ``o_full`` (own_err2, own_ref2)."""
+    r["err2"][hh] += ((oa - o_ref)[rows] ** 2).sum()
+    r["ref2"][hh] += (o_ref[rows] ** 2).sum()
+    r["dot"][hh] += (oa[rows] * o_ref[rows]).sum()
+    r["out2"][hh] += (oa[rows] ** 2).sum()
+    r["own_err2"][hh] += ((oa - o_full)[rows] ** 2).sum()
+    r["own_ref2"][hh] += (o_full[rows] ** 2).sum()
+
+
 def _derive_mass(case, k, v, sel, target, ref):
     """Per-row-mask ablation of the selected keys (and of the target, on the same rows) on this arm,
     over tiles of each head's queries; the per-head sums accumulate tile by tile."""
@@ -281,12 +293,7 @@ def _derive_mass(case, k, v, sel, target, ref):
             r["tau"][hh, sl] = np.where(use, np.where(drop, p, 0.0).sum(axis=1), np.nan)
             r["tv"][hh, sl] = np.where(use, _tv(p, pa), np.nan)
             del p, pa
-            r["err2"][hh] += ((oa - o_ref)[use] ** 2).sum()
-            r["ref2"][hh] += (o_ref[use] ** 2).sum()
-            r["dot"][hh] += (oa[use] * o_ref[use]).sum()
-            r["out2"][hh] += (oa[use] ** 2).sum()
-            r["own_err2"][hh] += ((oa - o_full)[use] ** 2).sum()
-            r["own_ref2"][hh] += (o_full[use] ** 2).sum()
+            _add_output_sums(r, hh, oa, o_ref, o_full, use)
             dropped = vis & drop
             has = dropped.any(axis=1)
             _, mu_d, _ = _masked(s, dropped, vv)                      # the dropped keys' own softmax
@@ -430,12 +437,7 @@ def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
                 r["tv"][hh, sl] = np.where(ok, _tv(p, pa), np.nan)
                 del pa
                 r["undefined"][hh] += int((~ok).sum())
-                r["err2"][hh] += ((oa - o_ref)[ok] ** 2).sum()
-                r["ref2"][hh] += (o_ref[ok] ** 2).sum()
-                r["dot"][hh] += (oa[ok] * o_ref[ok]).sum()
-                r["out2"][hh] += (oa[ok] ** 2).sum()
-                r["own_err2"][hh] += ((oa - o_full)[ok] ** 2).sum()
-                r["own_ref2"][hh] += (o_full[ok] ** 2).sum()
+                _add_output_sums(r, hh, oa, o_ref, o_full, ok)
                 if keep.all():
                     continue                 # no dropped key: no row has a shift (NaN, as initialized)
                 # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
