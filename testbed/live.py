@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
+from .policies.policy import HEAVY_PRESETS
 from .policies.policy import heavy_count, sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
@@ -182,7 +183,7 @@ def policies_of(p: dict) -> list[Policy]:
 def estimate_bytes(p: dict, base: Path | None = None) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
     one chunk (a prefill computes the last position's only), the prefill's activations, the caches
-    (the shared prefill's K/V held beside one arm's cache, and a mixed oracle arm's float32 pass
+    (the shared prefill's K/V held beside one arm's cache, and an oracle arm's float32 pass
     over the segment). A model given by path (relative to
     ``base``, the protocol's folder) is sized from its files before it is loaded
     (:func:`testbed.sources.capture.estimate_dims`)."""
@@ -195,7 +196,8 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     logits = b * p["reference_chunk"] * vocab * 4 * 3
     activations = b * prefill * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
-    if any(pol.mixed and pol.alloc_from == "oracle" for pol in policies_of(p)):  # the oracle's float32 pass
+    if any((pol.mixed and pol.alloc_from == "oracle") or (pol.heavy and pol.heavy_rule == "oracle")
+           for pol in policies_of(p)):  # the oracle's float32 pass
         cache += 2 * layers * kv * n * d * 4 * b
     return dims["parameters"] * 4 + ref + logits + activations + cache
 
@@ -585,7 +587,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})
     t_arm = time.perf_counter()
-    oracle = None  # a mixed oracle arm's float32 pass over the segment (observe_concentration)
+    oracle = None  # an oracle arm's float32 pass over the segment (observe_concentration)
     own = not p["shared_prefill"]
     if arm == REFERENCE:
         from transformers import DynamicCache
@@ -601,23 +603,27 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     elif isinstance(what, Policy):
         from .policies.cache import PolicyCache, observe_concentration, policy_attention
 
-        scores = oracle = None
+        scores = received = oracle = None
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
+        hh_oracle = what.heavy > 0 and what.heavy_rule == "oracle"
         with policy_attention(model):
-            if what.mixed and what.alloc_from == "oracle":  # float32 attention of the whole segment, in advance,
-                from transformers import DynamicCache      # in the arm's own forward calls
+            if (what.mixed and what.alloc_from == "oracle") or hh_oracle:  # float32 attention of the whole
+                from transformers import DynamicCache  # segment, in advance, in the arm's own forward calls
 
                 t_oracle = time.perf_counter()
-                with torch.no_grad(), observe_concentration(model, record_layer=evidence_layer) as oracle:
+                with torch.no_grad(), observe_concentration(model, record_layer=evidence_layer,
+                                                            concentration_too=not hh_oracle,
+                                                            received=hh_oracle) as oracle:
                     pre, pos = DynamicCache(config=cfg), 0
                     for c in [p["prefill"]] + schedule:
                         _forward(model, ids[:, pos:pos + c], pre, kw, last_only=True)
                         pos += c
                     del pre
-                scores = oracle.scores(int(cfg.num_hidden_layers))
+                n_layers = int(cfg.num_hidden_layers)
+                scores, received = (None, oracle.accumulated(n_layers)) if hh_oracle else (oracle.scores(n_layers), None)
                 oracle_seconds = time.perf_counter() - t_oracle
             cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None,
-                                          scores=scores)
+                                          scores=scores, received=received)
             res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes(),
                            prefill=None if own else shared)
         kind, mode = "policy", p["mode"]
@@ -796,8 +802,9 @@ def comparator(arm: str, arms) -> str | None:
     """The arm a per-head precision arm is compared with at equal bytes: ``mix28_*`` (the bytes of
     int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes, which no uniform arm has) with
     ``mix24_random``, the content-blind allocation of the same bytes; ``int2_hh`` (heavy hitters at
-    int2's bytes) and ``int2_hh_first`` (its content-blind control) with uniform ``int2``; None when that arm is absent."""
-    if arm in ("int2_hh", "int2_hh_first"):  # heavy hitters (or the first tokens) at int2's bytes
+    int2's bytes), ``int2_hh_first`` (its content-blind control) and ``int2_hh_oracle`` (its oracle bound) with
+    uniform ``int2``; None when that arm is absent."""
+    if arm in HEAVY_PRESETS:  # heavy hitters (or the first tokens, or the oracle's) at int2's bytes
         return "int2" if "int2" in arms else None
     if not arm.startswith("mix"):
         return None
@@ -835,7 +842,7 @@ EQUAL_BYTES_NOTE = (
     "(mix28_*, the bytes of int4 with 60 of the 90 (layer, KV head) pairs int2 and 30 int8, against uniform int4; "
     "mix24_*, a 3-bit layout's bytes with 45 pairs int2 and 45 int4, against mix24_random, the content-blind "
     "allocation of those bytes; int2_hh, heavy hitters kept float32 at int2's bytes, and "
-    "int2_hh_first, its content-blind control, against uniform int2). Δ is "
+    "int2_hh_first, its content-blind control, and int2_hh_oracle, its oracle, against uniform int2). Δ is "
     "paired per segment (exp of the mean NLL difference, minus 1; negative: the "
     "arm predicts better); 'segments better' counts segments whose perplexity fell. *_oracle_* arms decide from the "
     "whole segment's float32 attention: impossible online, an upper bound for the online rule, not a policy.")

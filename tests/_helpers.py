@@ -193,3 +193,17 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def oracle_kwargs(pol, config, batch: int, tokens: int, seed: int = 0) -> dict:
+    """``PolicyCache`` keyword arguments a heavy-hitter oracle needs (``received``: the whole segment's
+    scores, one ``[batch, KV heads, tokens]`` tensor per layer; random here, where a test checks what
+    does not depend on which tokens are held); nothing for any other policy."""
+    import torch
+
+    if not (pol.heavy and pol.heavy_rule == "oracle"):
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, int(config.num_key_value_heads), tokens)
+    return {"received": [torch.rand(shape, generator=g, dtype=torch.float64)
+                         for _ in range(int(config.num_hidden_layers))]}

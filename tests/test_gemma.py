@@ -26,6 +26,7 @@ from testbed.live import chunk_schedule
 from testbed.policies import PRESETS, preset
 from testbed.policies.policy import HEAVY_PRESETS
 from testbed.policies.cache import PolicyCache, policy_attention
+from tests._helpers import oracle_kwargs
 from testbed.sources import capture
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
@@ -134,7 +135,8 @@ def test_every_preset_chunked_equals_step_and_bytes_follow_layer_types(gemma, na
     # a heavy-hitter preset pays for its heavy hitters with one group of its window: R = 2 G there
     pol = preset(name, window=32 if name in HEAVY_PRESETS else 16, group=16, sink=4, evict_window=32)
     ids = _ids(tok, PREFILL + STEPS + 1)
-    a, b = PolicyCache.for_model(pol, model.config), PolicyCache.for_model(pol, model.config)
+    oracle = oracle_kwargs(pol, model.config, ids.shape[0], ids.shape[1])  # the same for both runs
+    a, b = PolicyCache.for_model(pol, model.config, **oracle), PolicyCache.for_model(pol, model.config, **oracle)
     sched = chunk_schedule(pol, PREFILL, STEPS, "chunked", 256)
     lp_chunk = _logprobs(model, ids, a, sched)
     lp_step = _logprobs(model, ids, b, [1] * STEPS)

@@ -66,11 +66,13 @@ def test_accumulated_attention_is_the_sum_of_softmax_rows():
     assert np.allclose(got.sum(-1), 5 * G_Q)
 
 
-def _drive(pol, n_prefill, steps, seed=0, batch=2):
+def _drive(pol, n_prefill, steps, seed=0, batch=2, oracle=None):
     """A PolicyLayer under ``pol``, fed a prefill then chunks up to each flush (the live study's
     schedule), each update followed by the attention call with random queries. Returns the layer and,
-    per update, (the keys and values attention read, the queries, the token count after it)."""
+    per update, (the keys and values attention read, the queries, the token count after it).
+    ``oracle [B, H, n]``: an oracle policy's whole-segment scores, given in advance."""
     layer = PolicyLayer(pol, layer_idx=0)
+    layer.oracle_received = oracle
     k, v = _kv(n_prefill + steps, seed, batch)
     gen = torch.Generator().manual_seed(seed + 100)
     calls, n = [], 0
@@ -238,6 +240,31 @@ def test_heavy_hitters_refuse_what_they_are_not_built_for():
     with pytest.raises(ValueError, match="direct attention"):
         PolicyLayer(preset("int2_hh"), layer_idx=0, direct=True)
 
+def test_the_oracle_holds_the_top_count_of_the_whole_segments_score_at_int2_hhs_bytes():
+    """int2_hh_oracle ranks by scores given in advance for every token of the segment: whatever the
+    order in which groups are packed, the held set at the end is the C largest of those scores among
+    the packed tokens (ties to the lower index), and the storage is int2_hh's, byte for byte."""
+    pol, hh = preset("int2_hh_oracle", window=24, group=8), preset("int2_hh", window=24, group=8)
+    assert (pol.heavy, pol.window, pol.middle) == (hh.heavy, hh.window, hh.middle)
+    g = torch.Generator().manual_seed(11)
+    score = torch.rand(2, H, 90, generator=g, dtype=torch.float64)
+    score[0, 0, 3] = score[0, 0, 70] = 5.0  # a tie, held by both or the lower index first
+    layer, *_ = _drive(pol, 40, 50, oracle=score)
+    p = pol.packed_tokens(90)
+    want = np.sort(np.argsort(-score[..., :p].numpy(), axis=-1, kind="stable")[..., :pol.heavy], axis=-1)
+    assert np.array_equal(layer.hh_index.numpy(), want)
+    other, *_ = _drive(hh, 40, 50)
+    assert layer.stored_bytes() == other.stored_bytes() == pol.layer_bytes(90, H, D)
+    assert not torch.equal(layer.hh_index, other.hh_index)  # the oracle's choice is not the online one
+
+
+def test_an_oracle_cache_without_the_segments_scores_is_refused():
+    pol = preset("int2_hh_oracle", window=24, group=8)
+    with pytest.raises(ValueError, match="whole segment's accumulated attention"):
+        cache_mod.PolicyCache(pol, 2)
+    with pytest.raises(ValueError, match="one \\[B, KV heads, tokens\\] tensor per layer"):
+        cache_mod.PolicyCache(pol, 2, received=[torch.zeros(1, H, 4)])
+
 
 # -- a finished run: the audit re-derives the bytes from the stored indices --------------------------
 
@@ -256,7 +283,8 @@ def hh_run(tmp_path_factory):
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
     proto["name"], proto["default"] = "live_tiny", False
     proto["live"].update({"evidence_layer": 2, "segments": 2, "prefill": 48, "steps": 40, "batch": 2, "window": 24,
-                          "group": 8, "policies": ["int2", "int2_hh", "int2_hh_first"], "peers": []})
+                          "group": 8, "policies": ["int2", "int2_hh", "int2_hh_first", "int2_hh_oracle"],
+                          "peers": []})
     (tmp / "p.json").write_text(json.dumps(proto))
     out = tmp / "run"
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(tmp / "p.json")]) == 0
@@ -279,7 +307,8 @@ def test_a_heavy_hitter_run_passes_the_audit(hh_run):
 
 @pytest.mark.capture
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "bytes", "held_k", "evidence_index", "first_rule"])
+@pytest.mark.parametrize("what", ["duplicate", "out_of_range", "bytes", "held_k", "evidence_index", "first_rule",
+                                  "oracle_rule"])
 def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
     from testbed.audit import audit
     from tests import _arrays
@@ -289,7 +318,7 @@ def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
     run = tmp_path / "copy"
     shutil.copytree(hh_run, run)
     res = json.loads((run / "results.json").read_text())
-    arm = "int2_hh_first" if what == "first_rule" else "int2_hh"
+    arm = {"first_rule": "int2_hh_first", "oracle_rule": "int2_hh_oracle"}.get(what, "int2_hh")
     row = next(r for r in res["rows"] if r["arm"] == arm and r["case"] == "seg000")
 
     def forge(rel, edit):
@@ -316,6 +345,18 @@ def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
     elif what == "first_rule":  # the control's last held token swapped for a later packed one (distinct, ascending)
         forge(row["arrays"]["hh_index"], lambda x: x.__setitem__((3, 2, -1), x[3, 2, -1] + 5))
         expect = "content-blind rule 'first'"
+    elif what == "oracle_rule":  # at the evidence layer, a held token swapped for the unheld packed token beside
+        # it, consistently in the row, the evidence's indices and the held K/V: only the choice is wrong
+        ev = row["evidence"]["arrays"]
+        held = _arrays.load(run, row["arrays"]["hh_index"])[2, 0]
+        i = next(i for i in range(len(held) - 1) if held[i + 1] - held[i] > 1)
+        new = int(held[i]) + 1
+        x_k, x_v = _arrays.load(run, ev["input.k"]), _arrays.load(run, ev["input.v"])
+        forge(row["arrays"]["hh_index"], lambda x: x.__setitem__((2, 0, i), new))
+        forge(ev["hh.index"], lambda x: x.__setitem__((0, i), new))
+        forge(ev["hh.k"], lambda x: x.__setitem__((0, i), x_k[0, new]))
+        forge(ev["hh.v"], lambda x: x.__setitem__((0, i), x_v[0, new]))
+        expect = "over the segment but is not held"
     else:  # the evidence layer's indices moved off the row's (row and evidence disagree)
         forge(row["evidence"]["arrays"]["hh.index"], lambda x: x.__setitem__((0, 0), x[0, 0] + 1))
         expect = "hh.index"
@@ -329,7 +370,8 @@ def test_forged_heavy_hitters_fail_the_audit(hh_run, tmp_path, what):
 @pytest.mark.xfail(strict=True, reason="known gap: int2_hh's held set follows the attention of every decode query, "
                    "which the run does not record, so the audit checks the indices (distinct, ascending, packed, C of "
                    "them), the bytes and the held K/V, not the choice: another packed token held in place of a chosen "
-                   "one, outside the evidence layer, passes (int2_hh_first's choice is re-derived; a replay of the "
+                   "one, outside the evidence layer, passes (int2_hh_first's choice is re-derived, and int2_hh_oracle's at the "
+                   "evidence layer; a replay of the "
                    "model with python -m testbed.replay is the check for int2_hh)")
 def test_gap_another_held_token_outside_the_evidence_layer(hh_run, tmp_path):
     from testbed.audit import audit

@@ -24,6 +24,7 @@ from testbed.policies.policy import HEAVY_PRESETS  # noqa: E402
 from testbed.policies.cache import (PolicyCache, PolicyLayer, SlidingLayer, layer_kinds,  # noqa: E402
                                     policy_attention)
 from testbed.sources.capture import _forward_kwargs  # noqa: E402
+from tests._helpers import oracle_kwargs  # noqa: E402
 
 WINDOW = 16          # the models' sliding window
 PREFILL, STEPS = 48, 40
@@ -196,8 +197,9 @@ def test_every_preset_chunked_equals_step(arch, name):
     schedule = chunk_schedule(pol, PREFILL, STEPS, "chunked", CHUNK)
     assert len(schedule) < STEPS  # several tokens per forward
     with policy_attention(model):
-        step = _run(model, ids, PolicyCache.for_model(pol, model.config), [1] * STEPS, check)
-        chunked = _run(model, ids, PolicyCache.for_model(pol, model.config), schedule)
+        oracle = oracle_kwargs(pol, model.config, ids.shape[0], ids.shape[1])  # the same for both runs
+        step = _run(model, ids, PolicyCache.for_model(pol, model.config, **oracle), [1] * STEPS, check)
+        chunked = _run(model, ids, PolicyCache.for_model(pol, model.config, **oracle), schedule)
     assert seen_bytes == list(range(PREFILL, PREFILL + STEPS + 1))
     diff = (chunked - step).abs().max().item()
     assert diff <= TOL, f"{arch} {name}: chunked vs step max |Δ log-softmax| {diff:.3g}"

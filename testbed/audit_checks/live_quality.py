@@ -92,7 +92,7 @@ MIXED = {f"{b}_{r}": (high, low, share, alloc, source) for b, (high, low, share)
 POLICY_TABLE.update({name: (high, False, "window", "channel") for name, (high, *_) in MIXED.items()})
 # heavy-hitter presets: name -> middle; window R - G (at least 1) and a heavy-hitter count C per
 # (layer, KV head) that int2's bytes at window R pay for (heavy_count, the audit's own statement)
-HEAVY = {"int2_hh": ("int2", "attention"), "int2_hh_first": ("int2", "first")}
+HEAVY = {"int2_hh": ("int2", "attention"), "int2_hh_first": ("int2", "first"), "int2_hh_oracle": ("int2", "oracle")}
 POLICY_TABLE.update({name: (middle, False, "window", "channel") for name, (middle, _) in HEAVY.items()})
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")
 HEADER = 16
@@ -516,7 +516,55 @@ def _heavy_evidence(row, ctx, pol: dict, live: dict, a: dict, layer, p: int) -> 
             ctx.fail(row, f"{name} holds a negative or non-finite accumulated attention")
         elif q and np.any(got.astype(np.float64) > (q // h) * (n - pos) * (1 + 1e-5)):
             ctx.fail(row, f"{name} exceeds what the queries that saw a token could give it (one per query)")
+    if pol.get("heavy_rule") == "oracle" and ok:
+        _check_oracle_choice(row, ctx, a, mine, n, p, layer)
     return want
+
+
+def accumulated(q: np.ndarray, k: np.ndarray, tile: int = 256) -> np.ndarray:
+    """``[H_kv, n]`` float64: the attention each key received in a causal pass of ``q [H_q, n, D]``
+    over ``k [H_kv, n, D]``, summed over the queries and the KV head's query heads (H2O's score,
+    the audit's own statement), over tiles of queries."""
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    kk = k.astype(np.float64)
+    out = np.zeros((hkv, n))
+    for a in range(0, n, tile):
+        b = min(n, a + tile)
+        s = np.einsum("hgqd,hkd->hgqk", q[:, a:b].astype(np.float64).reshape(hkv, g, b - a, d), kk) / math.sqrt(d)
+        s = np.where(np.arange(n)[None, :] > np.arange(a, b)[:, None], -np.inf, s)
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        out += (w / w.sum(axis=-1, keepdims=True)).sum(axis=(1, 2))
+    return out
+
+
+def _check_oracle_choice(row, ctx, a: dict, held: np.ndarray, n: int, p: int, layer: int) -> None:
+    """The heavy-hitter oracle's held tokens at the evidence layer are the top C of the packed
+    tokens by the whole segment's accumulated attention, recomputed from the oracle pass's queries
+    (``input.q`` then ``oracle.q``) and keys (``oracle.k``): no token left out scored more than one
+    held (within the float32-softmax tolerance, for near ties)."""
+    q0, later, k = a.get("input.q"), a.get("oracle.q"), a.get("oracle.k")
+    if any(x is None or x.ndim != 3 for x in (q0, later, k)):
+        raise ValueError("a heavy-hitter oracle's evidence needs the oracle pass's queries and keys (input.q, "
+                         "oracle.q, oracle.k)")
+    qq = np.concatenate([q0, later], axis=1)
+    if qq.shape[1] != n or k.shape[1] != n or qq.shape[0] % k.shape[0]:
+        raise ValueError(f"the oracle pass's queries {list(qq.shape)} and keys {list(k.shape)} are not the segment's "
+                         f"{n} tokens")
+    score = accumulated(qq, k)[:, :p]
+    tol = TOLERANCES["float32_softmax"]
+    for h in range(held.shape[0]):
+        ctx.numbers += 1
+        mask = np.zeros(p, dtype=bool)
+        mask[held[h].astype(np.int64)] = True
+        if mask.all() or not mask.any():
+            continue
+        lo, hi = score[h, mask].min(), score[h, ~mask].max()
+        if hi > lo + tol["atol"] + tol["rtol"] * abs(lo):
+            out = int(np.flatnonzero(~mask)[np.argmax(score[h, ~mask])])
+            ctx.fail(row, f"layer {layer}, KV head {h}: packed token {out} received {hi:.6g} over the segment but is not "
+                          f"held, while a held one received {lo:.6g} (the oracle keeps the top {held.shape[1]})")
 
 
 def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarray:

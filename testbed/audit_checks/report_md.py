@@ -89,7 +89,7 @@ EQUAL_HEADERS = ["arm", "compared with", "Δ ppl vs compared", "95 % CI (segment
 # 3-bit layout's) with mix24_random
 EQUAL_VERSUS = {"mix28": "int4", "mix24": "mix24_random"}
 # heavy hitters at int2's bytes: compared with uniform int2 (by name)
-EQUAL_VERSUS_NAMED = {"int2_hh": "int2", "int2_hh_first": "int2"}
+EQUAL_VERSUS_NAMED = {"int2_hh": "int2", "int2_hh_first": "int2", "int2_hh_oracle": "int2"}
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+(?:\.\d*)?[eE][+-]?\d+)")
 _INT = re.compile(r"[+-]?\d+")
 _SEP = re.compile(r":?-+:?")

@@ -243,6 +243,7 @@ class Observed:
     def __init__(self):
         self.sums: dict = {}
         self.rows: dict = {}
+        self.received: dict = {}  # per layer [B, H_kv, n] float64: each key's accumulated attention
         self.q: list = []
         self.k = None
 
@@ -253,18 +254,35 @@ class Observed:
             raise RuntimeError(f"layers {missing[:4]}: no attention call was observed")
         return torch.stack([self.sums[i].cpu() / self.rows[i] for i in range(n_layers)], dim=1)
 
+    def accumulated(self, n_layers: int) -> list[torch.Tensor]:
+        """Per layer ``[B, H_kv, n]`` float64: the attention each key received over everything seen
+        (:func:`accumulated_attention` summed over the pass's calls), when observed with ``received``."""
+        missing = [i for i in range(n_layers) if i not in self.received]
+        if missing:
+            raise RuntimeError(f"layers {missing[:4]}: no accumulated attention was observed")
+        return [self.received[i].cpu() for i in range(n_layers)]
+
 
 @contextlib.contextmanager
-def observe_concentration(model, record_layer: int | None = None):
+def observe_concentration(model, record_layer: int | None = None, *, concentration_too: bool = True,
+                          received: bool = False):
     """Inside :func:`policy_attention`: every attention call's :func:`concentration` is summed
-    into the yielded :class:`Observed`."""
+    into the yielded :class:`Observed` (unless ``concentration_too`` is False) and, with ``received``,
+    its :func:`accumulated_attention` (the heavy-hitter oracle's whole-segment score)."""
     seen = Observed()
 
     def observe(layer_idx, query, key, scale):
         t0 = time.perf_counter()
-        total = concentration(query, key, scale, total=True)
-        seen.sums[layer_idx] = seen.sums.get(layer_idx, 0) + total
-        seen.rows[layer_idx] = seen.rows.get(layer_idx, 0) + query.shape[1] * query.shape[2] // key.shape[1]
+        if concentration_too:
+            total = concentration(query, key, scale, total=True)
+            seen.sums[layer_idx] = seen.sums.get(layer_idx, 0) + total
+            seen.rows[layer_idx] = seen.rows.get(layer_idx, 0) + query.shape[1] * query.shape[2] // key.shape[1]
+        if received:
+            got = accumulated_attention(query, key, scale)
+            old = seen.received.get(layer_idx)
+            if old is not None:  # the keys of earlier calls are the first ones of this call's
+                got[..., :old.shape[-1]] += old
+            seen.received[layer_idx] = got
         if layer_idx == record_layer:
             seen.q.append(query[0].detach().float().clone())
             seen.k = key[0].detach().float().clone()
@@ -443,6 +461,7 @@ class PolicyLayer(DynamicLayer):
         self.hh_index = self.hh_score = self.hh_k = self.hh_v = self.tail_score = None
         self._hh_moved = None
         self._hh_waiting = False
+        self.oracle_received = None  # [B, H, N] float64: a heavy-hitter oracle's whole-segment score
         if policy.observes and layer_idx is None:
             raise ValueError("a policy that decides from attention needs the layer's index")
 
@@ -575,7 +594,19 @@ class PolicyLayer(DynamicLayer):
         score = add(score, idx)
         cand_i = torch.cat([self.hh_index, idx], dim=-1)  # held ones are older: ascending
         cand_s = torch.cat([self.hh_score, score], dim=-1)
-        rank = cand_s if self.policy.heavy_rule == "attention" else -cand_i.to(torch.float32)  # "first": the oldest
+        rule = self.policy.heavy_rule
+        if rule == "attention":
+            rank = cand_s
+        elif rule == "first":  # the oldest
+            rank = -cand_i.to(torch.float32)
+        else:  # "oracle": the whole segment's accumulated attention, given in advance
+            if self.oracle_received is None or self.oracle_received.shape[:2] != cand_i.shape[:2] \
+                    or self.oracle_received.shape[-1] < self.seen:
+                raise RuntimeError(f"layer {self.layer_idx}: policy {self.policy.name} ranks by the whole segment's "
+                                   "accumulated attention, which was not given for the tokens held (oracle_received "
+                                   f"{None if self.oracle_received is None else list(self.oracle_received.shape)}, "
+                                   f"{self.seen} tokens)")
+            rank = torch.gather(self.oracle_received, 2, cand_i)
         keep = choose_heavy(cand_i, rank, self.policy.heavy)
         at = keep[..., None].expand(-1, -1, -1, k.shape[-1])
         self.hh_k = torch.gather(torch.cat([self.hh_k, k], dim=2), 2, at)
@@ -894,7 +925,8 @@ class PolicyCache(Cache):
     layer kinds (sliding windows) and is the one to use for a model that has any."""
 
     def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None, direct: bool = False, *,
-                 layers: list | None = None, kinds: list[str] | None = None, scores: torch.Tensor | None = None):
+                 layers: list | None = None, kinds: list[str] | None = None, scores: torch.Tensor | None = None,
+                 received: list[torch.Tensor] | None = None):
         if layers is None:
             layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
                       for i in range(num_layers)]
@@ -905,12 +937,20 @@ class PolicyCache(Cache):
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * num_layers
         if policy.mixed and policy.alloc_from == "oracle" and scores is None:
             raise ValueError(f"policy {policy.name}: an oracle allocation needs its scores ([B, layers, KV heads])")
+        if policy.heavy and policy.heavy_rule == "oracle":
+            if received is None or len(received) != num_layers:
+                raise ValueError(f"policy {policy.name}: an oracle heavy-hitter choice needs the whole segment's "
+                                 f"accumulated attention, one [B, KV heads, tokens] tensor per layer ({num_layers})")
+            for layer, got in zip(layers, received):
+                if isinstance(layer, PolicyLayer):
+                    layer.oracle_received = got.to(torch.float64)
         self.given_scores = scores
         self.alloc_low = self.alloc_score = None  # [B, L, H] after finish_prefill
 
     @classmethod
     def for_model(cls, policy: Policy, config, record_layer: int | None = None, direct: bool = False,
-                  sliding: str = "native", scores: torch.Tensor | None = None) -> "PolicyCache":
+                  sliding: str = "native", scores: torch.Tensor | None = None,
+                  received: list[torch.Tensor] | None = None) -> "PolicyCache":
         """The cache for a model of ``config`` (a transformers config), one layer per decoder layer:
 
         - a ``"full_attention"`` layer gets a :class:`PolicyLayer` running ``policy``;
@@ -949,7 +989,8 @@ class PolicyCache(Cache):
         layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
                   if kind == "full_attention" else SlidingLayer(window, layer_idx=i)
                   for i, (kind, window) in enumerate(kinds)]
-        return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds], scores=scores)
+        return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds], scores=scores,
+                   received=received)
 
     def finish_prefill(self) -> None:
         """A mixed policy, once the prefill has gone through every layer: allocate the bits over all

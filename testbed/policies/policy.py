@@ -71,12 +71,14 @@ ALLOC = ("concentrated", "diffuse", "late", "random")
 ALLOC_FROM = ("prefill", "oracle")
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")  # in a row's policy config only when mixed
 HEAVY_FIELDS = ("heavy", "heavy_rule")  # in a row's policy config only when heavy hitters are kept
-# which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), or the
-# oldest (content-blind: a float32 sink of C tokens at the same bytes, the control)
-HEAVY_RULES = ("attention", "first")
+# which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), the
+# oldest (content-blind: a float32 sink of C tokens at the same bytes, the control), or the most
+# attended over the whole segment (the oracle: a float32 pass over the segment in advance, impossible
+# online, an upper bound for the online rule)
+HEAVY_RULES = ("attention", "first", "oracle")
 # bytes per held heavy hitter per KV head beside its float32 K and V: its int32 index and float32 score
 HEAVY_TOKEN_EXTRA = 8
-HEAVY_PRESETS = ("int2_hh", "int2_hh_first")
+HEAVY_PRESETS = ("int2_hh", "int2_hh_first", "int2_hh_oracle")
 
 
 def scheme_bytes_per_token(middle: str, heads: int, head_dim: int, group: int = 32, feature_group: int = 32,
@@ -378,6 +380,10 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
     out.append(Policy("int2_hh_first", "int2", 0, hw, group, heavy=c, heavy_rule="first",
                       description=f"the content-blind control of int2_hh at its bytes: the same storage, but the {c} "
                       "held tokens are the first packed ones (a float32 sink of C tokens), whatever their attention"))
+    out.append(Policy("int2_hh_oracle", "int2", 0, hw, group, heavy=c, heavy_rule="oracle",
+                      description=f"ORACLE, impossible online: int2_hh's storage and bytes, but the {c} held tokens are "
+                      "chosen by the attention each received over the whole segment (a float32 pass over the prefill "
+                      "and every step to come, in advance): an upper bound for int2_hh's online rule, not a policy"))
     for b, (high, low, share, what) in budgets.items():
         for r, (alloc, source, how) in rules.items():
             out.append(Policy(f"{b}_{r}", high, 0, window, group, low=low, low_share=share, alloc=alloc,
