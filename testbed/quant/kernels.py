@@ -607,6 +607,14 @@ def float16_round_soft(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), True)
 
 
+_INT_BITS = (2, 4, 8)  # whole codes per byte; 3 bits (codes straddling bytes) has no fused kernel
+
+
+def _check_int_bits(bits: int) -> None:
+    if bits not in _INT_BITS:
+        raise ValueError(f"the fused integer kernels pack {_INT_BITS} bits, got {bits} (3 bits runs the torch reference)")
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -638,6 +646,7 @@ def _over_slabs(kernel, x, outs, *args):
 def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, Tp, ceil(D*bits/8)], scale, zero float16 [B, Tp/g, D],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
+    _check_int_bits(bits)
     B, T, D = x.shape
     ng = _ceil_div(T, g)
     codes = np.empty((B, ng * g, _ceil_div(D, 8 // bits)), np.uint8)
@@ -655,6 +664,7 @@ def int_quantize_channel(x: np.ndarray, bits: int, g: int):
 def int_quantize_token(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, T, ceil(Dp*bits/8)], scale, zero float16 [B, T, Dp/g],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
+    _check_int_bits(bits)
     B, T, D = x.shape
     ng = _ceil_div(D, g)
     codes = np.empty((B, T, _ceil_div(ng * g, 8 // bits)), np.uint8)
@@ -678,6 +688,7 @@ _F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.flo
 
 def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
     """``scale``/``zero`` are float16 arrays, read by the kernels as bit patterns through a table."""
+    _check_int_bits(bits)
     if out is None:
         out = np.empty((codes.shape[0], n, d), np.float32)
     scale = np.ascontiguousarray(scale, dtype=np.float16).view(np.uint16)

@@ -38,7 +38,7 @@ def test_float16_rounding_matches_ieee_conversion():
 
 
 @settings(max_examples=60, deadline=None)
-@given(bits=st.sampled_from([2, 4, 8]), g=st.sampled_from([2, 4, 8, 16, 32, 64, 128]),
+@given(bits=st.sampled_from([2, 3, 4, 8]), g=st.sampled_from([2, 4, 8, 16, 32, 64, 128]),
        axis=st.sampled_from(["channel", "token"]), lead=st.integers(1, 3), n=st.integers(1, 70),
        d=st.integers(1, 70), seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-20, 10),
        offset=st.floats(-100, 100), constant_rows=st.booleans())
