@@ -66,11 +66,27 @@ def test_pack3_known_bytes():
     assert pack_codes(torch.full((9,), 7, dtype=torch.uint8), 3).tolist() == [0xFF, 0xFF, 0xFF, 0x07]
 
 
-def test_the_fused_kernels_refuse_three_bits_rather_than_mis_size():
-    x = np.zeros((1, 64, 64), np.float32)
-    for fn in (kernels.int_quantize_channel, kernels.int_quantize_token):
-        with pytest.raises(ValueError, match="3 bits"):
-            fn(x, 3, 32)
+@SETTINGS
+@given(axis=st.sampled_from(["channel", "token"]), g=st.sampled_from([2, 8, 32, 64]), lead=st.integers(1, 3),
+       n=st.integers(1, 70), d=st.integers(1, 70), seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-20, 10),
+       offset=st.floats(-100, 100))
+def test_the_fused_kernels_equal_the_torch_definition_at_three_bits(axis, g, lead, n, d, seed, log_scale, offset):
+    """The numba quantize and dequantize kernels called directly (whatever the size), against the
+    torch reference: every stored byte, and the decode bit for bit."""
+    if not kernels.available():
+        pytest.skip("numba is not installed")
+    x = _x((lead, n, d), seed, 2.0 ** log_scale, offset)
+    q = IntGrouped(3, g, axis)
+    ref = q.quantize_reference(x)
+    fn = kernels.int_quantize_channel if axis == "channel" else kernels.int_quantize_token
+    codes, scale, zero, bad = fn(x.numpy(), 3, g)
+    assert not bad
+    assert codes.tobytes() == ref.tensors["codes"].numpy().tobytes() and codes.shape == tuple(ref.tensors["codes"].shape)
+    assert scale.tobytes() == ref.tensors["scale"].numpy().tobytes()
+    assert zero.tobytes() == ref.tensors["zero"].numpy().tobytes()
+    dq = kernels.int_dequantize_channel if axis == "channel" else kernels.int_dequantize_token
+    out = dq(codes, scale, zero, g, 3, n, d)
+    assert out.view(np.uint32).tobytes() == q.dequantize_reference(ref).numpy().view(np.uint32).tobytes()
 
 
 # -- the quantizer --------------------------------------------------------------------------------------
@@ -82,8 +98,8 @@ def _x(shape, seed, scale=1.0, offset=0.0):
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_large_tensors_store_the_reference_bytes(axis, monkeypatch):
-    """Where the fused kernels would serve (CPU, large), int3 stores and decodes what the torch
-    reference does, bit for bit."""
+    """Where the fused kernels serve (CPU, large), int3 stores and decodes what the torch reference
+    does, bit for bit."""
     monkeypatch.setattr(kernels, "MIN_FAST_ELEMENTS", 0)
     q = IntGrouped(3, 32, axis)
     x = _x((3, 130, 70), 7, 3.0, 1.0)

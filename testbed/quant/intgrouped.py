@@ -12,8 +12,7 @@ zero as +0); codes are ``round((x - zero16) / scale16)`` (round half to even) cl
 to whole groups by repeating the edge value (so the padding never widens a group's range); the
 padding codes are stored and counted in ``nbytes``.
 
-Bits 2, 3, 4 and 8 (3 bits packs eight codes in three bytes, :mod:`testbed.quant.packing`; the
-fused CPU kernels serve 2, 4 and 8 bits, and 3 bits always runs the torch reference).
+Bits 2, 3, 4 and 8 (3 bits packs eight codes in three bytes, :mod:`testbed.quant.packing`).
 
 Stored arrays (all append-friendly along the token axis):
 
@@ -91,14 +90,7 @@ class IntGrouped(Quantizer):
             "the float16 scale/zero-point cannot represent it"
         )
 
-    def quantize(self, x: torch.Tensor, *, name: str = "x") -> Packed:
-        if self.bits == 3:  # the fused kernels pack whole codes per byte (2, 4, 8 bits): 3 bits takes the reference
-            return self.quantize_reference(x, name=name)
-        return super().quantize(x, name=name)
-
     def _quantize_fast(self, x: torch.Tensor, name: str) -> Packed:
-        if self.bits == 3:
-            raise ValueError("the fused integer kernels support 2, 4 and 8 bits, not 3")
         check_input(x, name, finite=False)
         *lead, n, d = x.shape
         # a strided view (e.g. the quantized span of a residual window) is read in place
@@ -171,10 +163,9 @@ class IntGrouped(Quantizer):
         out.copy_(self.dequantize(p))
         return out
 
-    def _fast_decode(self, p: Packed) -> bool:
+    @staticmethod
+    def _fast_decode(p: Packed) -> bool:
         codes = p.tensors["codes"]  # at 4 bits a code byte holds two elements
-        if self.bits == 3:  # no fused kernel for codes that straddle bytes: the reference decodes
-            return False
         return kernels.use_fast(codes) and codes.numel() * 2 >= kernels.MIN_FAST_ELEMENTS
 
     def _dequantize_fast(self, p: Packed, out: torch.Tensor) -> None:
