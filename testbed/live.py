@@ -800,14 +800,16 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def comparator(arm: str, arms) -> str | None:
     """The arm a per-head precision arm is compared with at equal bytes: ``mix28_*`` (the bytes of
-    int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes, which no uniform arm has) with
-    ``mix24_random``, the content-blind allocation of the same bytes; ``int2_hh`` (heavy hitters at
+    int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes) with uniform ``int3`` where the
+    study runs it, else with ``mix24_random``, the content-blind allocation of the same bytes; ``int2_hh`` (heavy hitters at
     int2's bytes), ``int2_hh_first`` (its content-blind control) and ``int2_hh_oracle`` (its oracle bound) with
     uniform ``int2``; None when that arm is absent."""
     if arm in HEAVY_PRESETS:  # heavy hitters (or the first tokens, or the oracle's) at int2's bytes
         return "int2" if "int2" in arms else None
     if not arm.startswith("mix"):
         return None
+    if arm.startswith("mix24") and "int3" in arms:  # the uniform arm of a 3-bit layout's bytes, where run
+        return "int3"
     other = {"mix28": "int4", "mix24": "mix24_random"}.get(arm.split("_")[0])
     return other if other in arms and other != arm else None
 
@@ -840,11 +842,12 @@ def equal_bytes(rows: list[dict]) -> list[dict]:
 EQUAL_BYTES_NOTE = (
     "Per-head precision at equal bytes: each mix* arm (and int2_hh) against the arm of the same bytes it is compared with "
     "(mix28_*, the bytes of int4 with 60 of the 90 (layer, KV head) pairs int2 and 30 int8, against uniform int4; "
-    "mix24_*, a 3-bit layout's bytes with 45 pairs int2 and 45 int4, against mix24_random, the content-blind "
-    "allocation of those bytes; int2_hh, heavy hitters kept float32 at int2's bytes, and "
+    "mix24_*, a 3-bit layout's bytes with 45 pairs int2 and 45 int4, against uniform int3 where the study runs it, "
+    "else against mix24_random, the content-blind allocation of those bytes; int2_hh, heavy hitters kept float32 "
+    "at int2's bytes, and "
     "int2_hh_first, its content-blind control, and int2_hh_oracle, its oracle, against uniform int2). Δ is "
     "paired per segment (exp of the mean NLL difference, minus 1; negative: the "
-    "arm predicts better); 'segments better' counts segments whose perplexity fell. *_oracle_* arms decide from the "
+    "arm predicts better); 'segments better' counts segments whose perplexity fell. Oracle arms (*_oracle*) decide from the "
     "whole segment's float32 attention: impossible online, an upper bound for the online rule, not a policy.")
 
 

@@ -67,12 +67,13 @@ _CAPTIONS = {
                      "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
                      "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
                      "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
-    "equal_bytes": ("Per-head precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; mix24_*: a "
-                    "3-bit layout's bytes), its arms sorted by the perplexity change against the DynamicCache reference "
-                    "(exp of the mean per-segment NLL difference, minus 1: the live table's Δ; lower is better). The solid "
-                    "line is the arm of the same bytes each is compared with (uniform int4, or mix24_random, the "
-                    "content-blind allocation); dashed lines are the uniform int2 and int4 arms where the run has them. "
-                    "Hollow markers are the *_oracle_* arms, which choose from the whole segment's float32 attention: "
+    "equal_bytes": ("Content-aware precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; "
+                    "mix24_*: a 3-bit layout's bytes; int2_hh*: int2's bytes, heavy hitters kept float32), its arms "
+                    "sorted by the perplexity change against the DynamicCache reference (exp of the mean per-segment NLL "
+                    "difference, minus 1: the live table's Δ; lower is better). The solid line is the arm of the same "
+                    "bytes each is compared with (uniform int4, int3 or int2; mix24_random, the content-blind allocation, "
+                    "where the run has no int3); dashed lines are the other uniform int2, int3 and int4 arms the run has. "
+                    "Hollow markers are the oracle arms (*_oracle*), which choose from the whole segment's float32 attention: "
                     "impossible online, an upper bound for the online rule, not a policy. What it does not show: the "
                     "paired difference against the compared arm or its interval (report.md's equal-bytes table has both), "
                     "free generation or task accuracy (teacher forcing), other models (one small model, SmolLM2-135M), "
@@ -248,8 +249,15 @@ def _live_context(rows, load, suffix: str):
     return arms, agreement
 
 
-EQUAL_BYTES_VERSUS = {"mix28": "int4", "mix24": "mix24_random"}  # a budget's arm of the same bytes (live.comparator)
-UNIFORM_REFERENCES = ("int2", "int4")  # uniform arms drawn as further reference lines where present
+# a budget (its arms: the name itself or name_*) and the arms of the same bytes it is compared with, the
+# first the run has (live.comparator): int4's bytes, a 3-bit layout's, int2's (heavy hitters)
+EQUAL_BYTES_VERSUS = {"mix28": ("int4",), "mix24": ("int3", "mix24_random"), "int2_hh": ("int2",)}
+UNIFORM_REFERENCES = ("int2", "int3", "int4")  # uniform arms drawn as further reference lines where present
+
+
+def is_oracle(arm: str) -> bool:
+    """An oracle arm (``*_oracle_*`` or ``*_oracle``): it decides from the whole segment's attention."""
+    return "_oracle_" in arm or arm.endswith("_oracle")
 
 
 def _delta_point(arm, segs, ref):
@@ -279,16 +287,17 @@ def _equal_bytes(study, rows, load):
         def point(arm, by_arm=by_arm, ref=ref):
             return _delta_point(arm, by_arm[arm], ref)
 
-        for budget, versus in EQUAL_BYTES_VERSUS.items():
-            if versus not in by_arm:
+        for budget, candidates in EQUAL_BYTES_VERSUS.items():
+            versus = next((a for a in candidates if a in by_arm), None)
+            if versus is None:
                 continue
-            arms = [point(a) for a in by_arm if a.split("_")[0] == budget and a != versus]
+            arms = [point(a) for a in by_arm if (a == budget or a.startswith(budget + "_")) and a != versus]
             arms = sorted((p for p in arms if p is not None), key=lambda p: (p["delta_pct"], p["arm"]))
             vs = point(versus)
             if not arms or vs is None:
                 continue
             for p in arms:
-                p["oracle"] = "_oracle_" in p["arm"]
+                p["oracle"] = is_oracle(p["arm"])
             uniform = [u for u in (point(a) for a in UNIFORM_REFERENCES if a in by_arm and a != versus) if u]
             panels.append({"context": prefix[1:] if len(groups) > 1 else "", "budget": budget, "versus": vs,
                            "uniform": uniform, "arms": arms})
@@ -664,6 +673,13 @@ def _draw_live(plt, d):
     return fig
 
 
+def _rule(arm: str) -> str:
+    """The rule an equal-bytes arm stands for, one colour across budgets and with its oracle:
+    ``mix28_oracle_diffuse`` -> ``diffuse``, ``int2_hh_oracle`` -> ``int2_hh``."""
+    r = arm.replace("_oracle_", "_").removesuffix("_oracle")
+    return r.split("_", 1)[1] if r.startswith("mix") else r
+
+
 def _draw_equal_bytes(plt, d):
     """One panel per (context and) byte budget: the arms on the y axis, named there, sorted by Δ
     perplexity (best on top); the compared arm a solid line, uniform int2 / int4 dashed lines,
@@ -679,9 +695,9 @@ def _draw_equal_bytes(plt, d):
     fig, axes = plt.subplots(rows, cols, figsize=(_MAX_W, rows * (0.34 * n_max + 1.3) + 0.7), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    rules = list(dict.fromkeys(e["arm"].split("_", 1)[1].replace("oracle_", "") for p in panels for e in p["arms"]))
+    rules = list(dict.fromkeys(_rule(e["arm"]) for p in panels for e in p["arms"]))
     color = {r: f"C{i % 10}" for i, r in enumerate(rules)}
-    styles = {"int2": (0, (5, 2)), "int4": (0, (2, 2))}
+    styles = {"int2": (0, (5, 2)), "int3": (0, (4, 1, 1, 1)), "int4": (0, (2, 2))}
     values = [v for p in panels for v in [e["delta_pct"] for e in p["arms"] + p["uniform"]] + [p["versus"]["delta_pct"]]]
     lo, hi = min(values), max(values)
     span = math.log10(max(hi, 0.2) / (lo if lo > 0 else 0.1)) + 0.4  # decades in view (with the margins)
@@ -693,7 +709,7 @@ def _draw_equal_bytes(plt, d):
         for u in p["uniform"]:
             ax.axvline(u["delta_pct"], color="0.45", lw=1.1, ls=styles.get(u["arm"], ":"), zorder=1)
         for yi, e in zip(y, p["arms"]):
-            c = color[e["arm"].split("_", 1)[1].replace("oracle_", "")]
+            c = color[_rule(e["arm"])]
             ax.plot([p["versus"]["delta_pct"], e["delta_pct"]], [yi, yi], "-", color=c, lw=1.0, alpha=0.6, zorder=2)
             ax.plot(e["delta_pct"], yi, "o", ms=7, mew=1.6, color=c, mfc="white" if e["oracle"] else c, zorder=3)
         ax.set_yticks(y, [e["arm"] for e in p["arms"]])
@@ -711,7 +727,8 @@ def _draw_equal_bytes(plt, d):
         ax.grid(axis="x", color="0.9", lw=0.6, zorder=0)
         ax.set_xlabel(f"Δ perplexity vs DynamicCache (%, {'log' if lo > 0 else 'symlog'} scale)")
         where = f" @ {p['context']} tokens" if p["context"] else ""
-        ax.set_title(f"{p['budget']}_*{where}: {p['versus']['bytes_per_token']:,.0f} B/token, vs {p['versus']['arm']}")
+        star = "_*" if p["budget"].startswith("mix") else "*"
+        ax.set_title(f"{p['budget']}{star}{where}: {p['versus']['bytes_per_token']:,.0f} B/token, vs {p['versus']['arm']}")
     compared = " / ".join(dict.fromkeys(p["versus"]["arm"] for p in panels))
     handles = [Line2D([], [], color="black", lw=1.4, label=f"compared arm ({compared})")]
     for u in dict.fromkeys(u["arm"] for p in panels for u in p["uniform"]):

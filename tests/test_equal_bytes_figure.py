@@ -30,7 +30,7 @@ def made_up_rows(arms=None, segments=8, contexts=("",), study="q"):
         for arm in ["dynamic_cache"] + list(arms or SHIFT):
             for i in range(segments):
                 case = f"{ctx}-seg{i:03d}" if ctx else f"seg{i:03d}"
-                shift = SHIFT.get(arm, 0.0)
+                shift = SHIFT.get(arm, EXTRA_SHIFT.get(arm, 0.0))
                 nll = 2.2 + 0.05 * i + (shift + rng.normal(0, 0.01) if shift else 0.0)
                 bpt = 46080.0 if arm in ("dynamic_cache", "float32") else 11088.0 if arm.startswith(("mix28", "int4")) \
                     else 9792.0 if arm.startswith("mix24") else 8000.0
@@ -38,6 +38,10 @@ def made_up_rows(arms=None, segments=8, contexts=("",), study="q"):
                              "kind": "reference" if arm == "dynamic_cache" else "policy", "case": case, "nll": nll,
                              "mean_kl": shift, "bytes_per_token": bpt, "arrays": {"argmax": f"{arm}/{case}"}})
     return rows
+
+
+# the uniform 3-bit arm and heavy hitters at int2's bytes (named in the rows only where a test asks)
+EXTRA_SHIFT = {"int3": 0.02, "int2_hh": 0.1, "int2_hh_first": 0.115, "int2_hh_oracle": 0.09, "int2_sink4": 0.15}
 
 
 def load(rel):
@@ -110,6 +114,31 @@ def test_the_audit_derives_the_same_data_and_a_changed_number_fails(contexts):
     e = next(e for e in forged["budgets"][0]["arms"] if e["oracle"])
     e["oracle"] = False
     assert "oracle" in audit_side._first_difference("", forged, derived["equal_bytes/q"])
+
+
+def test_int3_is_the_3_bit_budgets_uniform_arm_and_heavy_hitters_get_an_int2_panel():
+    """With uniform int3 in the run, the mix24 panel is drawn against it (mix24_random then one of its
+    arms); the heavy-hitter arms get a panel at int2's bytes against int2, with only int2_hh_oracle
+    hollow, and int2_sink4 (more bytes than int2) in no panel. The audit derives the same data and
+    the drawing reads at the page's width."""
+    arms = list(SHIFT) + list(EXTRA_SHIFT)
+    rows = made_up_rows(arms)
+    d = equal_bytes_data(rows)
+    budgets = {b["budget"]: b for b in d["budgets"]}
+    assert list(budgets) == ["mix28", "mix24", "int2_hh"]
+    assert budgets["mix24"]["versus"]["arm"] == "int3" and budgets["int2_hh"]["versus"]["arm"] == "int2"
+    assert "mix24_random" in {e["arm"] for e in budgets["mix24"]["arms"]}
+    assert {e["arm"]: e["oracle"] for e in budgets["int2_hh"]["arms"]} == {
+        "int2_hh": False, "int2_hh_first": False, "int2_hh_oracle": True}
+    assert not any(e["arm"] == "int2_sink4" for b in d["budgets"] for e in b["arms"])
+    assert [u["arm"] for u in budgets["int2_hh"]["uniform"]] == ["int3", "int4"]
+    ref = {r["case"]: r["nll"] for r in rows if r["arm"] == "dynamic_cache"}
+    d_nll = np.array([r["nll"] - ref[r["case"]] for r in rows if r["arm"] == "int3"])
+    assert budgets["mix24"]["versus"]["delta_pct"] == pytest.approx(100 * (np.exp(d_nll.mean()) - 1), rel=1e-8)
+    derived = audit_side.derive_figures(rows, _Ctx())
+    got = json.loads(rh._json_block({"key": "equal_bytes/q", **d}))
+    assert audit_side._first_difference("", got, derived["equal_bytes/q"]) is None
+    assert unreadable(rh.figure_layout(d), rh.PAGE_PX) == []
 
 
 @pytest.mark.parametrize("contexts", [("",), ("c96", "c160")])

@@ -271,8 +271,8 @@ def test_chunked_appends_store_the_same_state_as_one_token_at_a_time():
 
 
 def test_bad_policies_are_refused_with_their_name():
-    with pytest.raises(ValueError, match="policy p: middle 'int3'"):
-        Policy("p", "int3")
+    with pytest.raises(ValueError, match="policy p: middle 'int5'"):
+        Policy("p", "int5")
     with pytest.raises(ValueError, match="group must be a power of two"):
         Policy("p", "int4", 0, 16, 24)
     with pytest.raises(ValueError, match="needs a window"):

@@ -50,7 +50,7 @@ def test_any_registered_scheme_runs_in_the_window_and_passes_the_audit(tmp_path)
     (lambda a: a.update(bits=4), "either bits and group_size"),
     (lambda a: a.update(key={"kind": "mx", "element": "e4m3", "block_size": 32}, value=INT_V), "spell out every"),
     (lambda a: a.update(key={**MX, "block_size": 3}, value=INT_V), "block_size"),
-    (lambda a: a.update(bits=3, group_size=32), "bits must be 2, 4 or 8"),
+    (lambda a: a.update(bits=5, group_size=32), "bits must be 2, 3, 4 or 8"),
     (lambda a: a.update(bits=4, group_size=512), "above 256"),
 ])
 def test_quantizers_given_one_way_and_in_full(edit, says):

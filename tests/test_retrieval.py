@@ -250,7 +250,7 @@ def test_a_good_block_validates_with_its_defaults():
     ({"trials": 0}, "retrieval.trials"),
     ({"trials": True}, "retrieval.trials"),
     ({"seed": -1}, "retrieval.seed"),
-    ({"policies": ["int3"]}, "retrieval.policies[0]"),
+    ({"policies": ["int5"]}, "retrieval.policies[0]"),
     ({"peers": [{"backend": "quanto", "bits": 3}]}, "retrieval.peers[0].bits"),
     ({"peers": [{"backend": "hqq", "bits": 2}]}, "retrieval.peers[0].backend"),
     ({"group": 3}, "retrieval.group"),

@@ -168,7 +168,7 @@ def test_protocol_errors_name_the_key(tmp_path):
     base = json.loads(_tiny_protocol(tmp_path).read_text())
     for edit, key in ((lambda p: p["retrieval"].update(tasks=["haystack"]), "retrieval.tasks"),
                       (lambda p: p["retrieval"].update(lengths=[32]), "retrieval.lengths"),
-                      (lambda p: p["retrieval"].update(policies=["int3"]), "retrieval.policies"),
+                      (lambda p: p["retrieval"].update(policies=["int5"]), "retrieval.policies"),
                       (lambda p: p.update(extra=1), "extra")):
         proto = copy.deepcopy(base)
         edit(proto)

@@ -33,7 +33,7 @@ __all__ = ["validate", "evaluate", "report", "arms", "SPEC"]
 SPEC = Spec("analysis: residual_window", "Is the most recent window worth float32? K per channel / V per token "
             "grouped integer quantization with a float32 window of the last R tokens, against the float64 "
             "reference attention.", {
-    "bits": Key((int, type(None)), "bits per quantized K/V element of the KIVI layout (2, 4 or 8: K per channel, "
+    "bits": Key((int, type(None)), "bits per quantized K/V element of the KIVI layout (2, 3, 4 or 8: K per channel, "
                                    "V per token); null with key and value", None),
     "group_size": Key((int, type(None)), "elements sharing one scale and zero point (a power of two, 2 to 256); "
                                          "null with key and value", None),

@@ -67,11 +67,22 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
     if bits == 8:
         out = packed
-    else:
+    elif bits == 3:
+        # eight 3-bit codes per 24-bit little-endian word of three bytes, code j in bits [3j, 3j+3)
+        nb = packed.shape[-1]
+        full = np.concatenate([packed, np.zeros((*packed.shape[:-1], (-nb) % 3), np.uint8)], axis=-1)
+        trip = full.reshape(*packed.shape[:-1], full.shape[-1] // 3, 3).astype(np.uint32)
+        word = trip[..., 0] | (trip[..., 1] << np.uint32(8)) | (trip[..., 2] << np.uint32(16))
+        shifts = np.arange(8, dtype=np.uint32) * np.uint32(3)
+        out = ((word[..., None] >> shifts) & np.uint32(7)).astype(np.uint8)
+        out = out.reshape(*packed.shape[:-1], word.shape[-1] * 8)
+    elif bits in (1, 2, 4):
         per = 8 // bits
         shifts = np.arange(per, dtype=np.uint8) * bits
         out = (packed[..., :, None] >> shifts) & np.uint8((1 << bits) - 1)
         out = out.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+    else:
+        raise ValueError(f"unsupported code width {bits} bits")
     if out.shape[-1] < n:
         raise ValueError(f"packed codes hold {out.shape[-1]} codes per row, need {n}")
     return out[..., :n]
@@ -79,10 +90,24 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of :func:`unpack_bits`: codes (each < 2**bits) along the last axis -> uint8 bytes,
-    code ``j`` of a byte in bits ``[bits*j, bits*(j+1))``, the last byte filled with zero codes."""
+    code ``j`` of a byte in bits ``[bits*j, bits*(j+1))``, the last byte filled with zero codes. At
+    3 bits the codes form one little-endian bit stream (code ``j`` in stream bits ``[3j, 3j+3)``, stream
+    bit ``i`` in bit ``i % 8`` of byte ``i // 8``), zero-filled to ``ceil(3L / 8)`` bytes."""
     codes = np.asarray(codes, dtype=np.uint8)
     if bits == 8:
         return np.ascontiguousarray(codes)
+    if bits == 3:
+        # bit by bit: code j's bit k is stream bit 3j + k, stream bit i lives in byte i // 8 at i % 8
+        n = codes.shape[-1]
+        nbytes = -(-3 * n // 8)
+        stream = np.zeros((*codes.shape[:-1], nbytes * 8), np.uint8)
+        for k in range(3):
+            stream[..., k:3 * n:3] = (codes >> np.uint8(k)) & np.uint8(1)
+        weights = (np.uint8(1) << np.arange(8, dtype=np.uint8)).astype(np.uint8)
+        octets = stream.reshape(*codes.shape[:-1], nbytes, 8)
+        return (octets * weights).sum(axis=-1, dtype=np.uint32).astype(np.uint8)
+    if bits not in (1, 2, 4):
+        raise ValueError(f"unsupported code width {bits} bits")
     per = 8 // bits
     pad = (-codes.shape[-1]) % per
     if pad:

@@ -71,6 +71,7 @@ POLICY_TABLE = {
     "float32": ("float32", False, None, "channel"),
     "int4": ("int4", False, "window", "channel"),
     "int2": ("int2", False, "window", "channel"),
+    "int3": ("int3", False, "window", "channel"),
     "int4_sink4": ("int4", True, "window", "channel"),
     "int2_sink4": ("int2", True, "window", "channel"),
     "int4_sinkmass4": ("int4", True, "window", "channel", "mass"),

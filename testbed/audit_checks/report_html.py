@@ -295,10 +295,11 @@ def _residual_figure(rows, ctx):
     return [("residual_window", cells and {"cells": cells})]
 
 
-# per-head precision budgets and the arm of the same bytes each is compared with (the study's
-# pairing, docs: mix28_* the bytes of int4, mix24_* a 3-bit layout's bytes against mix24_random)
-BUDGET_VERSUS = (("mix28", "int4"), ("mix24", "mix24_random"))
-UNIFORM_LINES = ("int2", "int4")
+# equal-bytes budgets (arms: the name itself or name_*) and the arms of the same bytes each is compared
+# with, the first the run has (the study's pairing, docs: mix28_* the bytes of int4 against int4,
+# mix24_* a 3-bit layout's bytes against int3, else mix24_random; int2_hh* int2's bytes against int2)
+BUDGET_VERSUS = (("mix28", ("int4",)), ("mix24", ("int3", "mix24_random")), ("int2_hh", ("int2",)))
+UNIFORM_LINES = ("int2", "int3", "int4")
 
 
 def _context_of(r):
@@ -316,11 +317,11 @@ def _versus_reference(arm, by_case, ref):
 
 
 def _equal_bytes_figure(rows):
-    """Per context (in row order) and budget: the budget's arms (``mixNN_<rule>`` other than its
-    compared arm) with Δ perplexity against the reference, 100 * (exp(mean over segments of the NLL
-    difference) - 1), sorted by (Δ, name), flagged oracle when named ``*_oracle_*``; the compared
-    arm's and the uniform int2 / int4 arms' Δ as lines. An arm with a segment the reference lacks
-    is left out."""
+    """Per context (in row order) and budget: the budget's arms (``mixNN_<rule>``, ``int2_hh*``, other
+    than its compared arm) with Δ perplexity against the reference, 100 * (exp(mean over segments of
+    the NLL difference) - 1), sorted by (Δ, name), flagged oracle when named ``*_oracle_*`` or
+    ``*_oracle``; the compared arm's and the uniform int2 / int3 / int4 arms' Δ as lines. An arm with
+    a segment the reference lacks is left out."""
     prefixes = _ordered([_context_of(r) for r in rows])
     budgets = []
     for prefix in prefixes:
@@ -335,16 +336,18 @@ def _equal_bytes_figure(rows):
         def delta(arm, seg=seg, ref=ref):
             return _versus_reference(arm, seg[arm], ref)
 
-        for budget, versus in BUDGET_VERSUS:
-            if versus not in seg:
+        for budget, candidates in BUDGET_VERSUS:
+            versus = next((a for a in candidates if a in seg), None)
+            if versus is None:
                 continue
             vs = delta(versus)
-            arms = [p for p in (delta(a) for a in names if a.split("_")[0] == budget and a != versus) if p]
+            arms = [p for p in (delta(a) for a in names if (a == budget or a.startswith(budget + "_")) and a != versus)
+                    if p]
             if vs is None or not arms:
                 continue
             arms.sort(key=lambda p: (p["delta_pct"], p["arm"]))
             for p in arms:
-                p["oracle"] = "_oracle_" in p["arm"]
+                p["oracle"] = "_oracle_" in p["arm"] or p["arm"].endswith("_oracle")
             lines = [p for p in (delta(a) for a in UNIFORM_LINES if a in seg and a != versus) if p]
             budgets.append({"context": prefix[1:] if len(prefixes) > 1 else "", "budget": budget, "versus": vs,
                             "uniform": lines, "arms": arms})
@@ -514,12 +517,13 @@ CAPTIONS = {
                      "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
                      "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
                      "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
-    "equal_bytes": ("Per-head precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; mix24_*: a "
-                    "3-bit layout's bytes), its arms sorted by the perplexity change against the DynamicCache reference "
-                    "(exp of the mean per-segment NLL difference, minus 1: the live table's Δ; lower is better). The solid "
-                    "line is the arm of the same bytes each is compared with (uniform int4, or mix24_random, the "
-                    "content-blind allocation); dashed lines are the uniform int2 and int4 arms where the run has them. "
-                    "Hollow markers are the *_oracle_* arms, which choose from the whole segment's float32 attention: "
+    "equal_bytes": ("Content-aware precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; "
+                    "mix24_*: a 3-bit layout's bytes; int2_hh*: int2's bytes, heavy hitters kept float32), its arms "
+                    "sorted by the perplexity change against the DynamicCache reference (exp of the mean per-segment NLL "
+                    "difference, minus 1: the live table's Δ; lower is better). The solid line is the arm of the same "
+                    "bytes each is compared with (uniform int4, int3 or int2; mix24_random, the content-blind allocation, "
+                    "where the run has no int3); dashed lines are the other uniform int2, int3 and int4 arms the run has. "
+                    "Hollow markers are the oracle arms (*_oracle*), which choose from the whole segment's float32 attention: "
                     "impossible online, an upper bound for the online rule, not a policy. What it does not show: the "
                     "paired difference against the compared arm or its interval (report.md's equal-bytes table has both), "
                     "free generation or task accuracy (teacher forcing), other models (one small model, SmolLM2-135M), "

@@ -86,7 +86,7 @@ LIVE_HEADERS = ["arm", "mode, forwards", "perplexity", "Δ ppl vs DynamicCache",
 EQUAL_HEADERS = ["arm", "compared with", "Δ ppl vs compared", "95 % CI (segments)", "segments better", "mean KL",
                  "compared's KL", "top-1 agree", "bytes / token", "bytes vs compared's"]
 # a per-head precision arm's equal-byte comparison: mix28_* (int4's bytes) with int4, mix24_* (a
-# 3-bit layout's) with mix24_random
+# 3-bit layout's) with uniform int3 where the study runs it, else with mix24_random
 EQUAL_VERSUS = {"mix28": "int4", "mix24": "mix24_random"}
 # heavy hitters at int2's bytes: compared with uniform int2 (by name)
 EQUAL_VERSUS_NAMED = {"int2_hh": "int2", "int2_hh_first": "int2", "int2_hh_oracle": "int2"}
@@ -658,8 +658,8 @@ def _live(rows, live: dict, timings: list, study: str) -> list:
     if not rows:
         return [P("no rows", "(no rows: the live study was excluded")]
     vs = live_quality.views(live)
-    if len(vs) == 1:
-        return _live_context(rows, live, timings, study)
+    if len(vs) == 1:  # one context (a protocol's prefill, or "contexts" of one length): no context paragraph
+        return _live_context(rows, vs[0][1], timings, study)
     out = []
     for prefix, v in vs:
         n = v["prefill"] + live["steps"]
@@ -717,6 +717,8 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
     etrs = []
     for arm in sorted(by_arm):
         other = EQUAL_VERSUS.get(arm.split("_")[0]) if arm.startswith("mix") else EQUAL_VERSUS_NAMED.get(arm)
+        if arm.startswith("mix24") and "int3" in by_arm:  # the uniform arm of those bytes, where run
+            other = "int3"
         if other is None or other == arm or other not in by_arm or set(by_arm[arm]) != set(by_arm[other]):
             continue
         ids = sorted(by_arm[arm])

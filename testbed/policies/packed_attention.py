@@ -46,9 +46,10 @@ KERNEL_MAX_ROWS = 12
 
 
 def supported(policy) -> bool:
-    """Integer middles with K per channel and V per token (the layouts whose scales fold)."""
-    return policy.quantized and policy.middle.startswith("int") and policy.key_axis == "channel" and not policy.mixed \
-        and not policy.heavy
+    """Integer middles of whole codes per byte (2, 4, 8 bits: the kernel's unpacking; not int3, whose
+    codes straddle bytes) with K per channel and V per token (the layouts whose scales fold)."""
+    return policy.quantized and policy.middle in ("int2", "int4", "int8") and policy.key_axis == "channel" \
+        and not policy.mixed and not policy.heavy
 
 
 if njit is not None:

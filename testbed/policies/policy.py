@@ -63,7 +63,7 @@ __all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "prese
 
 HEADER_BYTES = 16
 # Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
-MIDDLE_SCHEMES = ("float32", "drop", "int2", "int4", "int8", "mxfp8", "mxfp4")
+MIDDLE_SCHEMES = ("float32", "drop", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4")
 _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 SINK_SELECT = ("first", "mass")
 # rules that choose which (layer, KV head) pairs of a mixed policy get the low bits
@@ -335,6 +335,8 @@ def _presets(window: int = 128, group: int = 32, evict_window: int = 256, sink: 
         Policy("int4", "int4", 0, window, group, description=f"KIVI-style: K per channel, V per token, 4 bits, "
                f"window R={window}, groups G={group}"),
         Policy("int2", "int2", 0, window, group, description=f"KIVI-style 2 bits, R={window}, G={group}"),
+        Policy("int3", "int3", 0, window, group, description=f"KIVI-style 3 bits (eight codes in three bytes), "
+               f"R={window}, G={group}: the uniform arm at the bytes of the mix24_* policies (half int2, half int4)"),
         Policy("int4_sink4", "int4", sink, window, group, description=f"int4 with the first {sink} tokens float32"),
         Policy("int2_sink4", "int2", sink, window, group, description=f"int2 with the first {sink} tokens float32"),
         Policy("int4_sinkmass4", "int4", sink, window, group, sink_select="mass",

@@ -5,13 +5,13 @@ property-based test matrix in ``tests/quant/``.
 """
 
 from .base import Packed, Quantizer, from_config, get, names, register, register_kind
-from .intgrouped import Int2Grouped, Int4Grouped, Int8Grouped, IntGrouped
+from .intgrouped import Int2Grouped, Int3Grouped, Int4Grouped, Int8Grouped, IntGrouped
 from .mx import MX, MXFP4, MXFP8
 from .residual import ResidualWindow
 from .rotation import SignedHadamard
 
 __all__ = [
     "Packed", "Quantizer", "from_config", "get", "names", "register", "register_kind",
-    "IntGrouped", "Int2Grouped", "Int4Grouped", "Int8Grouped", "ResidualWindow",
+    "IntGrouped", "Int2Grouped", "Int3Grouped", "Int4Grouped", "Int8Grouped", "ResidualWindow",
     "MX", "MXFP8", "MXFP4", "SignedHadamard",
 ]

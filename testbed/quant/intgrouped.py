@@ -12,6 +12,8 @@ zero as +0); codes are ``round((x - zero16) / scale16)`` (round half to even) cl
 to whole groups by repeating the edge value (so the padding never widens a group's range); the
 padding codes are stored and counted in ``nbytes``.
 
+Bits 2, 3, 4 and 8 (3 bits packs eight codes in three bytes, :mod:`testbed.quant.packing`).
+
 Stored arrays (all append-friendly along the token axis):
 
 - ``codes``  uint8 ``[..., T_pad, ceil(D * bits / 8)]`` (channel) or ``[..., T, ceil(D_pad * bits / 8)]`` (token)
@@ -30,7 +32,7 @@ from . import kernels
 from .base import Packed, Quantizer, check_input, make_header, register, register_kind
 from .packing import pack_codes, unpack_codes
 
-__all__ = ["IntGrouped", "Int2Grouped", "Int4Grouped", "Int8Grouped"]
+__all__ = ["IntGrouped", "Int2Grouped", "Int3Grouped", "Int4Grouped", "Int8Grouped"]
 
 _FP16_MAX = 65504.0
 
@@ -56,8 +58,8 @@ class IntGrouped(Quantizer):
     axis: str = "channel"
 
     def __post_init__(self):
-        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in (2, 4, 8):
-            raise ValueError(f"bits must be 2, 4 or 8, got {self.bits!r}")
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in (2, 3, 4, 8):
+            raise ValueError(f"bits must be 2, 3, 4 or 8, got {self.bits!r}")
         g = self.group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g & (g - 1):
             raise ValueError(f"group_size must be a power of two >= 2, got {g!r}")
@@ -199,6 +201,10 @@ def Int2Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
     return IntGrouped(2, group_size, axis)
 
 
+def Int3Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+    return IntGrouped(3, group_size, axis)
+
+
 def Int4Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
     return IntGrouped(4, group_size, axis)
 
@@ -208,6 +214,6 @@ def Int8Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
 
 
 register_kind("int_grouped", IntGrouped)
-for _bits in (2, 4, 8):
+for _bits in (2, 3, 4, 8):
     for _axis in ("channel", "token"):
         register(f"int{_bits}_grouped_{_axis}_g32", (lambda b=_bits, a=_axis: IntGrouped(b, 32, a)))

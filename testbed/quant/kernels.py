@@ -175,12 +175,44 @@ if numba is not None:
     _INF_BITS = 0x7F800000  # |x| bit patterns at or above this are inf or NaN
 
     @njit(inline="always", cache=True)
+    def _word3(c, o):
+        """The 24-bit word of the eight 3-bit codes ``c[o:o+8]``, code ``j`` in bits ``[3j, 3j+3)``."""
+        return (np.uint32(c[o]) | (np.uint32(c[o + 1]) << np.uint32(3)) | (np.uint32(c[o + 2]) << np.uint32(6))
+                | (np.uint32(c[o + 3]) << np.uint32(9)) | (np.uint32(c[o + 4]) << np.uint32(12))
+                | (np.uint32(c[o + 5]) << np.uint32(15)) | (np.uint32(c[o + 6]) << np.uint32(18))
+                | (np.uint32(c[o + 7]) << np.uint32(21)))
+
+    @njit(inline="always", cache=True)
+    def _unword3(w, c, o):
+        """The eight codes of the 24-bit word ``w`` into float32 ``c[o:o+8]``."""
+        for j in range(8):
+            c[o + j] = np.float32((w >> np.uint32(3 * j)) & np.uint32(7))
+
+    @njit(inline="always", cache=True)
+    def _capacity(nbytes, bits):
+        """Codes a row buffer holds for ``nbytes`` packed bytes (at 3 bits whole 3-byte words)."""
+        return (nbytes + 2) // 3 * 8 if bits == 3 else nbytes * (8 // bits)
+
+    @njit(inline="always", cache=True)
     def _pack_row(c, out, bits):
-        """Pack the codes ``c`` (uint8, at least ``len(out) * 8 / bits`` of them) into ``out``,
-        element ``j`` of each byte in bits ``[bits*j, bits*(j+1))``; written per width so the loop
-        vectorizes."""
+        """Pack the codes ``c`` (uint8, at least ``_capacity(len(out), bits)`` of them) into ``out``,
+        element ``j`` of each byte in bits ``[bits*j, bits*(j+1))`` (at 3 bits, of each 3-byte
+        little-endian word in bits ``[3j, 3j+3)``); written per width so the loop vectorizes."""
         n = out.shape[0]
-        if bits == 4:
+        if bits == 3:  # eight codes per 24-bit little-endian word; a partial last word keeps its low bytes
+            full = n // 3
+            for k in range(full):
+                w = _word3(c, 8 * k)
+                out[3 * k] = np.uint8(w & np.uint32(255))
+                out[3 * k + 1] = np.uint8((w >> np.uint32(8)) & np.uint32(255))
+                out[3 * k + 2] = np.uint8(w >> np.uint32(16))
+            r = n - 3 * full
+            if r:
+                w = _word3(c, 8 * full)
+                out[3 * full] = np.uint8(w & np.uint32(255))
+                if r == 2:
+                    out[3 * full + 1] = np.uint8((w >> np.uint32(8)) & np.uint32(255))
+        elif bits == 4:
             for k in range(n):
                 out[k] = c[2 * k] | (c[2 * k + 1] << np.uint8(4))
         elif bits == 8:
@@ -195,7 +227,19 @@ if numba is not None:
     def _unpack_row(codes, c, bits):
         """Inverse of :func:`_pack_row` into float32 ``c`` (the code values)."""
         n = codes.shape[0]
-        if bits == 4:
+        if bits == 3:
+            full = n // 3
+            for k in range(full):
+                w = (np.uint32(codes[3 * k]) | (np.uint32(codes[3 * k + 1]) << np.uint32(8))
+                     | (np.uint32(codes[3 * k + 2]) << np.uint32(16)))
+                _unword3(w, c, 8 * k)
+            r = n - 3 * full
+            if r:
+                w = np.uint32(codes[3 * full])
+                if r == 2:
+                    w = w | (np.uint32(codes[3 * full + 1]) << np.uint32(8))
+                _unword3(w, c, 8 * full)
+        elif bits == 4:
             for k in range(n):
                 byte = codes[k]
                 c[2 * k] = np.float32(byte & np.uint8(15))
@@ -259,7 +303,7 @@ if numba is not None:
                 z[d] = zv
                 live[d] = np.float32(1.0) if sv > 0 else np.float32(0.0)
                 s[d] = sv if sv > 0 else np.float32(1.0)
-            c = np.zeros(nbytes * (8 // bits), np.uint8)
+            c = np.zeros(_capacity(nbytes, bits), np.uint8)
             nan = False
             for t in range(t0, t0 + g):
                 xr = x[b, min(t, T - 1)]  # padded rows repeat the edge token
@@ -331,7 +375,7 @@ if numba is not None:
         du = np.uint64(D)
         ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
         for task in prange(ntask):
-            c = np.zeros(nbytes * (8 // bits), np.uint8)
+            c = np.zeros(_capacity(nbytes, bits), np.uint8)
             nan = False
             over = False
             for r in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
@@ -369,7 +413,7 @@ if numba is not None:
         rows = B * T
         ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
         for task in prange(ntask):
-            c = np.empty(codes.shape[2] * (8 // bits), np.float32)
+            c = np.empty(_capacity(codes.shape[2], bits), np.float32)
             sf = np.empty(D, np.float32)
             zf = np.empty(D, np.float32)
             cur = -1
@@ -397,7 +441,7 @@ if numba is not None:
         rows = B * T
         ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
         for task in prange(ntask):
-            c = np.empty(codes.shape[2] * (8 // bits), np.float32)
+            c = np.empty(_capacity(codes.shape[2], bits), np.float32)
             for row in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
                 b = row // T
                 t = row - b * T
@@ -607,6 +651,14 @@ def float16_round_soft(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _f16_arrays(np.ascontiguousarray(a, dtype=np.float32), True)
 
 
+_INT_BITS = (2, 3, 4, 8)  # at 3 bits eight codes share three bytes (testbed.quant.packing)
+
+
+def _check_int_bits(bits: int) -> None:
+    if bits not in _INT_BITS:
+        raise ValueError(f"the fused integer kernels pack {_INT_BITS} bits, got {bits}")
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -638,9 +690,10 @@ def _over_slabs(kernel, x, outs, *args):
 def int_quantize_channel(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, Tp, ceil(D*bits/8)], scale, zero float16 [B, Tp/g, D],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
+    _check_int_bits(bits)
     B, T, D = x.shape
     ng = _ceil_div(T, g)
-    codes = np.empty((B, ng * g, _ceil_div(D, 8 // bits)), np.uint8)
+    codes = np.empty((B, ng * g, _ceil_div(D * bits, 8)), np.uint8)
     scale = np.empty((B, ng, D), np.uint16)
     zero = np.empty((B, ng, D), np.uint16)
     bad = np.zeros((B, ng), np.bool_)
@@ -655,9 +708,10 @@ def int_quantize_channel(x: np.ndarray, bits: int, g: int):
 def int_quantize_token(x: np.ndarray, bits: int, g: int):
     """x [B, T, D] float32 -> (codes uint8 [B, T, ceil(Dp*bits/8)], scale, zero float16 [B, T, Dp/g],
     whether a value was not finite or a scale/zero-point overflowed float16)."""
+    _check_int_bits(bits)
     B, T, D = x.shape
     ng = _ceil_div(D, g)
-    codes = np.empty((B, T, _ceil_div(ng * g, 8 // bits)), np.uint8)
+    codes = np.empty((B, T, _ceil_div(ng * g * bits, 8)), np.uint8)
     scale = np.empty((B, T, ng), np.uint16)
     zero = np.empty((B, T, ng), np.uint16)
     flags = []
@@ -678,6 +732,7 @@ _F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.flo
 
 def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
     """``scale``/``zero`` are float16 arrays, read by the kernels as bit patterns through a table."""
+    _check_int_bits(bits)
     if out is None:
         out = np.empty((codes.shape[0], n, d), np.float32)
     scale = np.ascontiguousarray(scale, dtype=np.float16).view(np.uint16)

@@ -15,7 +15,7 @@ def test_low_nibble_first():
     assert torch.equal(unpack_codes(packed, 4, 5), codes)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_bijection(bits):
     g = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 1 << bits, (3, 7, 37), generator=g, dtype=torch.uint8)
@@ -75,7 +75,7 @@ def test_token_axis_groups_features_channel_axis_groups_tokens():
     assert np.count_nonzero(pv.arrays["scale"]) == 31  # every token but the first (all-zero) has a range
 
 
-@pytest.mark.parametrize("kwargs", [dict(group_size=3), dict(group_size=1), dict(group_size=0), dict(bits=3),
+@pytest.mark.parametrize("kwargs", [dict(group_size=3), dict(group_size=1), dict(group_size=0), dict(bits=5),
                                     dict(axis="head"), dict(group_size=48), dict(bits=4.0), dict(bits=True),
                                     dict(group_size=32.0)])
 def test_bad_parameters_refused(kwargs):
