@@ -165,7 +165,7 @@ def check_readme(text: str, ev) -> None:
     q = P["smollm2_quality"]["live"]
     r.claim("(`smollm2_quality`: {} segments × {} steps, R = {}, most tokens packed)",
             eq(q["segments"]), eq(q["steps"]), eq(q["window"]))
-    assert len(ev["manifest"]["protocols"]) == 9 and "Nine frozen protocols make up the default run" in r.text
+    assert len(ev["manifest"]["protocols"]) == 10 and "Ten frozen protocols make up the default run" in r.text
 
     # -- residual window
     rw = P["residual_window"]
