@@ -151,6 +151,12 @@ def check_model(p: dict, dims: dict, where: str) -> None:
         raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
                             f"layer's KV heads, and {p['model']} has sliding-window layers (window "
                             f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
+    oracles = [q.name for q in pols if q.heavy and q.heavy_rule == "oracle"]
+    if dims.get("sliding_window") and oracles:
+        raise ProtocolError(f"{where}.policies: {', '.join(oracles)} ranks tokens by the whole segment's attention, "
+                            f"measured by a float32 pass over every layer, and {p['model']} has sliding-window layers "
+                            f"(window {dims['sliding_window']}), whose keys do not add up over a segment; drop those "
+                            "policies")
     fit = heavy_count(p["window"], p["group"], head_dim=dims["head_dim"])
     over = [q for q in pols if q.heavy > fit]
     if over:

@@ -270,10 +270,10 @@ def _delta_point(arm, segs, ref):
 
 
 def _equal_bytes(study, rows, load):
-    """The equal-bytes figure's data: per context and byte budget (``mix28``, ``mix24``), each
-    per-head precision arm that :func:`testbed.live.comparator` pairs with an arm of the run, its Δ
-    perplexity against the reference (the live figure's ``delta_pct``), sorted by that value; the
-    compared arm's and the uniform int2 / int4 arms' Δ as reference lines. None without such an arm."""
+    """The equal-bytes figure's data: per context and byte budget (``mix28``, ``mix24``, ``int2_hh``),
+    each arm that :func:`testbed.live.comparator` pairs with an arm of the run, its Δ perplexity
+    against the reference (the live figure's ``delta_pct``), sorted by that value; the compared arm's
+    and the other uniform int2 / int3 / int4 arms' Δ as reference lines. None without such an arm."""
     groups = _context_groups(rows)
     panels = []
     for prefix, sel in groups:
@@ -682,8 +682,8 @@ def _rule(arm: str) -> str:
 
 def _draw_equal_bytes(plt, d):
     """One panel per (context and) byte budget: the arms on the y axis, named there, sorted by Δ
-    perplexity (best on top); the compared arm a solid line, uniform int2 / int4 dashed lines,
-    oracle arms hollow. The x axis is logarithmic when every Δ is positive (+0.3 % and +20 % both
+    perplexity (best on top); the compared arm a solid line, the other uniform int2 / int3 / int4
+    arms dashed lines, oracle arms hollow. The x axis is logarithmic when every Δ is positive (+0.3 % and +20 % both
     read), else symlog (linear within ±0.1 %)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator, SymmetricalLogLocator

@@ -414,3 +414,26 @@ def test_a_model_whose_head_dim_cannot_pay_for_the_heavy_hitters_is_refused():
         live.check_model(p, dims, "s: live")
     live.check_model(p, {**dims, "head_dim": 64}, "s: live")  # SmolLM2's: the sizing's own
     live.check_model(p, {**dims, "head_dim": 256}, "s: live")  # Gemma-3's: more than enough room
+
+
+def test_the_oracle_is_refused_on_a_model_with_sliding_layers_and_its_pass_refuses_shrinking_keys():
+    """A sliding layer keeps at most its window of keys, so a whole segment's accumulated attention
+    does not add up there: int2_hh_oracle is refused when the protocol is read (Gemma-3's shape: head
+    dim 256 pays for C, so only the sliding layers refuse it), and the oracle pass itself refuses an
+    attention call over fewer keys than the one before (it once failed deep in the pass)."""
+    from testbed import live
+    from testbed.schema import ProtocolError
+
+    p = {"model": "g", "evidence_layer": None, "window": 128, "group": 32, "evict_window": 256, "sink": 4,
+         "policies": ["int2", "int2_hh", "int2_hh_oracle"], "peers": []}
+    dims = {"layers": 6, "full_layers": [5], "head_dim": 256, "kv_heads": 1, "sliding_window": 512}
+    with pytest.raises(ProtocolError, match=r"int2_hh_oracle ranks tokens by the whole segment's attention.*sliding"):
+        live.check_model(p, dims, "s: live")
+    live.check_model({**p, "policies": ["int2", "int2_hh"]}, dims, "s: live")  # the online rule is served
+    with cache_mod.observe_concentration(None, concentration_too=False, received=True) as seen:
+        observe = cache_mod._OBSERVER[0]
+        g = torch.Generator().manual_seed(0)
+        observe(0, torch.randn(1, 3, 8, D, generator=g), torch.randn(1, 1, 8, D, generator=g), D ** -0.5)
+        with pytest.raises(RuntimeError, match="no sliding window"):
+            observe(0, torch.randn(1, 3, 1, D, generator=g), torch.randn(1, 1, 5, D, generator=g), D ** -0.5)
+    assert seen.received[0].shape == (1, 1, 8)

@@ -280,6 +280,9 @@ def observe_concentration(model, record_layer: int | None = None, *, concentrati
         if received:
             got = accumulated_attention(query, key, scale)
             old = seen.received.get(layer_idx)
+            if old is not None and old.shape[-1] > got.shape[-1]:
+                raise RuntimeError(f"layer {layer_idx}: attention over {got.shape[-1]} keys after {old.shape[-1]}: "
+                                   "the whole segment's accumulated attention needs every key kept (no sliding window)")
             if old is not None:  # the keys of earlier calls are the first ones of this call's
                 got[..., :old.shape[-1]] += old
             seen.received[layer_idx] = got
@@ -437,8 +440,8 @@ class PolicyLayer(DynamicLayer):
         self.layer_idx = layer_idx
         if direct:
             if not pa.supported(policy):
-                raise ValueError(f"policy {policy.name}: direct attention over codes needs an integer middle "
-                                 "with K per channel")
+                raise ValueError(f"policy {policy.name}: direct attention over codes needs an int2, int4 or int8 "
+                                 "middle (whole codes per byte) with K per channel")
             if layer_idx is None:
                 raise ValueError("direct attention needs the layer's index")
         self.direct = direct
@@ -606,7 +609,7 @@ class PolicyLayer(DynamicLayer):
                                    "accumulated attention, which was not given for the tokens held (oracle_received "
                                    f"{None if self.oracle_received is None else list(self.oracle_received.shape)}, "
                                    f"{self.seen} tokens)")
-            rank = torch.gather(self.oracle_received, 2, cand_i)
+            rank = torch.gather(self.oracle_received.to(cand_i.device), 2, cand_i)
         keep = choose_heavy(cand_i, rank, self.policy.heavy)
         at = keep[..., None].expand(-1, -1, -1, k.shape[-1])
         self.hh_k = torch.gather(torch.cat([self.hh_k, k], dim=2), 2, at)
