@@ -466,24 +466,32 @@ def test_live_table_with_intervals_matches_the_builder():
     assert len(ctx.failures) == 1 and "row (int4) column '95 % CI (segments)'" in ctx.failures[0]
 
 
+def made_up_live_rows(arms, segments: int, seed: int, prefix: str = "") -> list[dict]:
+    """Live rows of ``arms`` ((name, kind, NLL shift in nats, bytes per token), ...) over ``segments``
+    segments (case ids ``{prefix}seg000``...), each segment's NLL its own level plus the arm's shift
+    and noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for arm, kind, shift, bpt in arms:
+        for i in range(segments):
+            nll = 2.2 + 0.05 * i + (shift + rng.normal(0, 0.01) if shift else 0.0)
+            rows.append({"study": "q", "analysis": "live_quality", "arm": arm, "kind": kind, "mode": "chunked",
+                         "case": f"{prefix}seg{i:03d}", "nll": nll, "mean_kl": abs(shift) * 0.3,
+                         "top1_agreement": 1 - abs(shift), "bytes_per_token": bpt, "context_final": 160, "forwards": 4})
+    return rows
+
+
 def test_equal_bytes_table_matches_the_builder_and_a_forged_cell_fails():
     """Made-up rows of 12 segments with per-head precision arms: the run's equal-bytes table (each
     mix arm paired per segment with the arm of its bytes: int4 for mix28_*, mix24_random for
     mix24_*) and the audit's derivation agree on every cell; a mix arm without its comparator gets
     no row; a 'segments better' count or a paired Δ changed fails naming the row and column."""
     live = pytest.importorskip("testbed.live")
-    rng = np.random.default_rng(5)
-    rows = []
     params = {"model": "SmolLM2-135M-Instruct.Q4_1", "steps": 96, "prefill": 64}
     arms = (("dynamic_cache", "reference", 0.0, 46080.0), ("int4", "policy", 0.004, 14979.0),
             ("mix28_concentrated", "policy", 0.02, 14979.6), ("mix28_oracle_diffuse", "policy", -0.001, 14979.6),
             ("mix24_random", "policy", 0.05, 12000.6), ("mix24_diffuse", "policy", 0.03, 12000.6))
-    for arm, kind, shift, bpt in arms:
-        for i in range(12):
-            nll = 2.2 + 0.05 * i + (shift + rng.normal(0, 0.01) if shift else 0.0)
-            rows.append({"study": "q", "analysis": "live_quality", "arm": arm, "kind": kind, "mode": "chunked",
-                         "case": f"seg{i:03d}", "nll": nll, "mean_kl": abs(shift) * 0.3, "top1_agreement": 1 - abs(shift),
-                         "bytes_per_token": bpt, "context_final": 160, "forwards": 4})
+    rows = made_up_live_rows(arms, 12, seed=5)
     built = live.report(rows, params, [])
     table = built[built.index("| arm ", built.index("Per-head precision at equal bytes")):]
     listed = [ln.split("|")[1].strip() for ln in table.split("\n")[2:] if ln.startswith("|")]
@@ -508,19 +516,12 @@ def test_with_uniform_int3_the_3_bit_arms_pair_with_it_and_the_hh_oracle_with_in
     """Where the study runs uniform int3, every mix24_* arm (mix24_random too) is paired with it, not
     with mix24_random; int2_hh_oracle is paired with int2; run and audit agree on every cell."""
     live = pytest.importorskip("testbed.live")
-    rng = np.random.default_rng(7)
-    rows = []
     params = {"model": "SmolLM2-135M-Instruct.Q4_1", "steps": 96, "prefill": 64}
     arms = (("dynamic_cache", "reference", 0.0, 46080.0), ("int2", "policy", 0.2, 8496.0),
             ("int3", "policy", 0.02, 12000.0), ("mix24_random", "policy", 0.05, 12000.6),
             ("mix24_diffuse", "policy", 0.03, 12000.6), ("int2_hh_oracle", "policy", 0.09, 8467.0))
-    for arm, kind, shift, bpt in arms:
-        for i in range(8):
-            nll = 2.2 + 0.05 * i + (shift + rng.normal(0, 0.01) if shift else 0.0)
-            rows.append({"study": "q", "analysis": "live_quality", "arm": arm, "kind": kind, "mode": "chunked",
-                         "case": f"seg{i:03d}", "nll": nll, "mean_kl": abs(shift) * 0.3, "top1_agreement": 1 - abs(shift),
-                         "bytes_per_token": bpt, "context_final": 160, "forwards": 4})
-    pairs = {e["arm"]: e["versus"] for e in live.equal_bytes([r for r in rows])}
+    rows = made_up_live_rows(arms, 8, seed=7)
+    pairs = {e["arm"]: e["versus"] for e in live.equal_bytes(rows)}
     assert pairs == {"mix24_random": "int3", "mix24_diffuse": "int3", "int2_hh_oracle": "int2"}
     built = live.report(rows, params, [])
     ctx = _Ctx()
@@ -534,15 +535,9 @@ def test_a_study_of_one_listed_context_is_derived_with_that_contexts_prefill():
     (160 - 96 steps), as a protocol's ``prefill`` would; the audit derives the same cells (it once
     read the protocol's absent ``prefill`` and could not derive the section at all)."""
     live = pytest.importorskip("testbed.live")
-    rng = np.random.default_rng(9)
-    rows = []
     params = {"model": "SmolLM2-135M-Instruct.Q4_1", "steps": 96, "prefill": None, "contexts": [160]}
-    for arm, kind, shift, bpt in (("dynamic_cache", "reference", 0.0, 46080.0), ("int4", "policy", 0.004, 14979.0)):
-        for i in range(3):
-            rows.append({"study": "q", "analysis": "live_quality", "arm": arm, "kind": kind, "mode": "chunked",
-                         "case": f"c160-seg{i:03d}", "nll": 2.2 + 0.05 * i + (shift + rng.normal(0, 0.01) if shift else 0),
-                         "mean_kl": shift, "top1_agreement": 1 - shift, "bytes_per_token": bpt, "context_final": 160,
-                         "forwards": 4})
+    rows = made_up_live_rows((("dynamic_cache", "reference", 0.0, 46080.0), ("int4", "policy", 0.004, 14979.0)), 3,
+                             seed=9, prefix="c160-")
     built = live.report(rows, params, [])
     assert "after a 64-token prefill" in built and "**Context" not in built
     ctx = _Ctx()
