@@ -42,8 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy, preset
-from .policies.policy import HEAVY_PRESETS
-from .policies.policy import heavy_count, sink_candidates
+from .policies.policy import equal_bytes_budget, equal_bytes_versus, heavy_count, sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
                               _hardware, _software, estimate_dims, load_checked, load_model)
@@ -151,7 +150,7 @@ def check_model(p: dict, dims: dict, where: str) -> None:
         raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
                             f"layer's KV heads, and {p['model']} has sliding-window layers (window "
                             f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
-    oracles = [q.name for q in pols if q.heavy and q.heavy_rule == "oracle"]
+    oracles = [q.name for q in pols if q.heavy_oracle]
     if dims.get("sliding_window") and oracles:
         raise ProtocolError(f"{where}.policies: {', '.join(oracles)} ranks tokens by the whole segment's attention, "
                             f"measured by a float32 pass over every layer, and {p['model']} has sliding-window layers "
@@ -202,8 +201,7 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     logits = b * p["reference_chunk"] * vocab * 4 * 3
     activations = b * prefill * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
-    if any((pol.mixed and pol.alloc_from == "oracle") or (pol.heavy and pol.heavy_rule == "oracle")
-           for pol in policies_of(p)):  # the oracle's float32 pass
+    if any(pol.oracle for pol in policies_of(p)):  # the oracle's float32 pass
         cache += 2 * layers * kv * n * d * 4 * b
     return dims["parameters"] * 4 + ref + logits + activations + cache
 
@@ -611,22 +609,24 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
 
         scores = received = oracle = None
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
-        hh_oracle = what.heavy > 0 and what.heavy_rule == "oracle"
         with policy_attention(model):
-            if (what.mixed and what.alloc_from == "oracle") or hh_oracle:  # float32 attention of the whole
-                from transformers import DynamicCache  # segment, in advance, in the arm's own forward calls
+            if what.oracle:  # float32 attention of the whole segment, in advance, in the arm's own forward calls
+                from transformers import DynamicCache
 
                 t_oracle = time.perf_counter()
                 with torch.no_grad(), observe_concentration(model, record_layer=evidence_layer,
-                                                            concentration_too=not hh_oracle,
-                                                            received=hh_oracle) as oracle:
+                                                            concentration_too=not what.heavy_oracle,
+                                                            received=what.heavy_oracle) as oracle:
                     pre, pos = DynamicCache(config=cfg), 0
                     for c in [p["prefill"]] + schedule:
                         _forward(model, ids[:, pos:pos + c], pre, kw, last_only=True)
                         pos += c
                     del pre
                 n_layers = int(cfg.num_hidden_layers)
-                scores, received = (None, oracle.accumulated(n_layers)) if hh_oracle else (oracle.scores(n_layers), None)
+                if what.heavy_oracle:
+                    received = oracle.accumulated(n_layers)
+                else:
+                    scores = oracle.scores(n_layers)
                 oracle_seconds = time.perf_counter() - t_oracle
             cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None,
                                           scores=scores, received=received)
@@ -807,17 +807,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 def comparator(arm: str, arms) -> str | None:
     """The arm a per-head precision arm is compared with at equal bytes: ``mix28_*`` (the bytes of
     int4) with uniform ``int4``; ``mix24_*`` (a 3-bit layout's bytes) with uniform ``int3`` where the
-    study runs it, else with ``mix24_random``, the content-blind allocation of the same bytes; ``int2_hh`` (heavy hitters at
-    int2's bytes), ``int2_hh_first`` (its content-blind control) and ``int2_hh_oracle`` (its oracle bound) with
-    uniform ``int2``; None when that arm is absent."""
-    if arm in HEAVY_PRESETS:  # heavy hitters (or the first tokens, or the oracle's) at int2's bytes
-        return "int2" if "int2" in arms else None
-    if not arm.startswith("mix"):
-        return None
-    if arm.startswith("mix24") and "int3" in arms:  # the uniform arm of a 3-bit layout's bytes, where run
-        return "int3"
-    other = {"mix28": "int4", "mix24": "mix24_random"}.get(arm.split("_")[0])
-    return other if other in arms and other != arm else None
+    study runs it, else with ``mix24_random``, the content-blind allocation of the same bytes;
+    ``int2_hh`` (heavy hitters at int2's bytes), ``int2_hh_first`` (its content-blind control) and
+    ``int2_hh_oracle`` (its oracle bound) with uniform ``int2``; None when that arm is absent
+    (:data:`testbed.policies.policy.EQUAL_BYTES_VERSUS`)."""
+    budget = equal_bytes_budget(arm)
+    other = None if budget is None else equal_bytes_versus(budget, arms)
+    return other if other != arm else None
 
 
 def equal_bytes(rows: list[dict]) -> list[dict]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .evidence import load_array
+from .policies.policy import EQUAL_BYTES_VERSUS, equal_bytes_budget, equal_bytes_versus
 
 __all__ = ["build_html", "figure_data", "figure_layout", "CSP", "AGREEMENT_BLOCK"]
 
@@ -249,9 +250,6 @@ def _live_context(rows, load, suffix: str):
     return arms, agreement
 
 
-# a budget (its arms: the name itself or name_*) and the arms of the same bytes it is compared with, the
-# first the run has (live.comparator): int4's bytes, a 3-bit layout's, int2's (heavy hitters)
-EQUAL_BYTES_VERSUS = {"mix28": ("int4",), "mix24": ("int3", "mix24_random"), "int2_hh": ("int2",)}
 UNIFORM_REFERENCES = ("int2", "int3", "int4")  # uniform arms drawn as further reference lines where present
 
 
@@ -287,11 +285,11 @@ def _equal_bytes(study, rows, load):
         def point(arm, by_arm=by_arm, ref=ref):
             return _delta_point(arm, by_arm[arm], ref)
 
-        for budget, candidates in EQUAL_BYTES_VERSUS.items():
-            versus = next((a for a in candidates if a in by_arm), None)
+        for budget in EQUAL_BYTES_VERSUS:
+            versus = equal_bytes_versus(budget, by_arm)
             if versus is None:
                 continue
-            arms = [point(a) for a in by_arm if (a == budget or a.startswith(budget + "_")) and a != versus]
+            arms = [point(a) for a in by_arm if equal_bytes_budget(a) == budget and a != versus]
             arms = sorted((p for p in arms if p is not None), key=lambda p: (p["delta_pct"], p["arm"]))
             vs = point(versus)
             if not arms or vs is None:

@@ -104,8 +104,7 @@ SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value ne
     "trials": Key(("range", int, 1, 10_000), "trials per (task, length, depth) cell, each its own needle", 8),
     "seed": Key(("range", int, 0, 2**32 - 1), "the study seed; each trial's seed is derived from it", 0),
     "needles": Key(("range", int, 2, 16), "needles of a multi_kv trial (one asked, the rest distractors)", 4),
-    "policies": Key(("list", ("choice", tuple(n for n in PRESETS if not preset(n).mixed
-                                              and not (preset(n).heavy and preset(n).heavy_rule == "oracle"))), 1),
+    "policies": Key(("list", ("choice", tuple(n for n in PRESETS if not (preset(n).mixed or preset(n).oracle))), 1),
                     "cache policies (presets of testbed.policies; the per-head precision mix* ones and the oracle "
                     "int2_hh_oracle run in the live study only: they decide from a perplexity segment), one arm each"),
     "peers": Key(("list", dict, 0), "QuantizedCache arms", [], see=PEER),

@@ -201,7 +201,7 @@ def oracle_kwargs(pol, config, batch: int, tokens: int, seed: int = 0) -> dict:
     does not depend on which tokens are held); nothing for any other policy."""
     import torch
 
-    if not (pol.heavy and pol.heavy_rule == "oracle"):
+    if not pol.heavy_oracle:
         return {}
     g = torch.Generator().manual_seed(seed)
     shape = (batch, int(config.num_key_value_heads), tokens)

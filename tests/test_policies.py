@@ -109,7 +109,7 @@ POLICIES = [p for p in (preset(name, window=32 if name in HEAVY_PRESETS else 16,
 def test_stored_bytes_match_the_closed_form_at_every_step(pol):
     layer = PolicyLayer(pol, layer_idx=0)
     k, v = _kv(120)
-    if pol.heavy_rule == "oracle":  # the whole segment's scores, given in advance (here any: bytes do not read them)
+    if pol.heavy_oracle:  # the whole segment's scores, given in advance (here any: bytes do not read them)
         layer.oracle_received = torch.rand(k.shape[:3], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     n = 0
     for c in (7, 1, 1, 16, 3, 30, 1, 1, 1, 59):

@@ -95,6 +95,20 @@ POLICY_TABLE.update({name: (high, False, "window", "channel") for name, (high, *
 # (layer, KV head) that int2's bytes at window R pay for (heavy_count, the audit's own statement)
 HEAVY = {"int2_hh": ("int2", "attention"), "int2_hh_first": ("int2", "first"), "int2_hh_oracle": ("int2", "oracle")}
 POLICY_TABLE.update({name: (middle, False, "window", "channel") for name, (middle, _) in HEAVY.items()})
+# equal-bytes budgets (arms: the name itself or name_*) and the arms of the same bytes each is compared
+# with, the first the run has (the study's pairing, docs: mix28_* the bytes of int4 against int4,
+# mix24_* a 3-bit layout's bytes against int3, else mix24_random; int2_hh* int2's bytes against int2)
+BUDGET_VERSUS = (("mix28", ("int4",)), ("mix24", ("int3", "mix24_random")), ("int2_hh", ("int2",)))
+
+
+def budget_of(arm: str) -> str | None:
+    """The equal-bytes budget an arm belongs to, else None."""
+    return next((b for b, _ in BUDGET_VERSUS if arm == b or arm.startswith(b + "_")), None)
+
+
+def versus_of(budget: str, arms) -> str | None:
+    """The arm of ``budget``'s bytes the run has (the first of its candidates), else None."""
+    return next((a for a in dict(BUDGET_VERSUS)[budget] if a in arms), None)
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")
 HEADER = 16
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
@@ -266,19 +280,31 @@ def model_dims(live: dict, row: dict | None = None) -> dict:
 ONE_FULL_LAYER = {"layers": 1, "full_layers": [0], "sliding_window": None}
 
 
+def causal_softmax_tiles(q: np.ndarray, k: np.ndarray, tile: int = 256):
+    """The float64 causal softmax of a pass of ``q [H_q, n, D]`` over ``k [H_kv, n, D]`` (query i
+    sees keys 0..i), over tiles of queries: yields ``(a, b, w)``, ``w [H_kv, G, b - a, n]`` the rows
+    of queries ``a..b-1`` grouped by KV head (the audit's own statement)."""
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    kk = k.astype(np.float64)
+    for a in range(0, n, tile):
+        b = min(n, a + tile)
+        s = np.einsum("hgqd,hkd->hgqk", q[:, a:b].astype(np.float64).reshape(hkv, g, b - a, d), kk) / math.sqrt(d)
+        s = np.where(np.arange(n)[None, :] > np.arange(a, b)[:, None], -np.inf, s)
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        yield a, b, w / w.sum(axis=-1, keepdims=True)
+
+
 def concentration(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """``[H_kv]`` float64: the mean effective support (exp(entropy) / visible keys) of a causal
     pass's rows over its queries and the KV head's query heads (``q [H_q, t, D]``, ``k [H_kv, t, D]``)."""
-    hq, t, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
-    s = np.einsum("hgqd,hkd->hgqk", q.astype(np.float64).reshape(hkv, g, t, d), k.astype(np.float64)) / math.sqrt(d)
-    s = np.where(np.arange(t)[None, :] > np.arange(t)[:, None], -np.inf, s)
-    s = s - s.max(axis=-1, keepdims=True)
-    w = np.exp(s)
-    w /= w.sum(axis=-1, keepdims=True)
-    plogp = np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0)
-    return (np.exp(-plogp.sum(axis=-1)) / (np.arange(t) + 1)).mean(axis=(1, 2))
+    hkv, g, t = k.shape[0], q.shape[0] // k.shape[0], q.shape[1]
+    total = np.zeros(hkv)
+    for a, b, w in causal_softmax_tiles(q, k):
+        plogp = np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0)
+        total += (np.exp(-plogp.sum(axis=-1)) / (np.arange(a, b) + 1)).sum(axis=(1, 2))
+    return total / (g * t)
 
 
 def allocation_keys(pol: dict, scores: np.ndarray) -> np.ndarray:
@@ -526,17 +552,9 @@ def accumulated(q: np.ndarray, k: np.ndarray, tile: int = 256) -> np.ndarray:
     """``[H_kv, n]`` float64: the attention each key received in a causal pass of ``q [H_q, n, D]``
     over ``k [H_kv, n, D]``, summed over the queries and the KV head's query heads (H2O's score,
     the audit's own statement), over tiles of queries."""
-    hq, n, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
-    kk = k.astype(np.float64)
-    out = np.zeros((hkv, n))
-    for a in range(0, n, tile):
-        b = min(n, a + tile)
-        s = np.einsum("hgqd,hkd->hgqk", q[:, a:b].astype(np.float64).reshape(hkv, g, b - a, d), kk) / math.sqrt(d)
-        s = np.where(np.arange(n)[None, :] > np.arange(a, b)[:, None], -np.inf, s)
-        w = np.exp(s - s.max(axis=-1, keepdims=True))
-        out += (w / w.sum(axis=-1, keepdims=True)).sum(axis=(1, 2))
+    out = np.zeros((k.shape[0], k.shape[1]))
+    for _, _, w in causal_softmax_tiles(q, k, tile):
+        out += w.sum(axis=(1, 2))
     return out
 
 

@@ -41,6 +41,7 @@ from html.parser import HTMLParser
 import numpy as np
 
 from .common import TOLERANCES
+from .live_quality import BUDGET_VERSUS, budget_of, versus_of
 
 __all__ = ["check_run", "derive_figures", "parse_report", "expected_page", "page_lines", "caption", "CSP",
            "CAPTIONS", "STYLE", "INTRO", "TITLE"]
@@ -295,10 +296,6 @@ def _residual_figure(rows, ctx):
     return [("residual_window", cells and {"cells": cells})]
 
 
-# equal-bytes budgets (arms: the name itself or name_*) and the arms of the same bytes each is compared
-# with, the first the run has (the study's pairing, docs: mix28_* the bytes of int4 against int4,
-# mix24_* a 3-bit layout's bytes against int3, else mix24_random; int2_hh* int2's bytes against int2)
-BUDGET_VERSUS = (("mix28", ("int4",)), ("mix24", ("int3", "mix24_random")), ("int2_hh", ("int2",)))
 UNIFORM_LINES = ("int2", "int3", "int4")
 
 
@@ -336,13 +333,12 @@ def _equal_bytes_figure(rows):
         def delta(arm, seg=seg, ref=ref):
             return _versus_reference(arm, seg[arm], ref)
 
-        for budget, candidates in BUDGET_VERSUS:
-            versus = next((a for a in candidates if a in seg), None)
+        for budget, _ in BUDGET_VERSUS:
+            versus = versus_of(budget, seg)
             if versus is None:
                 continue
             vs = delta(versus)
-            arms = [p for p in (delta(a) for a in names if (a == budget or a.startswith(budget + "_")) and a != versus)
-                    if p]
+            arms = [p for p in (delta(a) for a in names if budget_of(a) == budget and a != versus) if p]
             if vs is None or not arms:
                 continue
             arms.sort(key=lambda p: (p["delta_pct"], p["arm"]))

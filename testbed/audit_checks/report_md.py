@@ -85,11 +85,6 @@ LIVE_HEADERS = ["arm", "mode, forwards", "perplexity", "Δ ppl vs DynamicCache",
                 "mean KL", "top-1 agree", "bytes / token", "÷ float16", "ms / scored token"]
 EQUAL_HEADERS = ["arm", "compared with", "Δ ppl vs compared", "95 % CI (segments)", "segments better", "mean KL",
                  "compared's KL", "top-1 agree", "bytes / token", "bytes vs compared's"]
-# a per-head precision arm's equal-byte comparison: mix28_* (int4's bytes) with int4, mix24_* (a
-# 3-bit layout's) with uniform int3 where the study runs it, else with mix24_random
-EQUAL_VERSUS = {"mix28": "int4", "mix24": "mix24_random"}
-# heavy hitters at int2's bytes: compared with uniform int2 (by name)
-EQUAL_VERSUS_NAMED = {"int2_hh": "int2", "int2_hh_first": "int2", "int2_hh_oracle": "int2"}
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+(?:\.\d*)?[eE][+-]?\d+)")
 _INT = re.compile(r"[+-]?\d+")
 _SEP = re.compile(r":?-+:?")
@@ -716,9 +711,8 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
     out = [T("live quality", LIVE_HEADERS, 1, trs)]
     etrs = []
     for arm in sorted(by_arm):
-        other = EQUAL_VERSUS.get(arm.split("_")[0]) if arm.startswith("mix") else EQUAL_VERSUS_NAMED.get(arm)
-        if arm.startswith("mix24") and "int3" in by_arm:  # the uniform arm of those bytes, where run
-            other = "int3"
+        budget = live_quality.budget_of(arm)  # the equal-bytes pairing (live_quality.BUDGET_VERSUS)
+        other = None if budget is None else live_quality.versus_of(budget, by_arm)
         if other is None or other == arm or other not in by_arm or set(by_arm[arm]) != set(by_arm[other]):
             continue
         ids = sorted(by_arm[arm])

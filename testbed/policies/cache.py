@@ -940,7 +940,7 @@ class PolicyCache(Cache):
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * num_layers
         if policy.mixed and policy.alloc_from == "oracle" and scores is None:
             raise ValueError(f"policy {policy.name}: an oracle allocation needs its scores ([B, layers, KV heads])")
-        if policy.heavy and policy.heavy_rule == "oracle":
+        if policy.heavy_oracle:
             if received is None or len(received) != num_layers:
                 raise ValueError(f"policy {policy.name}: an oracle heavy-hitter choice needs the whole segment's "
                                  f"accumulated attention, one [B, KV heads, tokens] tensor per layer ({num_layers})")

@@ -59,7 +59,8 @@ from dataclasses import asdict, dataclass, replace
 from ..quant import MX, IntGrouped, Quantizer
 
 __all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
-           "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA"]
+           "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
+           "equal_bytes_versus"]
 
 HEADER_BYTES = 16
 # Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
@@ -79,6 +80,20 @@ HEAVY_RULES = ("attention", "first", "oracle")
 # bytes per held heavy hitter per KV head beside its float32 K and V: its int32 index and float32 score
 HEAVY_TOKEN_EXTRA = 8
 HEAVY_PRESETS = ("int2_hh", "int2_hh_first", "int2_hh_oracle")
+# equal-bytes budgets: a budget's arms are the presets named so or name_*; each is compared with the
+# first of its candidates a study runs, an arm of the same bytes (the uniform one; mix24_random, the
+# content-blind allocation, where no uniform int3 is run)
+EQUAL_BYTES_VERSUS = {"mix28": ("int4",), "mix24": ("int3", "mix24_random"), "int2_hh": ("int2",)}
+
+
+def equal_bytes_budget(arm: str) -> str | None:
+    """The budget of :data:`EQUAL_BYTES_VERSUS` an arm belongs to (its name or name_*), else None."""
+    return next((b for b in EQUAL_BYTES_VERSUS if arm == b or arm.startswith(b + "_")), None)
+
+
+def equal_bytes_versus(budget: str, arms) -> str | None:
+    """The arm of ``budget``'s bytes that the study's ``arms`` hold, first of its candidates, else None."""
+    return next((a for a in EQUAL_BYTES_VERSUS[budget] if a in arms), None)
 
 
 def scheme_bytes_per_token(middle: str, heads: int, head_dim: int, group: int = 32, feature_group: int = 32,
@@ -208,6 +223,17 @@ class Policy:
         """The prefill's attention decides something (the sink, the allocation or the heavy hitters)."""
         return self.sink_select == "mass" or self.heavy > 0 or (self.mixed and self.alloc_from == "prefill"
                                                                  and self.alloc in ("concentrated", "diffuse"))
+
+    @property
+    def heavy_oracle(self) -> bool:
+        """Heavy hitters ranked by the whole segment's attention (given in advance: not online)."""
+        return self.heavy > 0 and self.heavy_rule == "oracle"
+
+    @property
+    def oracle(self) -> bool:
+        """The policy decides from the whole segment's float32 attention, measured by a pass over the
+        segment in advance: a mixed oracle allocation or a heavy-hitter oracle."""
+        return (self.mixed and self.alloc_from == "oracle") or self.heavy_oracle
 
     def heavy_held(self, n: int) -> int:
         """Heavy hitters held per (sequence, KV head) after ``n`` tokens: C, or every packed token

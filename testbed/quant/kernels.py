@@ -200,18 +200,10 @@ if numba is not None:
         little-endian word in bits ``[3j, 3j+3)``); written per width so the loop vectorizes."""
         n = out.shape[0]
         if bits == 3:  # eight codes per 24-bit little-endian word; a partial last word keeps its low bytes
-            full = n // 3
-            for k in range(full):
+            for k in range((n + 2) // 3):
                 w = _word3(c, 8 * k)
-                out[3 * k] = np.uint8(w & np.uint32(255))
-                out[3 * k + 1] = np.uint8((w >> np.uint32(8)) & np.uint32(255))
-                out[3 * k + 2] = np.uint8(w >> np.uint32(16))
-            r = n - 3 * full
-            if r:
-                w = _word3(c, 8 * full)
-                out[3 * full] = np.uint8(w & np.uint32(255))
-                if r == 2:
-                    out[3 * full + 1] = np.uint8((w >> np.uint32(8)) & np.uint32(255))
+                for j in range(min(3, n - 3 * k)):
+                    out[3 * k + j] = np.uint8((w >> np.uint32(8 * j)) & np.uint32(255))
         elif bits == 4:
             for k in range(n):
                 out[k] = c[2 * k] | (c[2 * k + 1] << np.uint8(4))
@@ -227,18 +219,12 @@ if numba is not None:
     def _unpack_row(codes, c, bits):
         """Inverse of :func:`_pack_row` into float32 ``c`` (the code values)."""
         n = codes.shape[0]
-        if bits == 3:
-            full = n // 3
-            for k in range(full):
-                w = (np.uint32(codes[3 * k]) | (np.uint32(codes[3 * k + 1]) << np.uint32(8))
-                     | (np.uint32(codes[3 * k + 2]) << np.uint32(16)))
+        if bits == 3:  # a partial last word reads its low bytes, the rest zero
+            for k in range((n + 2) // 3):
+                w = np.uint32(0)
+                for j in range(min(3, n - 3 * k)):
+                    w |= np.uint32(codes[3 * k + j]) << np.uint32(8 * j)
                 _unword3(w, c, 8 * k)
-            r = n - 3 * full
-            if r:
-                w = np.uint32(codes[3 * full])
-                if r == 2:
-                    w = w | (np.uint32(codes[3 * full + 1]) << np.uint32(8))
-                _unword3(w, c, 8 * full)
         elif bits == 4:
             for k in range(n):
                 byte = codes[k]
