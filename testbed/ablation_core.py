@@ -350,78 +350,13 @@ def _add_error_sums(sums: dict, i: int, heads, ok: torch.Tensor, out, o_ref, ful
 def ablate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
            layout, spans: dict[str, list[tuple[int, int]]], *, ref: torch.Tensor | None = None,
            max_scores: int = DEFAULT_MAX_SCORES) -> ArmResult:
-    """Run every ablation of ``spans`` ({name: dropped spans}) on one K/V arm, tile by tile.
+    """Run every ablation of ``spans`` ({name: dropped spans}) on one K/V arm, tile by tile
+    (`ablate_arm` without mass-matched controls).
 
     ``ref`` is the output the errors are measured against (the float64 full attention on the
     original K/V); None measures against this arm's own full output.
     """
-    h, tq, d = q.shape
-    keys = k.shape[1]
-    names = list(spans)
-    na = len(names)
-    atoms = _atoms(keys, layout, spans)
-    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names],
-                              dtype=torch.bool).reshape(na, len(atoms))
-    region_atoms = {r.name: torch.tensor([_inside(at, [(r.start, r.stop)]) for at in atoms], dtype=torch.bool)
-                    for r in layout}
-    hist = history_span(layout)
-    if hist is not None:
-        region_atoms["history"] = torch.tensor([_inside(at, [hist]) for at in atoms], dtype=torch.bool)
-    f64 = torch.float64
-    dropped_mass = torch.full((na, h, tq), float("nan"), dtype=f64)
-    tv = torch.full((na, h, tq), float("nan"), dtype=f64)
-    mean_shift = torch.full((na, h, tq), float("nan"), dtype=f64)
-    undefined = torch.zeros(na, h, dtype=torch.int64)
-    sums = {key: torch.zeros(na, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2")}
-    rmass = {name: torch.empty(h, tq, dtype=f64) for name in region_atoms}
-    output = torch.empty(h, tq, d, dtype=f64)
-    all_atoms = torch.ones(len(atoms), dtype=torch.bool)
-    for j, heads, qs, s, vis in score_tiles(q, k, query_positions, causal, max_scores):
-        vj = v[j].to(f64)
-        if vis is not None:
-            s = s.masked_fill(~vis, float("-inf"))
-        m = torch.stack([s[..., a:b].amax(dim=-1) for a, b in atoms])            # [A_t, g, c]
-        z_list, n_list = [], []
-        for (a, b), ma in zip(atoms, m):
-            shift = torch.where(torch.isfinite(ma), ma, torch.zeros_like(ma))
-            e = torch.exp(s[..., a:b] - shift.unsqueeze(-1))
-            z_list.append(e.sum(dim=-1))
-            n_list.append(torch.matmul(e, vj[a:b]))
-        z = torch.stack(z_list)
-        n = torch.stack(n_list)
-        fshift, fz, fn = _merge(m, z, n, all_atoms)
-        full = fn / fz.unsqueeze(-1)
-        output[heads, qs] = full
-        w_full = torch.exp(m - fshift) * z / fz                                    # atom masses of P
-        for name, sel in region_atoms.items():
-            rmass[name][heads, qs] = w_full[sel].sum(dim=0)
-        o_ref = full if ref is None else ref[heads, qs].to(f64)
-        for i, _name in enumerate(names):
-            keep_atoms = ~drop_atoms[i]
-            shift, zz, nn = _merge(m, z, n, keep_atoms)
-            ok = zz > 0
-            zs = torch.where(ok, zz, torch.ones_like(zz))
-            out = torch.where(ok.unsqueeze(-1), nn / zs.unsqueeze(-1), torch.full_like(nn, float("nan")))
-            tau = w_full[drop_atoms[i]].sum(dim=0)
-            # TV key by key, summed per atom: inside atom a both rows are proportional to the same
-            # exp(s - m_a), with factors exp(m_a - shift) / Z (full) and exp(m_a - shift') / Z'
-            # (ablated, 0 on dropped atoms), so sum_a |P - P'| = Z_a |factor - factor'|.
-            f_full = torch.exp(m - fshift) / fz
-            f_abl = torch.where(keep_atoms.view(-1, 1, 1), torch.exp(m - shift) / zs, torch.zeros_like(f_full))
-            row_tv = 0.5 * (z * (f_full - f_abl).abs()).sum(dim=0)
-            dropped_mass[i, heads, qs] = torch.where(ok, tau, torch.full_like(tau, float("nan")))
-            tv[i, heads, qs] = torch.where(ok, row_tv, torch.full_like(row_tv, float("nan")))
-            undefined[i, heads] += (~ok).sum(dim=-1)
-            o = _add_error_sums(sums, i, heads, ok, out, o_ref, full)
-            # mu_dropped from the dropped atoms merged on their own (stable however small tau is)
-            _, zd, nd = _merge(m, z, n, drop_atoms[i])
-            fn_row = full.norm(dim=-1)
-            shift_ok = ok & (zd > 0) & (fn_row > 0)
-            mu_d = nd / torch.where(zd > 0, zd, torch.ones_like(zd)).unsqueeze(-1)
-            ms = (o - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
-            mean_shift[i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, float("nan")))
-    return ArmResult(names, dropped_mass, tv, undefined, sums["err2"], sums["ref2"], sums["dot"], sums["out2"],
-                     sums["own_err2"], sums["own_ref2"], rmass, output, mean_shift)
+    return ablate_arm(q, k, v, query_positions, causal, layout, spans, {}, ref=ref, max_scores=max_scores)[0]
 
 
 def ablate_case(case, spans: dict[str, list[tuple[int, int]]], k=None, v=None, *, ref=None,
@@ -571,8 +506,24 @@ _NINF = torch.tensor(float("-inf"), dtype=torch.float64)
 _ZERO = torch.tensor(0.0, dtype=torch.float64)
 
 
+def _spans_of(keys: np.ndarray) -> list[tuple[int, int]]:
+    """The sorted key indices ``keys`` as maximal runs ``[(start, stop), ...]``."""
+    keys = np.asarray(keys, dtype=np.int64)
+    if keys.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(keys) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(keys, cut)]
+
+
+def _columns(x: torch.Tensor, spans: list[tuple[int, int]], dim: int = -1) -> torch.Tensor:
+    """``x`` restricted to the key runs ``spans`` along ``dim``: a view for one run, a copy for several."""
+    parts = [x.narrow(dim, a, b - a) for a, b in spans]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop: torch.Tensor, vj: torch.Tensor,
-               work: torch.Tensor | None = None, work2: torch.Tensor | None = None, outputs_only: bool = False):
+               work: torch.Tensor | None = None, work2: torch.Tensor | None = None, outputs_only: bool = False,
+               within: list[tuple[int, int]] | None = None):
     """One masked renormalized softmax per row, dropping ``drop [g, c, Tk]`` (a per-row mask).
 
     Returns ``(out [g, c, D], ok, tau, tv, mu_dropped [g, c, D], has)``: ``ok`` where the kept
@@ -581,6 +532,9 @@ def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop:
     key is dropped; ``(out, ok)`` only with ``outputs_only``. ``work`` / ``work2``: float64 scratch
     of at least the tile's size (`_scratch`; None allocates): the softmaxes are computed in place
     there, the same operations on the same shapes as out of place, so the same values.
+    ``within``: key runs that hold every dropped key (a mass-matched control's eligible keys;
+    checked): ``mu_dropped`` is then summed over those keys only, the others weighing exactly 0
+    (the same value summed in another order: the last bits may differ from the sum over ``Tk``).
     """
     allowed = ~drop if vis is None else vis.unsqueeze(0) & ~drop
     ok = allowed.any(dim=-1)
@@ -597,11 +551,22 @@ def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop:
     tv = 0.5 * torch.sub(p, pa, out=w2).abs_().sum(dim=-1)
     dv = drop if vis is None else vis.unsqueeze(0) & drop
     has = dv.any(dim=-1)
-    ed = torch.where(dv, s, _NINF, out=pa)                                          # s on the dropped keys, else -inf
+    if within is None:
+        ed = torch.where(dv, s, _NINF, out=pa)                                      # s on the dropped keys, else -inf
+        vd = vj
+    else:
+        inside = torch.zeros(s.shape[-1], dtype=torch.bool)
+        for a, b in within:
+            inside[a:b] = True
+        if bool(drop[..., ~inside].any()):
+            raise ValueError("a dropped key lies outside the runs `within` said hold every dropped key")
+        dv = _columns(dv, within)
+        ed = torch.where(dv, _columns(s, within), _NINF, out=_scratch(w2, dv.shape))
+        vd = _columns(vj, within, dim=0)
     md = torch.where(has, ed.amax(dim=-1), torch.zeros_like(has, dtype=s.dtype))
     ed.sub_(md.unsqueeze(-1)).exp_()
     zd = ed.sum(dim=-1)
-    mu_d = torch.matmul(ed, vj) / torch.where(has, zd, torch.ones_like(zd)).unsqueeze(-1)
+    mu_d = torch.matmul(ed, vd) / torch.where(has, zd, torch.ones_like(zd)).unsqueeze(-1)
     return out, ok, tau, tv, mu_d, has
 
 
@@ -687,51 +652,133 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
                  ref: torch.Tensor | None = None, max_scores: int = DEFAULT_MAX_SCORES,
                  tol: float = MASS_TOLERANCE, selections: MassSelections | None = None) -> MassResult:
     """Run the mass-matched controls ``controls`` ({name: (target spans, `MassControl.orders`)}) on
-    one K/V arm, tile by tile (one KV head x a slice of queries, as `ablate`).
+    one K/V arm, tile by tile (`ablate_arm` without region ablations; its arguments)."""
+    return ablate_arm(q, k, v, query_positions, causal, layout, {}, controls, k_ref=k_ref, ref=ref,
+                      max_scores=max_scores, tol=tol, selections=selections)[1]
 
-    ``k_ref``: the original K the selection reads (None: ``k`` itself, the float32 arm); ``ref``:
-    the output errors are measured against (None: this arm's own full output). Each row of a tile
-    is a direct masked softmax over its own kept keys (no atoms: the dropped set differs per row).
-    ``selections``: a `MassSelections` of the reference K, filled by the first pass and read by
-    the next ones (None: every pass selects on its own).
+
+def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, causal: bool,
+               layout, spans: dict[str, list[tuple[int, int]]],
+               controls: dict[str, tuple[list[tuple[int, int]], list[list[int]]]], *, k_ref: torch.Tensor | None = None,
+               ref: torch.Tensor | None = None, max_scores: int = DEFAULT_MAX_SCORES, tol: float = MASS_TOLERANCE,
+               selections: MassSelections | None = None) -> tuple[ArmResult, MassResult | None]:
+    """One K/V arm's region ablations ``spans`` ({name: dropped spans}) and mass-matched controls
+    ``controls`` ({name: (target spans, `MassControl.orders`)}) in one pass over the tiles (one KV
+    head x a slice of queries): ``(ArmResult, MassResult or None without controls)``.
+
+    Region ablations drop the same keys in every row, so each tile's keys are cut into *atoms* at
+    every region, span and target boundary; each atom's masked softmax is summed once (its max,
+    normalizer and numerator ``exp(s - max) V``) and any union of atoms is a merge of those
+    (`_merge`): the full output, every ablation's output and a control's target's own ablation.
+    A mass-matched control drops a different key set per row, so each of its rows is a direct
+    masked softmax over its own kept keys (`_drop_rows`) on the same tile's scores.
+
+    ``ref``: the output errors are measured against (None: this arm's own full output).
+    ``k_ref``: the original K the controls' selection reads (None: ``k`` itself, the float32 arm).
+    ``selections``: a `MassSelections` of the reference K, filled by the first pass and read by the
+    next ones (None: every pass selects on its own).
     """
     h, tq, d = q.shape
     keys = k.shape[1]
-    names = list(controls)
-    na = len(names)
+    names, cnames = list(spans), list(controls)
+    na, nc = len(names), len(cnames)
+    atoms = _atoms(keys, layout, {**spans, **{f"target:{c}": controls[c][0] for c in cnames}})
+    drop_atoms = torch.tensor([[_inside(at, spans[nm]) for at in atoms] for nm in names],
+                              dtype=torch.bool).reshape(na, len(atoms))
+    target_atoms = torch.tensor([[_inside(at, controls[nm][0]) for at in atoms] for nm in cnames],
+                                dtype=torch.bool).reshape(nc, len(atoms))
+    region_atoms = {r.name: torch.tensor([_inside(at, [(r.start, r.stop)]) for at in atoms], dtype=torch.bool)
+                    for r in layout}
+    hist = history_span(layout)
+    if hist is not None:
+        region_atoms["history"] = torch.tensor([_inside(at, [hist]) for at in atoms], dtype=torch.bool)
     f64 = torch.float64
     nan = float("nan")
-    per_row = {key: torch.full((na, h, tq), nan, dtype=f64)
-               for key in ("dropped_mass", "tv", "mean_shift", "target_mass", "achieved")}
-    matched_all = torch.zeros(na, h, tq, dtype=torch.bool)
-    nkeys = torch.zeros(na, h, tq, dtype=torch.int64)
+    dropped_mass = torch.full((na, h, tq), nan, dtype=f64)
+    tv = torch.full((na, h, tq), nan, dtype=f64)
+    mean_shift = torch.full((na, h, tq), nan, dtype=f64)
     undefined = torch.zeros(na, h, dtype=torch.int64)
-    sums = {key: torch.zeros(na, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2",
-                                                           "target_err2", "target_ref2")}
+    sums = {key: torch.zeros(na, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2")}
+    rmass = {name: torch.empty(h, tq, dtype=f64) for name in region_atoms}
     output = torch.empty(h, tq, d, dtype=f64)
+    all_atoms = torch.ones(len(atoms), dtype=torch.bool)
+
+    per_row = {key: torch.full((nc, h, tq), nan, dtype=f64)
+               for key in ("dropped_mass", "tv", "mean_shift", "target_mass", "achieved")}
+    matched_all = torch.zeros(nc, h, tq, dtype=torch.bool)
+    nkeys = torch.zeros(nc, h, tq, dtype=torch.int64)
+    c_undefined = torch.zeros(nc, h, dtype=torch.int64)
+    csums = {key: torch.zeros(nc, h, dtype=f64) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2",
+                                                            "target_err2", "target_ref2")}
     targets = []
-    for name in names:
+    for name in cnames:
         tmask = torch.zeros(keys, dtype=torch.bool)
         for a, b in controls[name][0]:
             tmask[a:b] = True
         targets.append(tmask)
-    eligible = [np.sort(np.asarray(controls[name][1][0], dtype=np.int64)) for name in names]
-    sig = (tuple(names), tuple((tuple(map(tuple, sp)), tuple(map(tuple, od))) for sp, od in controls.values()),
-           int(max_scores), float(tol), tuple(q.shape), tuple(k.shape))
-    if selections is not None and not selections.usable(k if k_ref is None else k_ref):
-        selections = None
-    sid = None if selections is None else selections.signature(sig)
-    cached = selections is not None and sid in selections.complete
-    ref_tiles = None if k_ref is None or cached else score_tiles(q, k_ref, query_positions, causal, max_scores)
+    eligible = [np.sort(np.asarray(controls[name][1][0], dtype=np.int64)) for name in cnames]
+    within = [_spans_of(e) for e in eligible]  # the runs of keys a control may drop
+    sid = cached = None
+    if controls:
+        sig = (tuple(cnames), tuple((tuple(map(tuple, sp)), tuple(map(tuple, od))) for sp, od in controls.values()),
+               int(max_scores), float(tol), tuple(q.shape), tuple(k.shape))
+        if selections is not None and not selections.usable(k if k_ref is None else k_ref):
+            selections = None
+        sid = None if selections is None else selections.signature(sig)
+        cached = selections is not None and sid in selections.complete
+    ref_tiles = None if not controls or k_ref is None or cached else score_tiles(q, k_ref, query_positions, causal,
+                                                                                 max_scores)
     work = work2 = None
     for j, heads, qs, s, vis in score_tiles(q, k, query_positions, causal, max_scores):
+        vj = v[j].to(f64)
+        if vis is not None:
+            s = s.masked_fill(~vis, float("-inf"))
+        m = torch.stack([s[..., a:b].amax(dim=-1) for a, b in atoms])            # [A_t, g, c]
+        z_list, n_list = [], []
+        for (a, b), ma in zip(atoms, m):
+            shift = torch.where(torch.isfinite(ma), ma, torch.zeros_like(ma))
+            e = torch.exp(s[..., a:b] - shift.unsqueeze(-1))
+            z_list.append(e.sum(dim=-1))
+            n_list.append(torch.matmul(e, vj[a:b]))
+        z = torch.stack(z_list)
+        n = torch.stack(n_list)
+        fshift, fz, fn = _merge(m, z, n, all_atoms)
+        full = fn / fz.unsqueeze(-1)
+        output[heads, qs] = full
+        w_full = torch.exp(m - fshift) * z / fz                                    # atom masses of P
+        for name, sel in region_atoms.items():
+            rmass[name][heads, qs] = w_full[sel].sum(dim=0)
+        o_ref = full if ref is None else ref[heads, qs].to(f64)
+        for i, _name in enumerate(names):
+            keep_atoms = ~drop_atoms[i]
+            shift, zz, nn = _merge(m, z, n, keep_atoms)
+            ok = zz > 0
+            zs = torch.where(ok, zz, torch.ones_like(zz))
+            out = torch.where(ok.unsqueeze(-1), nn / zs.unsqueeze(-1), torch.full_like(nn, nan))
+            tau = w_full[drop_atoms[i]].sum(dim=0)
+            # TV key by key, summed per atom: inside atom a both rows are proportional to the same
+            # exp(s - m_a), with factors exp(m_a - shift) / Z (full) and exp(m_a - shift') / Z'
+            # (ablated, 0 on dropped atoms), so sum_a |P - P'| = Z_a |factor - factor'|.
+            f_full = torch.exp(m - fshift) / fz
+            f_abl = torch.where(keep_atoms.view(-1, 1, 1), torch.exp(m - shift) / zs, torch.zeros_like(f_full))
+            row_tv = 0.5 * (z * (f_full - f_abl).abs()).sum(dim=0)
+            dropped_mass[i, heads, qs] = torch.where(ok, tau, torch.full_like(tau, nan))
+            tv[i, heads, qs] = torch.where(ok, row_tv, torch.full_like(row_tv, nan))
+            undefined[i, heads] += (~ok).sum(dim=-1)
+            o = _add_error_sums(sums, i, heads, ok, out, o_ref, full)
+            # mu_dropped from the dropped atoms merged on their own (stable however small tau is)
+            _, zd, nd = _merge(m, z, n, drop_atoms[i])
+            fn_row = full.norm(dim=-1)
+            shift_ok = ok & (zd > 0) & (fn_row > 0)
+            mu_d = nd / torch.where(zd > 0, zd, torch.ones_like(zd)).unsqueeze(-1)
+            ms = (o - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
+            mean_shift[i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, nan))
+        if not controls:
+            continue
+        # the mass-matched controls, on the same tile's (masked) scores
         if work is None or work.numel() < s.numel():
             work, work2 = torch.empty(s.numel(), dtype=f64), torch.empty(s.numel(), dtype=f64)
-        vj = v[j].to(f64)
-        sm = s if vis is None else s.masked_fill(~vis, float("-inf"))
-        p = torch.softmax(sm, dim=-1)
-        full = torch.matmul(p, vj)
-        output[heads, qs] = full
+        p = torch.softmax(s, dim=-1)
         if cached:
             p_ref = None
         elif ref_tiles is None:
@@ -739,17 +786,18 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
         else:
             s_ref = next(ref_tiles)[3]
             p_ref = torch.softmax(s_ref if vis is None else s_ref.masked_fill(~vis, float("-inf")), dim=-1)
-        o_ref = full if ref is None else ref[heads, qs].to(f64)
         fn_row = full.norm(dim=-1)
-        for i, name in enumerate(names):
+        for i, name in enumerate(cnames):
             if cached:
                 sel, tau, acc, matched = selections.get(sid, name, heads, qs, keys, eligible[i])
             else:
                 sel, tau, acc, matched = select_mass_matched(p_ref, targets[i], controls[name][1], vis, tol)
                 if selections is not None:
                     selections.put(sid, name, heads, qs, (h, tq), sel, eligible[i], tau, acc, matched)
-            out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj, work, work2)
-            t_out, t_ok = _drop_rows(s, vis, p, targets[i].expand_as(sel), vj, work, outputs_only=True)
+            out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj, work, work2, within=within[i])
+            _, zt, nt = _merge(m, z, n, ~target_atoms[i])                             # the target's own ablation
+            t_ok = zt > 0
+            t_out = nt / torch.where(t_ok, zt, torch.ones_like(zt)).unsqueeze(-1)
             use = matched & ok
             both = use & t_ok
             per_row["target_mass"][i, heads, qs] = tau
@@ -761,20 +809,35 @@ def mass_control(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positi
             shift_ok = use & has & (fn_row > 0)
             ms = (out - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
             per_row["mean_shift"][i, heads, qs] = torch.where(shift_ok, ms, torch.full_like(ms, nan))
-            undefined[i, heads] += (matched & ~ok).sum(dim=-1)
-            _add_error_sums(sums, i, heads, use, out, o_ref, full)
+            c_undefined[i, heads] += (matched & ~ok).sum(dim=-1)
+            _add_error_sums(csums, i, heads, use, out, o_ref, full)
             bb = both.unsqueeze(-1)
             to = torch.where(bb, t_out, torch.zeros_like(t_out))
             tr = torch.where(bb, o_ref, torch.zeros_like(o_ref))
-            sums["target_err2"][i, heads] += ((to - tr) ** 2).sum(dim=(-1, -2))
-            sums["target_ref2"][i, heads] += (tr ** 2).sum(dim=(-1, -2))
-    result = MassResult(names, per_row["dropped_mass"], per_row["tv"], undefined, sums["err2"], sums["ref2"], sums["dot"],
-                        sums["out2"], sums["own_err2"], sums["own_ref2"], {}, output, per_row["mean_shift"],
-                        target_mass=per_row["target_mass"], achieved=per_row["achieved"], matched=matched_all, keys=nkeys,
-                        target_err2=sums["target_err2"], target_ref2=sums["target_ref2"])
+            csums["target_err2"][i, heads] += ((to - tr) ** 2).sum(dim=(-1, -2))
+            csums["target_ref2"][i, heads] += (tr ** 2).sum(dim=(-1, -2))
+    res = ArmResult(names, dropped_mass, tv, undefined, sums["err2"], sums["ref2"], sums["dot"], sums["out2"],
+                    sums["own_err2"], sums["own_ref2"], rmass, output, mean_shift)
+    if not controls:
+        return res, None
+    mres = MassResult(cnames, per_row["dropped_mass"], per_row["tv"], c_undefined, csums["err2"], csums["ref2"],
+                      csums["dot"], csums["out2"], csums["own_err2"], csums["own_ref2"], {}, output,
+                      per_row["mean_shift"], target_mass=per_row["target_mass"], achieved=per_row["achieved"],
+                      matched=matched_all, keys=nkeys, target_err2=csums["target_err2"],
+                      target_ref2=csums["target_ref2"])
     if selections is not None:
         selections.complete.add(sid)
-    return result
+    return res, mres
+
+
+def ablate_arm_case(case, spans, controls, k=None, v=None, *, ref=None, max_scores: int = DEFAULT_MAX_SCORES,
+                    selections: MassSelections | None = None) -> tuple[ArmResult, MassResult | None]:
+    """`ablate_arm` on a Case, optionally with replaced (e.g. dequantized) K and V; the controls'
+    selection still reads the Case's own K (the reference attention). ``selections``: a
+    `MassSelections` of ``case.k`` shared by the Case's arms."""
+    return ablate_arm(case.q, case.k if k is None else k, case.v if v is None else v, case.query_positions,
+                      case.causal, case.layout, spans, controls, k_ref=None if k is None or k is case.k else case.k,
+                      ref=ref, max_scores=max_scores, selections=selections)
 
 
 def mass_control_case(case, controls, k=None, v=None, *, ref=None, max_scores: int = DEFAULT_MAX_SCORES,
@@ -787,7 +850,7 @@ def mass_control_case(case, controls, k=None, v=None, *, ref=None, max_scores: i
                         max_scores=max_scores, selections=selections)
 
 
-__all__ += ["mass_control_case", "MassSelections"]
+__all__ += ["mass_control_case", "MassSelections", "ablate_arm", "ablate_arm_case"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,14 +158,15 @@ def top_counts(visible_keys: torch.Tensor, percent: int) -> torch.Tensor:
 
 
 def top_mass(p: torch.Tensor, visible_keys: torch.Tensor, percents=TOP_PERCENTS) -> dict[int, torch.Tensor]:
-    """Mass carried by the top ``percent`` % of each row's visible keys, per percent."""
-    srt = torch.sort(_f64(p), dim=-1, descending=True).values
+    """Mass carried by the top ``percent`` % of each row's visible keys, per percent: the running sum
+    of the row's probabilities in descending order, read at the count. Only the largest counts'
+    worth of each row is ordered (``topk``: the same values in the same order as the first ones of
+    a full descending sort, and a running sum reads only what precedes it, so the same sums)."""
+    idx = {pc: (top_counts(visible_keys, pc) - 1).clamp(max=p.shape[-1] - 1) for pc in percents}
+    k = int(max((int(i.max()) for i in idx.values()), default=-1)) + 1 if p.numel() else p.shape[-1]
+    srt = torch.topk(_f64(p), k, dim=-1, largest=True, sorted=True).values
     csum = torch.cumsum(srt, dim=-1)
-    out = {}
-    for pc in percents:
-        idx = (top_counts(visible_keys, pc) - 1).clamp(max=p.shape[-1] - 1)
-        out[pc] = torch.gather(csum, -1, idx.unsqueeze(-1)).squeeze(-1)
-    return out
+    return {pc: torch.gather(csum, -1, i.unsqueeze(-1)).squeeze(-1) for pc, i in idx.items()}
 
 
 def strict_zero_rate(p: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:

@@ -152,6 +152,52 @@ def test_drop_rows_in_scratch_equals_the_plain_masked_softmax_bit_for_bit(causal
         assert torch.equal(out, want[0]) and torch.equal(ok, want[1])
 
 
+def _close(x, y):
+    """Equal to float64 rounding: the same terms summed in another order (relative 1e-12 of the row)."""
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert torch.equal(torch.isnan(x), torch.isnan(y))
+    scale = y.nan_to_num(0.0).abs().amax(dim=-1, keepdim=True).clamp_min(1e-300)
+    assert bool((((x - y).nan_to_num(0.0)).abs() <= 1e-12 * scale).all())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("runs", [[(40, 120)], [(0, 30), (150, 203)]])
+def test_dropped_mean_over_the_runs_that_hold_every_dropped_key_is_the_same_mean(causal, runs):
+    """``within``: the dropped keys' mean summed over the runs holding them only (the others weigh
+    exactly 0) equals the mean over every key to rounding; the other outputs do not change at all;
+    a dropped key outside the runs is refused."""
+    g = torch.Generator().manual_seed(11)
+    heads, c, tk, d = 3, 17, 203, 16
+    s = 3.0 * torch.randn(heads, c, tk, generator=g, dtype=torch.float64)
+    vis = (torch.arange(tk)[None, :] <= torch.arange(tk - c, tk)[:, None]) if causal else None
+    inside = torch.zeros(tk, dtype=torch.bool)
+    for a, b in runs:
+        inside[a:b] = True
+    drop = (torch.rand(heads, c, tk, generator=g) < 0.4) & inside
+    drop[1, 1] = False                # nothing dropped: no dropped mean
+    vj = torch.randn(tk, d, generator=g, dtype=torch.float64)
+    p = torch.softmax(s if vis is None else s.masked_fill(~vis, float("-inf")), dim=-1)
+    want = plain_drop_rows(s, vis, p, drop, vj)
+    work = torch.full((s.numel() + 9,), 7.0, dtype=torch.float64)
+    work2 = torch.full((s.numel() + 9,), -3.0, dtype=torch.float64)
+    got = ac._drop_rows(s, vis, p, drop, vj, work, work2, within=runs)
+    for i in (0, 1, 2, 3, 5):
+        assert np.array_equal(got[i].numpy(), want[i].numpy(), equal_nan=True)
+    assert not got[5][1, 1]
+    _close(got[4], want[4])
+    assert got[4].abs().sum() > 0
+    outside = drop.clone()
+    outside[0, 0, 0 if runs[0][0] > 0 else 35] = True
+    with pytest.raises(ValueError, match="outside"):
+        ac._drop_rows(s, vis, p, outside, vj, work, work2, within=runs)
+
+
+def test_spans_of_sorted_keys():
+    assert ac._spans_of(np.array([], dtype=np.int64)) == []
+    assert ac._spans_of(np.array([3])) == [(3, 4)]
+    assert ac._spans_of(np.array([0, 1, 2, 7, 8, 10])) == [(0, 3), (7, 9), (10, 11)]
+
+
 # -- the selections shared by a Case's arms ---------------------------------------------------------
 
 def video_like_case(seed, heads=4, kv_heads=2):

@@ -54,6 +54,28 @@ def test_top_mass_is_the_sum_of_the_largest_ceil_share(weights, pct):
     assert float(got[0]) >= n / sk - 1e-12
 
 
+@SETTINGS
+@given(st.integers(0, 2**31 - 1), st.integers(1, 90), st.booleans())
+def test_top_mass_equals_the_running_sum_of_a_full_descending_sort_bit_for_bit(seed, tk, ties):
+    """Rows of different visible counts (causal: hidden keys are 0) and, with ``ties``, tied
+    probabilities: each percent's mass is the full descending sort's running sum at the count,
+    exactly (the order of the additions is the definition's)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 6
+    s = 2.0 * torch.randn(rows, tk, generator=g, dtype=torch.float64)
+    if ties:
+        s = s.round()
+    nvis = torch.randint(1, tk + 1, (rows,), generator=g)
+    s = s.masked_fill(torch.arange(tk)[None, :] >= nvis[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    csum = torch.cumsum(torch.sort(p, dim=-1, descending=True).values, dim=-1)
+    got = M.top_mass(p, nvis, percents=(1, 5, 10, 50, 100))
+    for pc, mass in got.items():
+        for r in range(rows):
+            n = max(1, (pc * int(nvis[r]) + 99) // 100)
+            assert float(mass[r]) == float(csum[r, n - 1])
+
+
 def test_strict_zero_rate_counts_visible_zeros_only():
     p = torch.tensor([[0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
     vis = torch.tensor([[True, True, True, False], [True, True, False, False]])

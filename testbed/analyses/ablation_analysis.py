@@ -28,7 +28,7 @@ import torch
 from tabulate import tabulate
 
 from ..ablation_core import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl,
-                             MassSelections, ablate_case, control_block, make_ablation, mass_control_case,
+                             MassSelections, ablate_arm_case, control_block, make_ablation,
                              row_statistics)
 from ..context import case_fields
 from ..metrics import history_span, holm, paired_wilcoxon
@@ -210,13 +210,10 @@ def evaluate(case, params, ctx) -> list[dict]:
             payload = packed.nbytes
             quant = packer.config()
         # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023)
-        res = ctx.timed(case.id, arm, "ablate", 0,
-                        lambda: ablate_case(case, spans, k, v, ref=ref, max_scores=params["max_scores"]))  # noqa: B023
-        mres = None
-        if mass:
-            mres = ctx.timed(case.id, arm, "mass_control", 0,
-                             lambda: mass_control_case(case, mass, k, v, ref=ref,  # noqa: B023
-                                                       max_scores=params["max_scores"], selections=selections))
+        # the region ablations and the mass-matched controls in one pass over the arm's score tiles
+        res, mres = ctx.timed(case.id, arm, "ablate", 0,
+                              lambda: ablate_arm_case(case, spans, mass, k, v, ref=ref,  # noqa: B023
+                                                      max_scores=params["max_scores"], selections=selections))
         if packer is None:
             ref = res.output
         stats_paths, stats_layout = None, None

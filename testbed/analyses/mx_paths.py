@@ -167,13 +167,14 @@ class _Rows:
         self.out = OutputError()
         self.hit = self.blocks = 0
 
-    def add(self, sl: slice, p_hat, p_ref, v64):
+    def add(self, sl: slice, p_hat, p_ref, v64, o_ref):
+        """One tile: ``p_hat`` against ``p_ref`` (``[H, c, Tk]``), ``o_ref = p_ref @ v64``."""
         self.tv[:, sl] = total_variation(p_hat, p_ref)
         self.strict[:, sl], self.tie[:, sl] = _argmax_agree(p_hat, p_ref)
         if self.zero is not None:
             self.zero[:, sl] = numerical_zero_rate(p_hat, p_ref)
             self.row_sum[:, sl] = p_hat.sum(dim=-1)
-        self.out.add(p_hat @ v64, p_ref @ v64)
+        self.out.add(p_hat @ v64, o_ref)
 
     def stats(self, saturated: float) -> dict:
         return {**_stats(self.tv, (self.strict, self.tie), self.zero, self.row_sum, saturated),
@@ -225,15 +226,41 @@ def evaluate(case, params, ctx) -> list[dict]:
 
     quantizers = {(rot, rule): MX(element, block, None if rot == "none" else rot, params["rotation_seed"], rule)
                   for rule in params["scale_rules"] for rot in params["rotations"]}
-    for (rot, rule), mx in quantizers.items():
+    p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
+    # One pass over the tiles of queries serves every path: each tile's reference probabilities and
+    # output are computed once and read by each Q/K path and each P path in turn (the same
+    # operations on the same tiles as one pass per path, so the same values).
+    qk = {}
+    for key, mx in quantizers.items():
         pq = mx.quantize(case.q, name=f"{case.id}.q")
         pk = mx.quantize(case.k, name=f"{case.id}.k")
-        q_hat = mx.decode_rotated(pq)
-        k_hat = mx.decode_rotated(pk)
-        acc = _Rows(case.heads, tq, zeros=False)
-        for (sl, p_ref), (_, p_hat) in zip(reference(), probability_tiles(q_hat, k_hat, case.query_positions,
-                                                                           case.causal, tiles)):
-            acc.add(sl, p_hat, p_ref, v64)
+        tiles_hat = probability_tiles(mx.decode_rotated(pq), mx.decode_rotated(pk), case.query_positions, case.causal, tiles)
+        qk[key] = (pq, pk, tiles_hat, _Rows(case.heads, tq, zeros=False))
+    pp_acc = {rule: _Rows(case.heads, tq, zeros=True) for rule in p_quantizers}
+    whole = {rule: _PackedRows((case.heads, tq, tk), len(tiles)) if params["store_p"] else None for rule in p_quantizers}
+    nbytes = dict.fromkeys(p_quantizers, 0)  # of the whole payload: every tile's codes and scales, one header
+    for sl, p_ref in reference():
+        o_ref = p_ref @ v64
+        for _pq, _pk, tiles_hat, acc in qk.values():
+            _, p_hat = next(tiles_hat)
+            acc.add(sl, p_hat, p_ref, v64, o_ref)
+            del p_hat
+        for rule, mx in p_quantizers.items():
+            acc = pp_acc[rule]
+            p32 = p_ref.to(torch.float32)
+            pp = mx.quantize(p32, name=f"{case.id}.p")
+            hit, blocks = _saturated(mx, [(p32, pp)])
+            acc.hit, acc.blocks = acc.hit + hit, acc.blocks + blocks
+            acc.add(sl, mx.dequantize(pp).to(torch.float64), p_ref, v64, o_ref)
+            header = pp.tensors["header"]
+            nbytes[rule] += pp.nbytes - (header.numel() * header.element_size() if nbytes[rule] else 0)
+            if whole[rule] is not None:
+                whole[rule].add(pp)
+            del pp, p32
+        del p_ref, o_ref
+
+    for (rot, rule), mx in quantizers.items():
+        pq, pk, _tiles_hat, acc = qk.pop((rot, rule))
         tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
         arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
                   "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
@@ -246,27 +273,13 @@ def evaluate(case, params, ctx) -> list[dict]:
                      "payload_bytes": pq.nbytes + pk.nbytes, "float32_bytes": float32_qk,
                      "quant": mx.config(), "arrays": arrays})
 
-    p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
     for rule, mx in p_quantizers.items():
-        acc = _Rows(case.heads, tq, zeros=True)
-        whole = _PackedRows((case.heads, tq, tk), len(tiles)) if params["store_p"] else None
-        nbytes = 0  # of the whole payload: every tile's codes and scales, one header
-        for sl, p_ref in reference():
-            p32 = p_ref.to(torch.float32)
-            pp = mx.quantize(p32, name=f"{case.id}.p")
-            hit, blocks = _saturated(mx, [(p32, pp)])
-            acc.hit, acc.blocks = acc.hit + hit, acc.blocks + blocks
-            acc.add(sl, mx.dequantize(pp).to(torch.float64), p_ref, v64)
-            header = pp.tensors["header"]
-            nbytes += pp.nbytes - (header.numel() * header.element_size() if nbytes else 0)
-            if whole is not None:
-                whole.add(pp)
-            del pp
+        acc, w = pp_acc[rule], whole[rule]
         tag = "p" + ("" if rule == "floor" else f"_{rule}")
-        arrays = {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", whole.packed)} if whole is not None else {}
+        arrays = {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", w.packed)} if w is not None else {}
         rows.append({**base, "scheme": mx.name, "rotation": "none", "scale_rule": rule, "path": "p",
                      **acc.stats(acc.hit / acc.blocks),
-                     "payload_bytes": whole.packed.nbytes if whole is not None else nbytes,
+                     "payload_bytes": w.packed.nbytes if w is not None else nbytes[rule],
                      "float32_bytes": 4 * case.heads * tq * tk, "quant": mx.config(), "arrays": arrays})
 
     # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023).
