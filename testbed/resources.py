@@ -56,8 +56,7 @@ def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, he
     - 3 bytes per score of ``[H, Tq, Tk]``: mx_paths' stored P payload (one byte per code, its
       scales, and the serialized copy the array store writes); not with ``p_payload`` false, when
       the protocol's mx_paths stores none (`stores_p_payload`);
-    - 4 float64 copies of K or V expanded to H heads (mx_paths' one pass over the tiles holds the
-      reference K, each Q/K path's decoded K and V; the reference attention alone measured about 2.3);
+    - 3 float64 copies of K or V expanded to H heads (the reference attention; about 2.3 measured);
     - 16 float32 copies of K or V at H_kv heads: dequantized K and V, the quantizers' group-padded
       working copies and their temporaries (about 14 measured);
     - 3 float64 outputs ``[H, Tq, D]``;
@@ -72,7 +71,7 @@ def attention_chain_bytes(heads: int, kv_heads: int, queries: int, keys: int, he
     kv = kv_heads * keys * head_dim
     case = (q + 2 * kv) * f32 + queries * 8
     probs = 6 * tile_scores(heads, queries, keys, max_scores) * f64 + (3 * heads * queries * keys if p_payload else 0)
-    kv_work = 4 * heads * keys * head_dim * f64 + 16 * kv * f32
+    kv_work = 3 * heads * keys * head_dim * f64 + 16 * kv * f32
     outputs = 3 * q * f64
     return int(case + probs + kv_work + outputs + OVERHEAD)
 

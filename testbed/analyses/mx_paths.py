@@ -227,40 +227,46 @@ def evaluate(case, params, ctx) -> list[dict]:
     quantizers = {(rot, rule): MX(element, block, None if rot == "none" else rot, params["rotation_seed"], rule)
                   for rule in params["scale_rules"] for rot in params["rotations"]}
     p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
-    # One pass over the tiles of queries serves every path: each tile's reference probabilities and
-    # output are computed once and read by each Q/K path and each P path in turn (the same
-    # operations on the same tiles as one pass per path, so the same values).
-    qk = {}
-    for key, mx in quantizers.items():
-        pq = mx.quantize(case.q, name=f"{case.id}.q")
-        pk = mx.quantize(case.k, name=f"{case.id}.k")
-        tiles_hat = probability_tiles(mx.decode_rotated(pq), mx.decode_rotated(pk), case.query_positions, case.causal, tiles)
-        qk[key] = (pq, pk, tiles_hat, _Rows(case.heads, tq, zeros=False))
+    # One pass over the tiles of queries per Q/K path (one decoded K expanded to every head held at a
+    # time, beside the reference's); the P path rides on the first pass. Each tile's reference
+    # probabilities and output are computed once per pass and read by the paths of that pass (the
+    # same operations on the same tiles as a pass per path, so the same values).
     pp_acc = {rule: _Rows(case.heads, tq, zeros=True) for rule in p_quantizers}
     whole = {rule: _PackedRows((case.heads, tq, tk), len(tiles)) if params["store_p"] else None for rule in p_quantizers}
     nbytes = dict.fromkeys(p_quantizers, 0)  # of the whole payload: every tile's codes and scales, one header
-    for sl, p_ref in reference():
-        o_ref = p_ref @ v64
-        for _pq, _pk, tiles_hat, acc in qk.values():
-            _, p_hat = next(tiles_hat)
-            acc.add(sl, p_hat, p_ref, v64, o_ref)
-            del p_hat
-        for rule, mx in p_quantizers.items():
-            acc = pp_acc[rule]
-            p32 = p_ref.to(torch.float32)
-            pp = mx.quantize(p32, name=f"{case.id}.p")
-            hit, blocks = _saturated(mx, [(p32, pp)])
-            acc.hit, acc.blocks = acc.hit + hit, acc.blocks + blocks
-            acc.add(sl, mx.dequantize(pp).to(torch.float64), p_ref, v64, o_ref)
-            header = pp.tensors["header"]
-            nbytes[rule] += pp.nbytes - (header.numel() * header.element_size() if nbytes[rule] else 0)
-            if whole[rule] is not None:
-                whole[rule].add(pp)
-            del pp, p32
-        del p_ref, o_ref
-
-    for (rot, rule), mx in quantizers.items():
-        pq, pk, _tiles_hat, acc = qk.pop((rot, rule))
+    for n_pass, key in enumerate(list(quantizers) or [None]):
+        with_p = n_pass == 0
+        if key is not None:
+            (rot, rule), mx = key, quantizers[key]
+            pq = mx.quantize(case.q, name=f"{case.id}.q")
+            pk = mx.quantize(case.k, name=f"{case.id}.k")
+            tiles_hat = probability_tiles(mx.decode_rotated(pq), mx.decode_rotated(pk), case.query_positions,
+                                          case.causal, tiles)
+            acc = _Rows(case.heads, tq, zeros=False)
+        elif not p_quantizers:
+            break
+        for sl, p_ref in reference():
+            o_ref = p_ref @ v64
+            if key is not None:
+                _, p_hat = next(tiles_hat)
+                acc.add(sl, p_hat, p_ref, v64, o_ref)
+                del p_hat
+            for prule, mxp in (p_quantizers.items() if with_p else ()):
+                p32 = p_ref.to(torch.float32)
+                pp = mxp.quantize(p32, name=f"{case.id}.p")
+                hit, blocks = _saturated(mxp, [(p32, pp)])
+                pacc = pp_acc[prule]
+                pacc.hit, pacc.blocks = pacc.hit + hit, pacc.blocks + blocks
+                pacc.add(sl, mxp.dequantize(pp).to(torch.float64), p_ref, v64, o_ref)
+                header = pp.tensors["header"]
+                nbytes[prule] += pp.nbytes - (header.numel() * header.element_size() if nbytes[prule] else 0)
+                if whole[prule] is not None:
+                    whole[prule].add(pp)
+                del pp, p32
+            del p_ref, o_ref
+        if key is None:
+            continue
+        del tiles_hat
         tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
         arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
                   "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
