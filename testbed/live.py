@@ -188,8 +188,8 @@ def policies_of(p: dict) -> list[Policy]:
 def estimate_bytes(p: dict, base: Path | None = None) -> int:
     """Peak bytes: the float32 model, the reference's log-probabilities of one batch, the logits of
     one chunk (a prefill computes the last position's only), the prefill's activations, the caches
-    (the shared prefill's K/V held beside one arm's cache, and an oracle arm's float32 pass
-    over the segment). A model given by path (relative to
+    (the shared prefill's K/V held beside one arm's cache, and the float32 oracle pass over the
+    segment, run once per batch by the reference before its decode). A model given by path (relative to
     ``base``, the protocol's folder) is sized from its files before it is loaded
     (:func:`testbed.sources.capture.estimate_dims`)."""
     dims = estimate_dims(p["model"], base)
@@ -201,7 +201,9 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     logits = b * p["reference_chunk"] * vocab * 4 * 3
     activations = b * prefill * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 2 * 2 * layers * kv * n * d * 4 * b * (2 if p.get("shared_prefill", True) else 1)
-    if any(pol.oracle for pol in policies_of(p)):  # the oracle's float32 pass
+    if any(pol.oracle for pol in policies_of(p)):
+        # the oracle pass's DynamicCache beside the shared K/V (passes run one at a time); what the
+        # batch's arms then hold of it (received: layers x kv x n float64) is smaller than that cache
         cache += 2 * layers * kv * n * d * 4 * b
     return dims["parameters"] * 4 + ref + logits + activations + cache
 
@@ -440,6 +442,85 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     return shared, cache
 
 
+def oracle_schedule(pol: Policy, p: dict) -> tuple[int, ...]:
+    """Tokens per forward of an oracle arm's float32 pass over the segment: the prefill, then the
+    arm's own decode chunks (:func:`chunk_schedule`). Oracle arms of one schedule share one pass."""
+    return (p["prefill"],) + tuple(chunk_schedule(pol, p["prefill"], p["steps"], p["mode"], p["reference_chunk"]))
+
+
+class OraclePasses:
+    """The float32 passes over a batch's whole segments that its oracle arms decide from, one per
+    distinct forward schedule (:func:`oracle_schedule`), run once by the batch's reference unit
+    (:func:`oracle_passes`) and handed to every oracle arm with the shared prefill. Per schedule:
+    ``scores`` ``[B, L, H_kv]`` float64 (:meth:`Observed.scores`, when a mixed oracle arm reads
+    it), ``received`` per layer ``[B, H_kv, n]`` float64 (:meth:`Observed.accumulated`, when a
+    heavy-hitter oracle does), the record layer's queries ``q`` (per forward) and keys ``k`` of
+    batch row 0, ``seconds`` and the ``arms`` it serves."""
+
+    def __init__(self, passes: dict):
+        self.passes = passes
+
+    def _map(self, f) -> "OraclePasses":
+        def one(x):
+            return None if x is None else [f(t) for t in x] if isinstance(x, list) else f(x)
+
+        return OraclePasses({s: {**e, **{k: one(e[k]) for k in ("scores", "received", "q", "k")}}
+                             for s, e in self.passes.items()})
+
+    def as_numpy(self) -> "OraclePasses":
+        """The same passes with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
+        return self._map(lambda t: t.numpy())
+
+    def as_torch(self) -> "OraclePasses":
+        return self._map(lambda a: torch.from_numpy(a.copy()))
+
+    def of(self, pol: Policy, p: dict) -> dict:
+        """The pass ``pol`` reads (its schedule's), tensors copied so no arm can change another's."""
+        got = self.passes.get(oracle_schedule(pol, p))
+        if got is None or got["arms"].count(pol.name) != 1:
+            raise RuntimeError(f"oracle arm {pol.name}: the batch's reference ran no oracle pass for it (passes for "
+                               f"{[e['arms'] for e in self.passes.values()]})")
+        return OraclePasses({0: got})._map(lambda t: t.clone()).passes[0]
+
+
+def oracle_passes(model, kw, ids: torch.Tensor, p: dict, record_layer: int | None) -> OraclePasses | None:
+    """The float32 pass over the whole segments ``ids [B, P + steps + 1]`` that the study's oracle
+    arms decide from, once per distinct schedule of theirs (in the arms' own forward calls, through
+    a ``DynamicCache`` inside :func:`testbed.policies.cache.policy_attention`, as each arm ran its
+    own before): the concentration when a mixed oracle arm reads it, the accumulated attention when
+    a heavy-hitter oracle does (separate sums over the same attention calls), ``record_layer``'s
+    queries and keys. None when the study has no oracle arm."""
+    from transformers import DynamicCache
+
+    from .policies.cache import observe_concentration, policy_attention
+
+    groups: dict = {}
+    for pol in policies_of(p):
+        if pol.oracle:
+            groups.setdefault(oracle_schedule(pol, p), []).append(pol)
+    if not groups:
+        return None
+    n_layers = int(model.config.num_hidden_layers)
+    passes = {}
+    with policy_attention(model):
+        for schedule, pols in groups.items():
+            conc = any(not pol.heavy_oracle for pol in pols)
+            heavy = any(pol.heavy_oracle for pol in pols)
+            t0 = time.perf_counter()
+            with torch.no_grad(), observe_concentration(model, record_layer=record_layer, concentration_too=conc,
+                                                        received=heavy) as seen:
+                pre, pos = DynamicCache(config=model.config), 0
+                for c in schedule:
+                    _forward(model, ids[:, pos:pos + c], pre, kw, last_only=True)
+                    pos += c
+                del pre
+            passes[schedule] = {"scores": seen.scores(n_layers) if conc else None,
+                                "received": seen.accumulated(n_layers) if heavy else None,
+                                "q": list(seen.q), "k": seen.k, "arms": [pol.name for pol in pols],
+                                "seconds": time.perf_counter() - t0}
+    return OraclePasses(passes)
+
+
 def _run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, bytes_of=None, prefill=None):
     """The prefill (its own forward, or ``prefill``: a :class:`SharedPrefill` loaded into the cache,
     or ``True``: the cache already holds it), then the decode tokens in ``schedule``; returns
@@ -567,8 +648,8 @@ def batch_units(p: dict, views: list[tuple[int, list[str]]], seg_tokens: dict[st
 
 def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None, str]:
     """One arm on one batch of segments: its rows (arrays into ``ctx.store``), for the reference
-    ``(log-probabilities, argmax)`` that the batch's other arms are compared with, and a note for
-    the progress line."""
+    ``(log-probabilities, argmax, shared prefill, oracle passes)`` that the batch's other arms are
+    compared with and start from, and a note for the progress line."""
     p = dict(proto["live"])
     p["prefill"] = unit.get("prefill", p["prefill"])  # the view of this unit's context
     study = ctx.study
@@ -579,7 +660,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     arm, what = _arms(p)[unit["arm"]]
     bi, batch = unit["batch"], unit["segments"]
     ids = torch.tensor(unit["tokens"], dtype=torch.int64)
-    ref_logp, ref_argmax, shared = (None, None, None) if ref is None else ref
+    ref_logp, ref_argmax, shared, oracles = (None, None, None, None) if ref is None else ref
     if what is not None and not isinstance(what, Policy):
         ctx.one_off += _warm_quanto(model, kw, cfg, ctx.progress)  # before the arm's clock starts
     evidence_layer = p["evidence_layer"] if unit.get("first_of_context", bi == 0) else None  # None: none stored
@@ -590,8 +671,15 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})
+    if arm == REFERENCE:
+        # the batch's oracle passes, once for all its oracle arms (before the reference's decode grows its cache)
+        oracles = oracle_passes(model, kw, ids, p, evidence_layer)
+        for sched, e in ({} if oracles is None else oracles.passes).items():
+            ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "oracle", "repeat": 0,
+                                "seconds": e["seconds"], "segments": len(batch), "forwards": len(sched),
+                                "arms": e["arms"]})
     t_arm = time.perf_counter()
-    oracle = None  # an oracle arm's float32 pass over the segment (observe_concentration)
+    oracle = None  # what an oracle arm reads of its batch's oracle pass (oracle_passes)
     own = not p["shared_prefill"]
     if arm == REFERENCE:
         from transformers import DynamicCache
@@ -605,29 +693,19 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         ref_argmax = res["argmax"]
         kind, mode = "reference", "chunked"
     elif isinstance(what, Policy):
-        from .policies.cache import PolicyCache, observe_concentration, policy_attention
+        from .policies.cache import PolicyCache, policy_attention
 
-        scores = received = oracle = None
+        scores = received = None
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])
+        if what.oracle:  # float32 attention of the whole segment, in advance: the batch's pass (oracle_passes)
+            if oracles is None:
+                raise RuntimeError(f"oracle arm {arm}: the batch's reference handed on no oracle pass")
+            oracle = oracles.of(what, p)
+            if what.heavy_oracle:
+                received = oracle["received"]
+            else:
+                scores = oracle["scores"]
         with policy_attention(model):
-            if what.oracle:  # float32 attention of the whole segment, in advance, in the arm's own forward calls
-                from transformers import DynamicCache
-
-                t_oracle = time.perf_counter()
-                with torch.no_grad(), observe_concentration(model, record_layer=evidence_layer,
-                                                            concentration_too=not what.heavy_oracle,
-                                                            received=what.heavy_oracle) as oracle:
-                    pre, pos = DynamicCache(config=cfg), 0
-                    for c in [p["prefill"]] + schedule:
-                        _forward(model, ids[:, pos:pos + c], pre, kw, last_only=True)
-                        pos += c
-                    del pre
-                n_layers = int(cfg.num_hidden_layers)
-                if what.heavy_oracle:
-                    received = oracle.accumulated(n_layers)
-                else:
-                    scores = oracle.scores(n_layers)
-                oracle_seconds = time.perf_counter() - t_oracle
             cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None,
                                           scores=scores, received=received)
             res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes(),
@@ -646,9 +724,6 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
                         "seconds": seconds, "segments": len(batch), "scored_tokens": len(batch) * p["steps"],
                         "forwards": len(schedule) + int(own), "context": p["prefill"] + p["steps"]})
-    if oracle is not None:  # the oracle's own float32 pass over the segment (inside the arm's seconds)
-        ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "oracle", "repeat": 0,
-                            "seconds": oracle_seconds, "segments": len(batch), "forwards": len(schedule) + 1})
     agree = (res["argmax"] == ref_argmax).numpy()
     rows = []
     for j, sid in enumerate(batch):
@@ -684,15 +759,15 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
             ev = cache.layers[evidence_layer].evidence()
             if oracle is not None:  # what the oracle's scores of this layer were computed from: the
                 # prefill's queries (those of every prefill-rule arm), the later ones, every key
-                ev["input.q"] = oracle.q[0].contiguous()
-                ev["oracle.q"] = torch.cat(oracle.q[1:], dim=1).contiguous()
-                ev["oracle.k"] = oracle.k.contiguous()
+                ev["input.q"] = oracle["q"][0].contiguous()
+                ev["oracle.q"] = torch.cat(oracle["q"][1:], dim=1).contiguous()
+                ev["oracle.k"] = oracle["k"].contiguous()
             row["evidence"] = {"layer": evidence_layer,
                                "arrays": {k: store.save(f"{prefix}/L{evidence_layer:02d}.{k}", v) for k, v in ev.items()}}
         rows.append(row)
     note = (f"{arm}, {batch_note(unit, len(batch), 'segments')}: {len(schedule) + 1} forwards, {seconds:.1f} s, "
             f"{1000 * seconds / (len(batch) * p['steps']):.1f} ms per scored token")
-    return rows, ((ref_logp, ref_argmax, shared) if arm == REFERENCE else None), note
+    return rows, ((ref_logp, ref_argmax, shared, oracles) if arm == REFERENCE else None), note
 
 
 def cost_kind(what) -> str:

@@ -243,6 +243,21 @@ def _masked(s, allowed, vv):
     return pa, pa @ vv, ok
 
 
+def _cols(keys: np.ndarray):
+    """An index of the key columns ``keys`` (sorted int): a slice when they are one run (a view of
+    the scores, no copy), else the indices."""
+    if keys.size and keys[-1] - keys[0] + 1 == keys.size:
+        return slice(int(keys[0]), int(keys[-1]) + 1)
+    return keys
+
+
+def _masked_on(s, allowed, vv, keys: np.ndarray):
+    """`_masked` over the key columns ``keys`` only, every other key being outside ``allowed``
+    (it weighs exactly 0 there): ``(pa [c, len(keys)], output, ok)``."""
+    c = _cols(keys)
+    return _masked(s[:, c], allowed[:, c], vv[c])
+
+
 def _tv(p, pa):
     """Per row ``0.5 * sum |p - pa|``."""
     d = p - pa
@@ -272,6 +287,7 @@ def _derive_mass(case, k, v, sel, target, ref):
     qp, causal = case["query_positions"], bool(case["causal"])
     tmask = np.zeros(tk, dtype=bool)
     tmask[target[0]:target[1]] = True
+    outside = np.flatnonzero(~tmask)         # the keys the target's own ablation keeps
     r = {key: np.full((h, tq), np.nan) for key in ("tau", "tv", "shift")}
     r.update({key: np.zeros(h) for key in ("err2", "ref2", "dot", "out2", "own_err2", "own_ref2", "t_err2", "t_ref2")})
     r["undefined"] = np.zeros(h, np.int64)
@@ -296,12 +312,12 @@ def _derive_mass(case, k, v, sel, target, ref):
             _add_output_sums(r, hh, oa, o_ref, o_full, use)
             dropped = vis & drop
             has = dropped.any(axis=1)
-            _, mu_d, _ = _masked(s, dropped, vv)                      # the dropped keys' own softmax
+            _, mu_d, _ = _masked_on(s, dropped, vv, np.flatnonzero(dropped.any(axis=0)))  # the dropped keys' own softmax
             del dropped, drop
             norm_o = np.linalg.norm(o_full, axis=1)
             good = use & has & (norm_o > 0)
             r["shift"][hh, sl] = np.where(good, np.linalg.norm(oa - mu_d, axis=1) / np.where(good, norm_o, 1.0), np.nan)
-            _, ot, ok_t = _masked(s, vis & ~tmask[None, :], vv)        # the target itself, on the same rows
+            _, ot, ok_t = _masked_on(s, vis, vv, outside)               # the target itself, on the same rows
             both = use & ok_t
             r["t_err2"][hh] += ((ot - o_ref)[both] ** 2).sum()
             r["t_ref2"][hh] += (o_ref[both] ** 2).sum()
@@ -409,6 +425,8 @@ def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
         for a, b in sp:
             keep[a:b] = False
         keeps[name] = keep
+    kept = {name: np.flatnonzero(keep) for name, keep in keeps.items()}
+    dropped_keys = {name: np.flatnonzero(~keep) for name, keep in keeps.items()}
     masses = {name: np.zeros((h, tq)) for name in regions}
     full_out = np.zeros((h, tq, d)) if want_out else None
     tiles = row_tiles(tq, keys)
@@ -428,21 +446,26 @@ def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
             norm_o = np.linalg.norm(o_full, axis=1)
             for name, keep in keeps.items():
                 r = out[name]
+                tau = p[:, ~keep].sum(axis=1)
                 if keep.all():               # "none": the kept softmax is the full one, no key dropped
                     ok = vis.any(axis=1)
                     pa, oa = p, o_full
-                else:
-                    pa, oa, ok = _masked(s, vis & keep[None, :], vv)
-                r["tau"][hh, sl] = np.where(ok, p[:, ~keep].sum(axis=1), np.nan)
-                r["tv"][hh, sl] = np.where(ok, _tv(p, pa), np.nan)
+                    tv = _tv(p, pa)
+                else:                        # over the kept keys only: pa is 0 on the dropped ones, so
+                    kc = _cols(kept[name])   # TV = (tau + sum over the kept keys of |p - pa|) / 2
+                    pa, oa, ok = _masked(s[:, kc], vis[:, kc], vv[kc])
+                    tv = 0.5 * (tau + np.abs(p[:, kc] - pa).sum(axis=1))
+                r["tau"][hh, sl] = np.where(ok, tau, np.nan)
+                r["tv"][hh, sl] = np.where(ok, tv, np.nan)
                 del pa
                 r["undefined"][hh] += int((~ok).sum())
                 _add_output_sums(r, hh, oa, o_ref, o_full, ok)
                 if keep.all():
                     continue                 # no dropped key: no row has a shift (NaN, as initialized)
                 # ||mu_kept - mu_dropped|| / ||O|| from the two P-weighted means themselves
-                ed, has = _masked_exp(s, vis & ~keep[None, :])          # the dropped keys' own softmax:
-                mu_d = (ed @ vv) / np.where(has, ed.sum(axis=1), 1.0)[:, None]  # stable however small their mass
+                dc = _cols(dropped_keys[name])
+                ed, has = _masked_exp(s[:, dc], vis[:, dc])                # the dropped keys' own softmax:
+                mu_d = (ed @ vv[dc]) / np.where(has, ed.sum(axis=1), 1.0)[:, None]  # stable however small their mass
                 del ed
                 mu_k = oa
                 good = ok & has & (norm_o > 0)
