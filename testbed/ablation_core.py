@@ -601,7 +601,7 @@ class MassSelections:
     """The mass-matched selections of one Case, shared by its K/V arms.
 
     The selection reads only the reference attention (the float64 softmax of the Case's own K),
-    so every arm of a Case selects the same keys per row; the first `mass_control` pass (the
+    so every arm of a Case selects the same keys per row; the first arm's pass (`ablate_arm`, the
     float32 arm) stores each tile's selection here (the selected keys as bits over the eligible
     keys, with ``tau``, ``acc`` and ``matched``, in arrays of the whole ``[H, Tq]`` allocated
     once, so that nothing small and long-lived is left between a tile's temporaries), and a later
@@ -717,7 +717,8 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
             tmask[a:b] = True
         targets.append(tmask)
     eligible = [np.sort(np.asarray(controls[name][1][0], dtype=np.int64)) for name in cnames]
-    within = [_spans_of(e) for e in eligible]  # the runs of keys a control may drop
+    within = [_spans_of(e) or None for e in eligible]  # the runs of keys a control may drop (None: no such key)
+    t_defined = [(~t).any() for t in targets]  # without a causal mask: whether any key lies outside the target
     sid = cached = None
     if controls:
         sig = (tuple(cnames), tuple((tuple(map(tuple, sp)), tuple(map(tuple, od))) for sp, od in controls.values()),
@@ -740,6 +741,7 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
             e = torch.exp(s[..., a:b] - shift.unsqueeze(-1))
             z_list.append(e.sum(dim=-1))
             n_list.append(torch.matmul(e, vj[a:b]))
+            del e
         z = torch.stack(z_list)
         n = torch.stack(n_list)
         fshift, fz, fn = _merge(m, z, n, all_atoms)
@@ -796,8 +798,10 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
                     selections.put(sid, name, heads, qs, (h, tq), sel, eligible[i], tau, acc, matched)
             out, ok, drop_mass, row_tv, mu_d, has = _drop_rows(s, vis, p, sel, vj, work, work2, within=within[i])
             _, zt, nt = _merge(m, z, n, ~target_atoms[i])                             # the target's own ablation
-            t_ok = zt > 0
-            t_out = nt / torch.where(t_ok, zt, torch.ones_like(zt)).unsqueeze(-1)
+            # defined where a visible key lies outside the target (from the mask, so that a NaN
+            # score propagates into the sums instead of leaving its row out)
+            t_ok = t_defined[i].expand(zt.shape) if vis is None else (vis & ~targets[i]).any(dim=-1).expand(zt.shape)
+            t_out = nt / torch.where(zt != 0, zt, torch.ones_like(zt)).unsqueeze(-1)
             use = matched & ok
             both = use & t_ok
             per_row["target_mass"][i, heads, qs] = tau
@@ -816,6 +820,7 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
             tr = torch.where(bb, o_ref, torch.zeros_like(o_ref))
             csums["target_err2"][i, heads] += ((to - tr) ** 2).sum(dim=(-1, -2))
             csums["target_ref2"][i, heads] += (tr ** 2).sum(dim=(-1, -2))
+        del p, p_ref
     res = ArmResult(names, dropped_mass, tv, undefined, sums["err2"], sums["ref2"], sums["dot"], sums["out2"],
                     sums["own_err2"], sums["own_ref2"], rmass, output, mean_shift)
     if not controls:

@@ -275,3 +275,29 @@ def test_a_tolerance_outside_zero_to_one_is_refused():
     for tol in (1.0, 1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match="mass tolerance"):
             select_mass_matched(p, target, [[1, 2, 3]], None, tol)
+
+
+# -- one pass per arm: edge cases of the shared atoms ------------------------------------------------
+
+def test_a_nan_key_outside_the_target_reaches_the_targets_own_sums():
+    """A NaN score on a kept key of the target's own ablation makes its rows NaN, and they stay in
+    ``target_err2`` (a row is left out only where no visible key lies outside the target), so the
+    heads that see the NaN key report NaN, the others a number."""
+    case = video_like_case(7)
+    ctrl = {"mass_control_sink": controls_of(case)["mass_control_sink"]}
+    k = case.k.clone()
+    k[0, 100, 0] = float("nan")          # a current-chunk key, outside the sink: KV head 0 only
+    _, mres = ac.ablate_arm_case(case, {}, ctrl, k, case.v)
+    t = mres.target_err2[0]
+    assert torch.isnan(t[:2]).all()      # query heads 0-1 share KV head 0
+    assert torch.isfinite(t[2:]).all() and bool((t[2:] > 0).all())
+
+
+def test_a_control_without_eligible_keys_matches_no_row():
+    """A mass-matched control whose order holds no key (a direct caller's) drops nothing: every row
+    is unmatched and undefined nowhere, instead of failing on an empty run of keys."""
+    case = video_like_case(8)
+    sink = case.region("sink")
+    res = ac.mass_control_case(case, {"mass_control_sink": ([(sink.start, sink.stop)], [[]])})
+    assert not bool(res.matched.any()) and int(res.undefined.sum()) == 0
+    assert torch.isnan(res.dropped_mass).all()

@@ -190,27 +190,3 @@ def test_an_oracle_arm_without_its_pass_is_refused(tiny):
     _, out, _ = live.run_unit(proto, units[0], ctx)
     with pytest.raises(RuntimeError, match="int2_hh_oracle: the batch's reference handed on no oracle pass"):
         live.run_unit(proto, units[1], ctx, out[:3] + (None,))
-
-
-@pytest.mark.slow
-def test_a_ray_run_of_oracle_arms_equals_the_serial_run(tiny, tmp_path):
-    """The pass travels from the reference's task to the oracle arms' tasks (numpy between tasks):
-    every array, results.json and every file but the timings are the serial run's."""
-    pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install -e '.[ray]'")
-    from testbed.run import main as run_main
-    from tests.test_ray_backend import _assert_same_run
-
-    raw = {"name": "oracle_tiny", "kind": "live", "default": False, "description": "tiny oracle study",
-           "live": {"model": str(tiny / "model"), "corpus": {"builtin": None, "files": [str(tiny / "corpus.txt")]},
-                    "segments": 2, "prefill": 40, "steps": 24, "batch": 1, "mode": "chunked", "window": 16,
-                    "group": 8, "sink": 4, "evict_window": 16, "policies": ["int4"] + ORACLES, "peers": [],
-                    "reference_chunk": 256, "evidence_layer": 1},
-           "timing": {"repeats": 0, "seed": 0}}
-    path = tmp_path / "oracle_tiny.json"
-    path.write_text(json.dumps(raw))
-    for out, extra in (("serial", []), ("ray", ["--backend", "ray", "--jobs", "2"])):
-        assert run_main(["--quiet", "--out", str(tmp_path / out), "--protocol", str(path)] + extra) == 0
-    _assert_same_run(tmp_path / "serial", tmp_path / "ray")
-    timings = json.loads((tmp_path / "ray" / "timings.json").read_text())
-    # two batches of one segment: one pass each, serving the three oracle arms
-    assert sorted((t["case"], len(t["arms"])) for t in timings if t["op"] == "oracle") == [("batch0", 3), ("batch1", 3)]

@@ -72,7 +72,8 @@ def _model_or_skip():
 @pytest.mark.capture
 def test_ray_run_of_a_capture_and_a_live_study_equals_serial(tmp_path):
     """A capture (one unit per prompt, their manifests merged) and the live study (one unit per arm
-    of a batch, every arm taking its batch's reference from the reference's task)."""
+    of a batch, every arm taking its batch's reference from the reference's task, and the oracle
+    arms the batch's one float32 oracle pass with it)."""
     capture = _model_or_skip()
     prose = ("The lighthouse keeper wrote the weather in a green ledger every evening, and on the night of the "
              "storm she wrote only one word before the lamp went out. ") * 12
@@ -87,7 +88,8 @@ def test_ray_run_of_a_capture_and_a_live_study_equals_serial(tmp_path):
     live = json.loads((REPO / "protocols" / "smollm2_quality.json").read_text())
     live["name"], live["default"] = "live_small", False
     live["live"].update({"segments": 3, "prefill": 32, "steps": 24, "batch": 2, "window": 8, "group": 8,
-                         "evict_window": 16, "policies": ["int4", "int2_sink4", "streaming"], "peers": []})
+                         "evict_window": 16, "policies": ["int4", "int2_sink4", "streaming", "mix24_oracle_diffuse",
+                                                          "int2_hh_oracle"], "peers": []})
     protocols = [_write(tmp_path, cap), _write(tmp_path, live)]
     assert _run(tmp_path / "serial", protocols) == 0
     assert _run(tmp_path / "ray", protocols, "--backend", "ray", "--jobs", "2") == 0
@@ -98,7 +100,10 @@ def test_ray_run_of_a_capture_and_a_live_study_equals_serial(tmp_path):
     assert [r["id"] for r in cm["runs"]] == ["prose", "digits"]
     rows = json.loads((tmp_path / "ray" / "results.json").read_text())["rows"]
     live_rows = [r for r in rows if r["study"] == "live_small"]
-    assert len(live_rows) == 3 * 4 and {r["case"] for r in live_rows} == {"seg000", "seg001", "seg002"}
+    assert len(live_rows) == 3 * 6 and {r["case"] for r in live_rows} == {"seg000", "seg001", "seg002"}
+    timings = json.loads((tmp_path / "ray" / "timings.json").read_text())
+    # two batches (2 + 1 segments): one oracle pass each, serving both oracle arms
+    assert sorted((t["case"], len(t["arms"])) for t in timings if t["op"] == "oracle") == [("batch0", 2), ("batch1", 2)]
     assert subprocess.run([sys.executable, "-m", "testbed.audit", str(tmp_path / "ray")], capture_output=True,
                           cwd=REPO).returncode == 0
 

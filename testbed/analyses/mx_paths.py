@@ -228,14 +228,19 @@ def evaluate(case, params, ctx) -> list[dict]:
                   for rule in params["scale_rules"] for rot in params["rotations"]}
     p_quantizers = {rule: MX(element, block, scale_rule=rule) for rule in params["scale_rules"]} if params["p_path"] else {}
     # One pass over the tiles of queries per Q/K path (one decoded K expanded to every head held at a
-    # time, beside the reference's); the P path rides on the first pass. Each tile's reference
-    # probabilities and output are computed once per pass and read by the paths of that pass (the
-    # same operations on the same tiles as a pass per path, so the same values).
-    pp_acc = {rule: _Rows(case.heads, tq, zeros=True) for rule in p_quantizers}
-    whole = {rule: _PackedRows((case.heads, tq, tk), len(tiles)) if params["store_p"] else None for rule in p_quantizers}
-    nbytes = dict.fromkeys(p_quantizers, 0)  # of the whole payload: every tile's codes and scales, one header
-    for n_pass, key in enumerate(list(quantizers) or [None]):
-        with_p = n_pass == 0
+    # time, beside the reference's). The P path rides on the last Q/K pass when it keeps no payload;
+    # with its payload stored, each scale rule has a pass of its own after them, so that one whole
+    # payload is held at a time, as the memory guard counts. Each tile's reference probabilities and
+    # output are computed once per pass and read by the paths of that pass (the same operations on
+    # the same tiles as a pass per path, so the same values; rows and arrays in the same order).
+    qk_keys = list(quantizers)
+    if params["store_p"]:
+        passes = [(key, []) for key in qk_keys] + [(None, [rule]) for rule in p_quantizers]
+    else:
+        passes = [(key, []) for key in qk_keys[:-1]] + [(qk_keys[-1] if qk_keys else None, list(p_quantizers))]
+    for key, p_rules in passes:
+        if key is None and not p_rules:
+            continue
         if key is not None:
             (rot, rule), mx = key, quantizers[key]
             pq = mx.quantize(case.q, name=f"{case.id}.q")
@@ -243,15 +248,17 @@ def evaluate(case, params, ctx) -> list[dict]:
             tiles_hat = probability_tiles(mx.decode_rotated(pq), mx.decode_rotated(pk), case.query_positions,
                                           case.causal, tiles)
             acc = _Rows(case.heads, tq, zeros=False)
-        elif not p_quantizers:
-            break
+        pp_acc = {prule: _Rows(case.heads, tq, zeros=True) for prule in p_rules}
+        whole = {prule: _PackedRows((case.heads, tq, tk), len(tiles)) if params["store_p"] else None for prule in p_rules}
+        nbytes = dict.fromkeys(p_rules, 0)  # of the whole payload: every tile's codes and scales, one header
         for sl, p_ref in reference():
             o_ref = p_ref @ v64
             if key is not None:
                 _, p_hat = next(tiles_hat)
                 acc.add(sl, p_hat, p_ref, v64, o_ref)
                 del p_hat
-            for prule, mxp in (p_quantizers.items() if with_p else ()):
+            for prule in p_rules:
+                mxp = p_quantizers[prule]
                 p32 = p_ref.to(torch.float32)
                 pp = mxp.quantize(p32, name=f"{case.id}.p")
                 hit, blocks = _saturated(mxp, [(p32, pp)])
@@ -264,29 +271,29 @@ def evaluate(case, params, ctx) -> list[dict]:
                     whole[prule].add(pp)
                 del pp, p32
             del p_ref, o_ref
-        if key is None:
-            continue
-        del tiles_hat
-        tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
-        arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
-                  "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
-        rotation = mx.rotation_for(case.q.shape[-1])
-        if rotation is not None:
-            arrays["signs"] = ctx.store.save(f"{prefix}/{tag}/signs", rotation.signs)
-        sat = _saturation(mx, [(mx._rotated(case.q), pq), (mx._rotated(case.k), pk)])
-        rows.append({**base, "scheme": mx.name, "rotation": rot, "scale_rule": rule, "path": "qk",
-                     **acc.stats(sat),
-                     "payload_bytes": pq.nbytes + pk.nbytes, "float32_bytes": float32_qk,
-                     "quant": mx.config(), "arrays": arrays})
-
-    for rule, mx in p_quantizers.items():
-        acc, w = pp_acc[rule], whole[rule]
-        tag = "p" + ("" if rule == "floor" else f"_{rule}")
-        arrays = {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", w.packed)} if w is not None else {}
-        rows.append({**base, "scheme": mx.name, "rotation": "none", "scale_rule": rule, "path": "p",
-                     **acc.stats(acc.hit / acc.blocks),
-                     "payload_bytes": w.packed.nbytes if w is not None else nbytes[rule],
-                     "float32_bytes": 4 * case.heads * tq * tk, "quant": mx.config(), "arrays": arrays})
+        if key is not None:
+            del tiles_hat
+            tag = f"qk_{rot}" + ("" if rule == "floor" else f"_{rule}")
+            arrays = {"q": ctx.store.save_packed(f"{prefix}/{tag}/q", pq),
+                      "k": ctx.store.save_packed(f"{prefix}/{tag}/k", pk)}
+            rotation = mx.rotation_for(case.q.shape[-1])
+            if rotation is not None:
+                arrays["signs"] = ctx.store.save(f"{prefix}/{tag}/signs", rotation.signs)
+            sat = _saturation(mx, [(mx._rotated(case.q), pq), (mx._rotated(case.k), pk)])
+            rows.append({**base, "scheme": mx.name, "rotation": rot, "scale_rule": rule, "path": "qk",
+                         **acc.stats(sat),
+                         "payload_bytes": pq.nbytes + pk.nbytes, "float32_bytes": float32_qk,
+                         "quant": mx.config(), "arrays": arrays})
+            del pq, pk
+        for prule in p_rules:
+            mxp, pacc, w = p_quantizers[prule], pp_acc[prule], whole.pop(prule)
+            tag = "p" + ("" if prule == "floor" else f"_{prule}")
+            arrays = {"p": ctx.store.save_packed(f"{prefix}/{tag}/p", w.packed)} if w is not None else {}
+            rows.append({**base, "scheme": mxp.name, "rotation": "none", "scale_rule": prule, "path": "p",
+                         **pacc.stats(pacc.hit / pacc.blocks),
+                         "payload_bytes": w.packed.nbytes if w is not None else nbytes[prule],
+                         "float32_bytes": 4 * case.heads * tq * tk, "quant": mxp.config(), "arrays": arrays})
+            del w
 
     # ctx.timed calls each lambda at once, so the loop variables it reads are the current ones (B023).
     # quantize_p / decode_p time the first tile of queries' probabilities: the whole P when the Case
