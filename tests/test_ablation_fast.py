@@ -127,17 +127,27 @@ def plain_drop_rows(s, vis, p, drop, vj):
     return out, ok, tau, tv, mu_d, has
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_drop_rows_in_scratch_equals_the_plain_masked_softmax_bit_for_bit(causal):
-    g = torch.Generator().manual_seed(3)
+def scores_tile(seed, causal, share, inside=None):
+    """A random tile (3 heads x 17 queries x 203 keys, D 16) for `_drop_rows`: ``(s, vis, drop, vj,
+    p)``, ``drop`` each key with probability ``share`` (only keys ``inside``, when given), row
+    ``[1, 1]`` dropping nothing (no dropped mean)."""
+    g = torch.Generator().manual_seed(seed)
     heads, c, tk, d = 3, 17, 203, 16
     s = 3.0 * torch.randn(heads, c, tk, generator=g, dtype=torch.float64)
     vis = (torch.arange(tk)[None, :] <= torch.arange(tk - c, tk)[:, None]) if causal else None
-    drop = torch.rand(heads, c, tk, generator=g) < 0.3
-    drop[0, 0] = True                 # every key dropped: an undefined row
-    drop[1, 1] = False                # nothing dropped: no dropped mean
+    drop = torch.rand(heads, c, tk, generator=g) < share
+    if inside is not None:
+        drop &= inside
+    drop[1, 1] = False
     vj = torch.randn(tk, d, generator=g, dtype=torch.float64)
     p = torch.softmax(s if vis is None else s.masked_fill(~vis, float("-inf")), dim=-1)
+    return s, vis, drop, vj, p
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_drop_rows_in_scratch_equals_the_plain_masked_softmax_bit_for_bit(causal):
+    s, vis, drop, vj, p = scores_tile(3, causal, 0.3)
+    drop[0, 0] = True                 # every key dropped: an undefined row
     want = plain_drop_rows(s, vis, p, drop, vj)
     # scratch larger than the tile and full of garbage, as a smaller last tile finds it
     work = torch.full((s.numel() + 99,), 7.0, dtype=torch.float64)
@@ -166,17 +176,10 @@ def test_dropped_mean_over_the_runs_that_hold_every_dropped_key_is_the_same_mean
     """``within``: the dropped keys' mean summed over the runs holding them only (the others weigh
     exactly 0) equals the mean over every key to rounding; the other outputs do not change at all;
     a dropped key outside the runs is refused."""
-    g = torch.Generator().manual_seed(11)
-    heads, c, tk, d = 3, 17, 203, 16
-    s = 3.0 * torch.randn(heads, c, tk, generator=g, dtype=torch.float64)
-    vis = (torch.arange(tk)[None, :] <= torch.arange(tk - c, tk)[:, None]) if causal else None
-    inside = torch.zeros(tk, dtype=torch.bool)
+    inside = torch.zeros(203, dtype=torch.bool)
     for a, b in runs:
         inside[a:b] = True
-    drop = (torch.rand(heads, c, tk, generator=g) < 0.4) & inside
-    drop[1, 1] = False                # nothing dropped: no dropped mean
-    vj = torch.randn(tk, d, generator=g, dtype=torch.float64)
-    p = torch.softmax(s if vis is None else s.masked_fill(~vis, float("-inf")), dim=-1)
+    s, vis, drop, vj, p = scores_tile(11, causal, 0.4, inside)
     want = plain_drop_rows(s, vis, p, drop, vj)
     work = torch.full((s.numel() + 9,), 7.0, dtype=torch.float64)
     work2 = torch.full((s.numel() + 9,), -3.0, dtype=torch.float64)

@@ -87,7 +87,7 @@ def test_ray_run_of_a_capture_and_a_live_study_equals_serial(tmp_path):
            "analyses": {"observation": {"block_tokens": 16}}}
     live = json.loads((REPO / "protocols" / "smollm2_quality.json").read_text())
     live["name"], live["default"] = "live_small", False
-    live["live"].update({"segments": 3, "prefill": 32, "steps": 24, "batch": 2, "window": 8, "group": 8,
+    live["live"].update({"segments": 3, "prefill": 32, "steps": 24, "batch": 2, "window": 16, "group": 8,
                          "evict_window": 16, "policies": ["int4", "int2_sink4", "streaming", "mix24_oracle_diffuse",
                                                           "int2_hh_oracle"], "peers": []})
     protocols = [_write(tmp_path, cap), _write(tmp_path, live)]
