@@ -751,6 +751,8 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
         for name, sel in region_atoms.items():
             rmass[name][heads, qs] = w_full[sel].sum(dim=0)
         o_ref = full if ref is None else ref[heads, qs].to(f64)
+        f_full = torch.exp(m - fshift) / fz        # the full softmax's factor per atom (TV below)
+        fn_row = full.norm(dim=-1)                 # ||O|| per row (the mean shift's scale)
         for i, _name in enumerate(names):
             keep_atoms = ~drop_atoms[i]
             shift, zz, nn = _merge(m, z, n, keep_atoms)
@@ -761,7 +763,6 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
             # TV key by key, summed per atom: inside atom a both rows are proportional to the same
             # exp(s - m_a), with factors exp(m_a - shift) / Z (full) and exp(m_a - shift') / Z'
             # (ablated, 0 on dropped atoms), so sum_a |P - P'| = Z_a |factor - factor'|.
-            f_full = torch.exp(m - fshift) / fz
             f_abl = torch.where(keep_atoms.view(-1, 1, 1), torch.exp(m - shift) / zs, torch.zeros_like(f_full))
             row_tv = 0.5 * (z * (f_full - f_abl).abs()).sum(dim=0)
             dropped_mass[i, heads, qs] = torch.where(ok, tau, torch.full_like(tau, nan))
@@ -770,7 +771,6 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
             o = _add_error_sums(sums, i, heads, ok, out, o_ref, full)
             # mu_dropped from the dropped atoms merged on their own (stable however small tau is)
             _, zd, nd = _merge(m, z, n, drop_atoms[i])
-            fn_row = full.norm(dim=-1)
             shift_ok = ok & (zd > 0) & (fn_row > 0)
             mu_d = nd / torch.where(zd > 0, zd, torch.ones_like(zd)).unsqueeze(-1)
             ms = (o - mu_d).norm(dim=-1) / torch.where(shift_ok, fn_row, torch.ones_like(fn_row))
@@ -788,7 +788,6 @@ def ablate_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_position
         else:
             s_ref = next(ref_tiles)[3]
             p_ref = torch.softmax(s_ref if vis is None else s_ref.masked_fill(~vis, float("-inf")), dim=-1)
-        fn_row = full.norm(dim=-1)
         for i, name in enumerate(cnames):
             if cached:
                 sel, tau, acc, matched = selections.get(sid, name, heads, qs, keys, eligible[i])

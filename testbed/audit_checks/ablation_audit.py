@@ -452,9 +452,8 @@ def _derive(case, k, v, spans: dict, ref, want_out: bool = False):
                     pa, oa = p, o_full
                     tv = _tv(p, pa)
                 else:                        # over the kept keys only: pa is 0 on the dropped ones, so
-                    kc = _cols(kept[name])   # TV = (tau + sum over the kept keys of |p - pa|) / 2
-                    pa, oa, ok = _masked(s[:, kc], vis[:, kc], vv[kc])
-                    tv = 0.5 * (tau + np.abs(p[:, kc] - pa).sum(axis=1))
+                    pa, oa, ok = _masked_on(s, vis, vv, kept[name])   # TV = (tau + sum over the kept keys of |p - pa|) / 2
+                    tv = 0.5 * (tau + np.abs(p[:, _cols(kept[name])] - pa).sum(axis=1))
                 r["tau"][hh, sl] = np.where(ok, tau, np.nan)
                 r["tv"][hh, sl] = np.where(ok, tv, np.nan)
                 del pa
