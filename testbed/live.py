@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .policies import PRESETS, Policy, preset
+from .policies import PRESETS, Policy
+from .policies.compose import policies_from
 from .policies.policy import equal_bytes_budget, equal_bytes_versus, heavy_count, sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
@@ -75,7 +76,9 @@ SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-
                                         "tokens, prefill + steps (steps+1..8191), ascending; segments of one "
                                         "context are disjoint, contexts may share text; null with prefill", None),
     "steps": Key(("range", int, 1, 8192), "teacher-forced decode steps per segment (each one scored)"),
-    "policies": Key(("list", ("choice", PRESETS), 1), "cache policies (presets of testbed.policies), one arm each"),
+    "policies": Key(("list", (str, dict), 1), "cache policies, one arm each: a preset's name (one of "
+                    f"{', '.join(PRESETS)}) or a policy declared by its fields, an object {{\"name\", \"selection\", "
+                    "\"storage\", \"description\"}} (docs/live.md, testbed.policies.compose)"),
     "batch": Key(("range", int, 1, 256), "segments decoded together", 4),
     "mode": Key(("choice", ("chunked", "step")), "chunked: tokens between two changes of a policy's state in one "
                                                 "forward (exact); step: one token per forward", "chunked"),
@@ -124,12 +127,12 @@ def validate(params, where: str) -> dict:
         if prefill + p["steps"] + 1 > 8192:
             raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {prefill + p['steps'] + 1} exceeds the model's "
                                 "8,192 positions")
+    try:
+        policies_of(p, where=f"{where}.policies")
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
     if p["model"] in MODELS:  # a model given by path is checked the same way once loaded (plan)
         check_model(p, MODELS[p["model"]], where)
-    try:
-        policies_of(p)
-    except ValueError as e:
-        raise ProtocolError(f"{where}.policies: {e}") from None
     return p
 
 
@@ -180,9 +183,10 @@ def case_id(prefix: str, i: int) -> str:
     return f"{prefix}-seg{i:03d}" if prefix else f"seg{i:03d}"
 
 
-def policies_of(p: dict) -> list[Policy]:
-    return [preset(name, window=p["window"], group=p["group"], evict_window=p["evict_window"], sink=p["sink"])
-            for name in p["policies"]]
+def policies_of(p: dict, where: str = "policies") -> list[Policy]:
+    """The study's policies: presets at the protocol's R, G, W and S, or declared by their fields."""
+    return policies_from(p["policies"], window=p["window"], group=p["group"], evict_window=p["evict_window"],
+                         sink=p["sink"], where=where)
 
 
 def estimate_bytes(p: dict, base: Path | None = None) -> int:

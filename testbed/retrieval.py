@@ -59,6 +59,7 @@ import sys
 from typing import Any, Sequence
 
 from .policies import PRESETS, preset
+from .policies.compose import policies_from
 from .schema import Key, ProtocolError, Spec, check_value
 
 __all__ = ["TASKS", "SPEC", "PEER", "validate", "make_trial", "grid", "needles_of", "wilson", "mcnemar",
@@ -95,6 +96,8 @@ PEER = Spec("retrieval peer", "A cache users know, run as one more arm: transfor
     "backend": Key(("choice", ("quanto",)), "the QuantizedCache backend (optimum-quanto)"),
     "bits": Key(("choice", (2, 4)), "bits per element"),
 })
+# the presets a retrieval study runs (the per-head precision and oracle ones decide from a perplexity segment)
+RETRIEVAL_PRESETS = tuple(n for n in PRESETS if not (preset(n).mixed or preset(n).oracle))
 SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value needles) through the cache policies: "
             "does the model still answer from a needle it read at a given depth? Protocol key \"retrieval\".", {
     "tasks": Key(("list", ("choice", TASKS), 1), "passkey, kv_needle, multi_kv (see testbed.retrieval)"),
@@ -104,9 +107,11 @@ SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value ne
     "trials": Key(("range", int, 1, 10_000), "trials per (task, length, depth) cell, each its own needle", 8),
     "seed": Key(("range", int, 0, 2**32 - 1), "the study seed; each trial's seed is derived from it", 0),
     "needles": Key(("range", int, 2, 16), "needles of a multi_kv trial (one asked, the rest distractors)", 4),
-    "policies": Key(("list", ("choice", tuple(n for n in PRESETS if not (preset(n).mixed or preset(n).oracle))), 1),
-                    "cache policies (presets of testbed.policies; the per-head precision mix* ones and the oracle "
-                    "int2_hh_oracle run in the live study only: they decide from a perplexity segment), one arm each"),
+    "policies": Key(("list", (str, dict), 1),
+                    "cache policies, one arm each: a preset's name (one of "
+                    f"{', '.join(RETRIEVAL_PRESETS)}) or a policy declared by its fields, as in the live study (the "
+                    "per-head precision and oracle policies run in the live study only: they decide from a perplexity "
+                    "segment)"),
     "peers": Key(("list", dict, 0), "QuantizedCache arms", [], see=PEER),
     "window": Key(("range", int, 0, 8192), "float32 recent window R of the policies (and quanto's residual length)",
                   128),
@@ -131,11 +136,18 @@ def validate(params: Any, where: str) -> dict:
             if n < need:
                 raise ProtocolError(f"{where}.lengths[{i}]: {n} tokens cannot hold multi_kv's {p['needles']} needles "
                                     f"and a haystack (at least 64 tokens per needle: {need})")
-    for name in p["policies"]:
-        try:
-            preset(name, window=p["window"], group=p["group"], evict_window=p["evict_window"], sink=p["sink"])
-        except ValueError as e:
-            raise ProtocolError(f"{where}.policies: {name}: {e}") from None
+    for i, name in enumerate(p["policies"]):
+        if isinstance(name, str) and name not in RETRIEVAL_PRESETS:
+            raise ProtocolError(f"{where}.policies[{i}]: {name!r} is not one of {list(RETRIEVAL_PRESETS)}")
+    try:
+        pols = policies_from(p["policies"], window=p["window"], group=p["group"], evict_window=p["evict_window"],
+                             sink=p["sink"], where=f"{where}.policies")
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+    live_only = [q.name for q in pols if q.mixed or q.oracle]
+    if live_only:
+        raise ProtocolError(f"{where}.policies: {', '.join(live_only)} decide from a perplexity segment (per-head "
+                            "precision or an oracle) and run in the live study only")
     return p
 
 

@@ -60,7 +60,7 @@ import numpy as np
 from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
 from .common import TOLERANCES, encode_tensor, payload_differences
 
-__all__ = ["check", "MODELS", "POLICY_TABLE"]
+__all__ = ["check", "MODELS", "POLICY_TABLE", "declared_policy", "policy_names"]
 
 # Known models' cache dimensions (the audit's own table; a live row of any other model fails).
 # the audit's own table of the models it knows; a model given by path carries its dimensions in
@@ -115,7 +115,59 @@ KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
 LOG_HALF = math.log(0.5)
 
 
+# a policy declared by its fields in the protocol (name, selection, storage, description): the audit's
+# own statement of the mapping onto the fields above (testbed.policies.compose states the run's): an
+# "all" selection keeps every token (sink S first or chosen by mass, heavy hitters), its storage the
+# middle scheme, float32 window R (default: the protocol's window), groups (default: the protocol's
+# group); a "sink_window" selection keeps the first S and newest W (default: the protocol's
+# evict_window) float32 and drops the middle
+DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window": None, "heavy": 0,
+                      "heavy_rule": "attention"}
+DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature_group": 32, "key_axis": "channel",
+                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill"}
+
+
+def policy_names(live: dict) -> list:
+    """The arm names of a protocol's ``policies``: a preset's name, or a declared policy's ``name``."""
+    return [e.get("name") if isinstance(e, dict) else e for e in live.get("policies", [])]
+
+
+def declared_policy(entry: dict, live: dict) -> dict:
+    """The fields of a declared policy (the protocol's object), in the form of :func:`_policy`'s."""
+    sel, sto = entry.get("selection", {}), entry.get("storage", {})
+    if not isinstance(sel, dict) or not isinstance(sto, dict):
+        raise ValueError(f"declared policy {entry.get('name')!r}: selection and storage must be objects")
+    extra = sorted(set(sel) - set(DECLARED_SELECTION)) + sorted(set(sto) - set(DECLARED_STORAGE))
+    if extra:
+        raise ValueError(f"declared policy {entry.get('name')!r}: field(s) {extra} are not ones the audit knows")
+    s = {**DECLARED_SELECTION, **sel}
+    t = {**DECLARED_STORAGE, **sto}
+    group = live.get("group", 32) if t["group"] is None else t["group"]
+    if s["kind"] == "sink_window":
+        out = {"middle": "drop", "sink": s["sink"],
+               "window": live.get("evict_window", 256) if s["window"] is None else s["window"]}
+    elif s["kind"] == "all":
+        out = {"middle": t["middle"], "sink": s["sink"], "window": live.get("window", 128) if t["window"] is None
+               else t["window"]}
+    else:
+        raise ValueError(f"declared policy {entry.get('name')!r}: selection kind {s['kind']!r} is not one the audit "
+                         "knows")
+    out.update({"group": group, "feature_group": t["feature_group"], "key_axis": t["key_axis"],
+                "sink_select": s["sink_select"]})
+    if t["low"] is not None:
+        out.update({"low": t["low"], "low_share": float(t["low_share"]), "alloc": t["alloc"],
+                    "alloc_from": t["alloc_from"]})
+    if s["heavy"]:
+        out.update({"heavy": s["heavy"], "heavy_rule": s["heavy_rule"]})
+    return out
+
+
 def _policy(name: str, live: dict) -> dict:
+    for entry in live.get("policies", []):
+        if isinstance(entry, dict) and entry.get("name") == name:
+            return declared_policy(entry, live)
+    if name not in POLICY_TABLE:
+        raise ValueError(f"policy {name!r} is neither a preset the audit knows nor declared in the protocol")
     middle, has_sink, wkey, axis, *select = POLICY_TABLE[name]
     out = {"middle": middle, "sink": live.get("sink", 4) if has_sink else 0,
            "window": 0 if wkey is None else live.get(wkey, 128 if wkey == "window" else 256),
@@ -623,7 +675,7 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
 def _check_study(ctx, study: str, live: dict) -> bool:
     """Once per study: exactly one row per (segment, arm) the protocol implies, segments as the
     protocol lays them out, token ids that match their recorded hash."""
-    arms = ["dynamic_cache"] + list(live.get("policies", [])) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
+    arms = ["dynamic_cache"] + policy_names(live) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
     where = f"results.json {study}"
     cases = ctx.results.get("cases", {}).get(study, {})
     every = [sid for prefix, _ in views(live) for sid in segment_ids(prefix, live["segments"])]
@@ -684,7 +736,7 @@ def check(row: dict, ctx) -> None:
     live = view_of(whole, row.get("case"))
     dims = model_dims(live, row)
     arm, kind = row.get("arm"), row.get("kind")
-    names = set(live.get("policies", []))
+    names = set(policy_names(live))
     peers = {f"quanto_int{p['bits']}": p for p in live.get("peers", [])}
     expected_kind = "reference" if arm == "dynamic_cache" else "policy" if arm in names else "peer" if arm in peers else None
     if expected_kind is None or kind != expected_kind:
@@ -791,7 +843,7 @@ def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
                 groups["input.k[:, :P]"][f"{arm} (oracle.k)"] = ctx.load(a["oracle.k"])[:, :P].tobytes()
         if "input.q" in a:
             groups["input.q"][arm] = ctx.load(a["input.q"]).tobytes()
-        pol = _policy(arm, live) if arm in live.get("policies", []) else {}
+        pol = _policy(arm, live) if arm in policy_names(live) else {}
         if pol.get("low") and pol.get("alloc") in ("concentrated", "diffuse") and pol.get("alloc_from") == "prefill":
             groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("alloc_score")).tobytes()
     for what, by_arm in groups.items():
