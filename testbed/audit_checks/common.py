@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+# The audit's own spec constants, written from the specs here (never imported from testbed.quant,
+# whose copies live in testbed/quant/constants.py): the audit's every use reads these names.
+HEADER_BYTES = 16   # testbed's payload header: (N tokens, D features) as two little-endian int64
+MX_BLOCK_SIZE = 32  # OCP MX v1.0: elements sharing one scale in every concrete MX format (k = 32)
+E8M0_BIAS = 127     # OCP MX v1.0, E8M0 scale: code c is 2**(c - 127); unbiased exponents -127..127
+E8M0_NAN = 255      # OCP MX v1.0, E8M0 scale: the NaN code
+
 # The audit's tolerances, one per kind of number (docs/audit.md). They are the audit's: nothing a
 # run wrote (its protocol copies included) can loosen them; a protocol may only tighten "derived".
 TOLERANCES = {
@@ -45,7 +52,8 @@ TOLERANCES = {
 __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention",
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
-           "payload_differences", "MAX_ROW_SCORES", "row_tiles"]
+           "payload_differences", "MAX_ROW_SCORES", "row_tiles", "HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS",
+           "E8M0_NAN"]
 
 # float64 scores per tile of one query head's rows in the observation and ablation re-derivations
 # (16 MiB a score array; a tile's temporaries are a few times that): the per-head work never holds
@@ -238,11 +246,11 @@ MX_ELEMENTS = {
 
 
 def decode_e8m0(codes: np.ndarray) -> np.ndarray:
-    """E8M0 scale codes -> ``2**(code - 127)`` (float64); 255 is NaN."""
+    """E8M0 scale codes -> ``2**(code - E8M0_BIAS)`` (float64); ``E8M0_NAN`` is NaN."""
     if codes.dtype != np.uint8:
         raise ValueError(f"E8M0 scale codes must be uint8, got {codes.dtype}")
-    out = np.ldexp(1.0, codes.astype(np.int64) - 127)
-    return np.where(codes == 255, np.nan, out)
+    out = np.ldexp(1.0, codes.astype(np.int64) - E8M0_BIAS)
+    return np.where(codes == E8M0_NAN, np.nan, out)
 
 
 def decode_mx_raw(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
@@ -290,12 +298,12 @@ def encode_mx(x: np.ndarray, element: str, block: int, rule: str = "floor") -> t
     elif rule == "rceil":
         d = (amax.astype(np.float32) / np.float32(vmax)).astype(np.float64)
         m, e = np.frexp(d)
-        unbiased = np.where(d == 0, -127, np.where(m == 0.5, e - 1, e)).astype(np.int64)
+        unbiased = np.where(d == 0, -E8M0_BIAS, np.where(m == 0.5, e - 1, e)).astype(np.int64)
     else:
         raise ValueError(f"unknown MX scale rule {rule!r}")
-    scale = np.clip(unbiased, -127, 127) + 127
+    scale = np.clip(unbiased, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
     scale = np.where(amax == 0, 0, scale).astype(np.uint8)
-    y = np.ldexp(blocks, (127 - scale.astype(np.int64))[..., None])
+    y = np.ldexp(blocks, (E8M0_BIAS - scale.astype(np.int64))[..., None])
     a = np.minimum(np.abs(y), vmax)
     hi = np.clip(np.searchsorted(grid, a, side="left"), 0, len(grid) - 1)
     lo = np.clip(hi - 1, 0, None)

@@ -20,11 +20,9 @@ from ..case import validate_tensor
 
 __all__ = ["Packed", "Quantizer", "register", "get", "names", "from_config", "make_header", "check_input"]
 
-HEADER_BYTES = 16
-
 
 def make_header(n: int, d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16-byte header: (N tokens, D features) as two little-endian int64."""
+    """The header (``constants.HEADER_BYTES``, 16 bytes): (N tokens, D features) as two little-endian int64."""
     return torch.tensor([n, d], dtype=torch.int64, device=device)
 
 
