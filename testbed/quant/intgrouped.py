@@ -74,6 +74,11 @@ class IntGrouped(Quantizer):
     def name(self) -> str:
         return f"int{self.bits}_grouped_{self.axis}_g{self.group_size}"
 
+    @property
+    def label(self) -> str:
+        """Bits and group size; the axis is the layout's (K per channel, V per token)."""
+        return f"int{self.bits}_grouped_g{self.group_size}"
+
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View of the padded tensor with the group members on the second-to-last (channel) or last (token) axis."""
         g = self.group_size

@@ -258,6 +258,12 @@ class MX(Quantizer):
         return (f"{family}_{self.element}_b{self.block_size}" + ("_rceil" if self.scale_rule == "rceil" else "")
                 + ("_hadamard" if self.rotation else ""))
 
+    @property
+    def label(self) -> str:
+        """Element format and block, then the scale rule and rotation where they are not the defaults."""
+        return (f"mx_{self.element}_b{self.block_size}" + ("_rceil" if self.scale_rule == "rceil" else "")
+                + ("_hadamard" if self.rotation else ""))
+
     def rotation_for(self, dim: int) -> SignedHadamard | None:
         """The rotation applied to a last axis of size ``dim`` (None without rotation)."""
         return None if self.rotation is None else _rotation(dim, self.seed)
