@@ -87,19 +87,12 @@ def quantizers(params) -> tuple:
     return IntGrouped(params["bits"], params["group_size"], "channel"), IntGrouped(params["bits"], params["group_size"], "token")
 
 
-def _label(cfg: dict) -> str:
-    if cfg["kind"] == "int_grouped":
-        return f"int{cfg['bits']}_grouped_g{cfg['group_size']}"
-    if cfg["kind"] == "mx":
-        return (f"mx_{cfg['element']}_b{cfg['block_size']}" + ("_rceil" if cfg.get("scale_rule") == "rceil" else "")
-                + ("_hadamard" if cfg.get("rotation") else ""))
-    return str(cfg["kind"])
-
-
 def scheme_label(key_cfg: dict, value_cfg: dict) -> str:
     """The row's scheme: ``int4_grouped_g32+residual`` when K and V share bits and group size (the
-    axis is the layout's), else the K scheme with the V scheme in parentheses."""
-    k, v = _label(key_cfg), _label(value_cfg)
+    axis is the layout's), else the K scheme with the V scheme in parentheses. Each part is its
+    quantizer's ``label`` (a property of every registered kind; an unknown kind or a kind without a
+    label raises, never a bare kind that would lose the scheme's parameters)."""
+    k, v = from_config(key_cfg).label, from_config(value_cfg).label
     if key_cfg["kind"] == value_cfg["kind"] == "int_grouped":
         if (key_cfg["bits"], key_cfg["group_size"]) == (value_cfg["bits"], value_cfg["group_size"]):
             return f"{k}+residual"

@@ -6,7 +6,16 @@ second implementation that must agree with the first.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import numpy as np
+
+# The audit's own spec constants, written from the specs here (never imported from testbed.quant,
+# whose copies live in testbed/quant/constants.py): the audit's every use reads these names.
+HEADER_BYTES = 16   # testbed's payload header: (N tokens, D features) as two little-endian int64
+MX_BLOCK_SIZE = 32  # OCP MX v1.0: elements sharing one scale in every concrete MX format (k = 32)
+E8M0_BIAS = 127     # OCP MX v1.0, E8M0 scale: code c is 2**(c - 127); unbiased exponents -127..127
+E8M0_NAN = 255      # OCP MX v1.0, E8M0 scale: the NaN code
 
 # The audit's tolerances, one per kind of number (docs/audit.md). They are the audit's: nothing a
 # run wrote (its protocol copies included) can loosen them; a protocol may only tighten "derived".
@@ -45,7 +54,8 @@ TOLERANCES = {
 __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention",
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
-           "payload_differences", "MAX_ROW_SCORES", "row_tiles"]
+           "payload_differences", "MAX_ROW_SCORES", "row_tiles", "HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS",
+           "E8M0_NAN", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label"]
 
 # float64 scores per tile of one query head's rows in the observation and ablation re-derivations
 # (16 MiB a score array; a tile's temporaries are a few times that): the per-head work never holds
@@ -238,11 +248,11 @@ MX_ELEMENTS = {
 
 
 def decode_e8m0(codes: np.ndarray) -> np.ndarray:
-    """E8M0 scale codes -> ``2**(code - 127)`` (float64); 255 is NaN."""
+    """E8M0 scale codes -> ``2**(code - E8M0_BIAS)`` (float64); ``E8M0_NAN`` is NaN."""
     if codes.dtype != np.uint8:
         raise ValueError(f"E8M0 scale codes must be uint8, got {codes.dtype}")
-    out = np.ldexp(1.0, codes.astype(np.int64) - 127)
-    return np.where(codes == 255, np.nan, out)
+    out = np.ldexp(1.0, codes.astype(np.int64) - E8M0_BIAS)
+    return np.where(codes == E8M0_NAN, np.nan, out)
 
 
 def decode_mx_raw(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
@@ -290,12 +300,12 @@ def encode_mx(x: np.ndarray, element: str, block: int, rule: str = "floor") -> t
     elif rule == "rceil":
         d = (amax.astype(np.float32) / np.float32(vmax)).astype(np.float64)
         m, e = np.frexp(d)
-        unbiased = np.where(d == 0, -127, np.where(m == 0.5, e - 1, e)).astype(np.int64)
+        unbiased = np.where(d == 0, -E8M0_BIAS, np.where(m == 0.5, e - 1, e)).astype(np.int64)
     else:
         raise ValueError(f"unknown MX scale rule {rule!r}")
-    scale = np.clip(unbiased, -127, 127) + 127
+    scale = np.clip(unbiased, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
     scale = np.where(amax == 0, 0, scale).astype(np.uint8)
-    y = np.ldexp(blocks, (127 - scale.astype(np.int64))[..., None])
+    y = np.ldexp(blocks, (E8M0_BIAS - scale.astype(np.int64))[..., None])
     a = np.minimum(np.abs(y), vmax)
     hi = np.clip(np.searchsorted(grid, a, side="left"), 0, len(grid) - 1)
     lo = np.clip(hi - 1, 0, None)
@@ -313,29 +323,73 @@ def decode_mx(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
     return decode_mx_raw(arrays, cfg, shape)
 
 
-DECODERS = {"int_grouped": decode_int_grouped, "mx": decode_mx}
+def encode_mx_payload(x: np.ndarray, cfg: dict) -> dict:
+    """An unrotated MX payload of float32 ``x [..., N, D]``: element codes packed along the last axis
+    (FP4 two to a byte), the E8M0 ``scales`` and the (N, D) header."""
+    if cfg.get("rotation"):
+        raise ValueError("a rotated MX payload needs its rotation signs to be encoded (see audit_checks/mx_paths.py)")
+    bits, _ = MX_ELEMENTS[cfg["element"]]
+    codes, scales = encode_mx(x, cfg["element"], cfg["block_size"], cfg.get("scale_rule", "floor"))
+    return {"codes": pack_bits(codes, bits), "scales": scales, "header": np.array(x.shape[-2:], dtype=np.int64)}
+
+
+def label_int_grouped(cfg: dict) -> str:
+    """Bits and group size (the axis is the layout's: K per channel, V per token)."""
+    return f"int{cfg.get('bits')}_grouped_g{cfg.get('group_size')}"
+
+
+def label_mx(cfg: dict) -> str:
+    """Element format and block, then ``_rceil`` and ``_hadamard`` where the scale rule or rotation says so."""
+    return (f"mx_{cfg.get('element')}_b{cfg.get('block_size')}" + ("_rceil" if cfg.get("scale_rule") == "rceil" else "")
+            + ("_hadamard" if cfg.get("rotation") else ""))
+
+
+class Scheme(NamedTuple):
+    """What the audit knows of one quantizer kind, each written from the kind's documented definition:
+    ``decode(arrays, cfg, shape) -> x_hat``; ``encode(x, cfg) -> arrays`` (header included), compared
+    byte for byte with a stored payload, or None where the payload is not deterministic from the
+    input; ``label(cfg)``, the scheme's label in rows (the residual window's ``scheme``)."""
+
+    decode: Callable[[dict, dict, tuple], np.ndarray]
+    encode: Callable[[np.ndarray, dict], dict] | None
+    label: Callable[[dict], str]
+
+
+# One entry per quantizer kind (a config's "kind"): a kind missing here is an error wherever the
+# audit meets it, never a fallback.
+SCHEMES: dict[str, Scheme] = {
+    "int_grouped": Scheme(decode_int_grouped, encode_int_grouped, label_int_grouped),
+    "mx": Scheme(decode_mx, encode_mx_payload, label_mx),
+}
+
+
+def scheme(cfg: dict) -> Scheme:
+    """The audit's entry for the quantizer config ``cfg`` (by its ``"kind"``); an unknown kind raises
+    a ValueError naming it."""
+    kind = cfg.get("kind") if isinstance(cfg, dict) else None
+    if kind not in SCHEMES:
+        raise ValueError(f"the audit knows no quantizer kind {kind!r} (known: {', '.join(sorted(SCHEMES))}); "
+                         "a new kind needs its decoder, encoder and label in audit_checks/common.py (SCHEMES)")
+    return SCHEMES[kind]
 
 
 def decode_tensor(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
-    kind = cfg.get("kind")
-    if kind not in DECODERS:
-        raise ValueError(f"no audit decoder for quantizer kind {kind!r}")
-    return DECODERS[kind](arrays, cfg, shape)
+    """One quantizer's payload decoded by the audit's decoder for its kind."""
+    return scheme(cfg).decode(arrays, cfg, shape)
 
 
 def encode_tensor(x: np.ndarray, cfg: dict) -> dict:
     """The stored arrays (header included) of one quantizer's payload of ``x``, by the audit's encoders."""
-    kind = cfg.get("kind")
-    if kind == "int_grouped":
-        return encode_int_grouped(x, cfg)
-    if kind == "mx":
-        if cfg.get("rotation"):
-            raise ValueError("a rotated MX payload needs its rotation signs to be encoded (see audit_checks/mx_paths.py)")
-        bits, _ = MX_ELEMENTS[cfg["element"]]
-        codes, scales = encode_mx(x, cfg["element"], cfg["block_size"], cfg.get("scale_rule", "floor"))
-        return {"codes": pack_bits(codes, bits), "scales": scales,
-                "header": np.array(x.shape[-2:], dtype=np.int64)}
-    raise ValueError(f"no audit encoder for quantizer kind {kind!r}")
+    enc = scheme(cfg).encode
+    if enc is None:
+        raise ValueError(f"quantizer kind {cfg['kind']!r} has no audit encoder: its payload is not deterministic "
+                         "from the input")
+    return enc(x, cfg)
+
+
+def quantizer_label(cfg: dict) -> str:
+    """The scheme label of one quantizer config, by the audit's label for its kind."""
+    return scheme(cfg).label(cfg)
 
 
 def encode_residual_window(k: np.ndarray, v: np.ndarray, cfg: dict) -> dict:

@@ -58,7 +58,7 @@ import math
 import numpy as np
 
 from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
-from .common import TOLERANCES, encode_tensor, payload_differences
+from .common import HEADER_BYTES, MX_BLOCK_SIZE, TOLERANCES, encode_tensor, payload_differences
 
 __all__ = ["check", "MODELS", "POLICY_TABLE", "declared_policy", "policy_names"]
 
@@ -110,7 +110,7 @@ def versus_of(budget: str, arms) -> str | None:
     """The arm of ``budget``'s bytes the run has (the first of its candidates), else None."""
     return next((a for a in dict(BUDGET_VERSUS)[budget] if a in arms), None)
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")
-HEADER = 16
+HEADER = HEADER_BYTES
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
 LOG_HALF = math.log(0.5)
 
@@ -258,9 +258,9 @@ def _packed_bytes(pol: dict, p: int, heads: int, d: int) -> int:
         return 0
     m = pol["middle"]
     if m in ("mxfp8", "mxfp4"):
-        dp = -(-d // 32) * 32
+        dp = -(-d // MX_BLOCK_SIZE) * MX_BLOCK_SIZE
         codes = dp if m == "mxfp8" else dp // 2
-        return 2 * heads * p * (codes + dp // 32)
+        return 2 * heads * p * (codes + dp // MX_BLOCK_SIZE)
     bits = int(m[3:])
     f = pol["feature_group"]
     dp = -(-d // f) * f

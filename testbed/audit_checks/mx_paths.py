@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import MX_ELEMENTS, decode_mx_raw, encode_mx, pack_bits, unpack_bits, visible
+from .common import E8M0_BIAS, HEADER_BYTES, MX_ELEMENTS, decode_mx_raw, encode_mx, pack_bits, unpack_bits, visible
 
 TV_HIGH = 0.05
 ROTATION_BLOCK_MAX = 128
@@ -75,7 +75,7 @@ def _clamped(x_in: np.ndarray, scales: np.ndarray, element: str, block: int) -> 
     if pad:
         x = np.concatenate([x, np.zeros((*x.shape[:-1], pad))], axis=-1)
     amax = np.abs(x.reshape(*x.shape[:-1], -1, block)).max(axis=-1)
-    scaled = np.ldexp(amax, 127 - scales.astype(np.int64))
+    scaled = np.ldexp(amax, E8M0_BIAS - scales.astype(np.int64))
     return int((scaled > vmax).sum()), int(scaled.size)
 
 
@@ -238,7 +238,7 @@ def check(row: dict, audit) -> None:
         elif set(loaded) - {"p"}:
             audit.fail(row, f"P-path arrays {sorted(loaded)} are not one payload p")
             return
-        own_bytes = 16  # the header of the whole payload, (N, D) as two int64
+        own_bytes = HEADER_BYTES  # the header of the whole payload, (N, D) as two int64
         audit.equal(row, "float32_bytes", row["float32_bytes"], 4 * h * tq * tk)
     else:
         audit.fail(row, f"unknown path {row['path']!r}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences, rel_l2,
-                     softmax_attention)
+from .common import (cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences,
+                     quantizer_label, rel_l2, softmax_attention)
 
 
 def check(row: dict, ctx) -> None:
@@ -80,19 +80,11 @@ def _check_labels(row: dict, ctx, n: int) -> None:
         ctx.fail(row, f"recent_mass_window {row['recent_mass_window']!r} is outside [1, {n}]")
 
 
-def _label(cfg: dict) -> str:
-    if cfg.get("kind") == "int_grouped":
-        return f"int{cfg.get('bits')}_grouped_g{cfg.get('group_size')}"
-    if cfg.get("kind") == "mx":
-        return (f"mx_{cfg.get('element')}_b{cfg.get('block_size')}" + ("_rceil" if cfg.get("scale_rule") == "rceil" else "")
-                + ("_hadamard" if cfg.get("rotation") else ""))
-    return str(cfg.get("kind"))
-
-
 def _scheme(key: dict, value: dict) -> str:
     """The documented scheme label: the K scheme, and the V scheme in parentheses where it differs
-    (for grouped integers: its bits and group size; the axis is the layout's)."""
-    k, v = _label(key), _label(value)
+    (for grouped integers: its bits and group size; the axis is the layout's). Each part is the
+    audit's label for its kind (``common.quantizer_label``); an unknown kind raises, never a bare kind."""
+    k, v = quantizer_label(key), quantizer_label(value)
     if key.get("kind") == value.get("kind") == "int_grouped":
         if (key.get("bits"), key.get("group_size")) == (value.get("bits"), value.get("group_size")):
             return f"{k}+residual"

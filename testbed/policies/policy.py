@@ -57,12 +57,12 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ..quant import MX, IntGrouped, Quantizer
+from ..quant.constants import HEADER_BYTES
 
 __all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
            "equal_bytes_versus"]
 
-HEADER_BYTES = 16
 # Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
 MIDDLE_SCHEMES = ("float32", "drop", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4")
 _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}

@@ -4,14 +4,14 @@ Registered schemes (stable names) are listed by :func:`names`; each passes the s
 property-based test matrix in ``tests/quant/``.
 """
 
-from .base import Packed, Quantizer, from_config, get, names, register, register_kind
+from .base import Packed, Quantizer, from_config, get, kinds, names, register, register_kind
 from .intgrouped import Int2Grouped, Int3Grouped, Int4Grouped, Int8Grouped, IntGrouped
 from .mx import MX, MXFP4, MXFP8
 from .residual import ResidualWindow
 from .rotation import SignedHadamard
 
 __all__ = [
-    "Packed", "Quantizer", "from_config", "get", "names", "register", "register_kind",
+    "Packed", "Quantizer", "from_config", "get", "kinds", "names", "register", "register_kind",
     "IntGrouped", "Int2Grouped", "Int3Grouped", "Int4Grouped", "Int8Grouped", "ResidualWindow",
     "MX", "MXFP8", "MXFP4", "SignedHadamard",
 ]

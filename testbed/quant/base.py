@@ -18,13 +18,11 @@ import torch
 
 from ..case import validate_tensor
 
-__all__ = ["Packed", "Quantizer", "register", "get", "names", "from_config", "make_header", "check_input"]
-
-HEADER_BYTES = 16
+__all__ = ["Packed", "Quantizer", "register", "get", "names", "kinds", "from_config", "make_header", "check_input"]
 
 
 def make_header(n: int, d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16-byte header: (N tokens, D features) as two little-endian int64."""
+    """The header (``constants.HEADER_BYTES``, 16 bytes): (N tokens, D features) as two little-endian int64."""
     return torch.tensor([n, d], dtype=torch.int64, device=device)
 
 
@@ -85,6 +83,15 @@ class Quantizer:
             raise NotImplementedError
         return {"kind": self.KIND, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
+    @property
+    def label(self) -> str:
+        """The scheme's label in rows (the residual window's ``scheme``: its bits or element and its
+        group or block, never the layout's axis), a property of each registered kind. There is no
+        fallback: a kind without one raises rather than label its rows with the bare kind."""
+        kind = getattr(self, "KIND", type(self).__name__)
+        raise NotImplementedError(f"quantizer kind {kind!r} defines no label: give {type(self).__name__} a "
+                                  "`label` property (and the audit its own in audit_checks/common.py, SCHEMES)")
+
     def _check_packed(self, p: Packed) -> None:
         if p.scheme != self.name:
             raise ValueError(f"{self.name}: cannot dequantize a Packed of scheme {p.scheme!r}")
@@ -103,6 +110,8 @@ def register(name: str, factory: Callable[[], Quantizer]) -> None:
 
 def register_kind(kind: str, cls: Callable[..., Quantizer]) -> None:
     """Register a quantizer class so that ``from_config`` can rebuild it from its config."""
+    if kind in _KINDS and _KINDS[kind] is not cls:
+        raise ValueError(f"quantizer kind {kind!r} registered twice")
     _KINDS[kind] = cls
 
 
@@ -115,6 +124,11 @@ def get(name: str) -> Quantizer:
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def kinds() -> list[str]:
+    """Every quantizer kind ``from_config`` knows (a config's ``"kind"``)."""
+    return sorted(_KINDS)
 
 
 def from_config(config: dict) -> Quantizer:

@@ -30,11 +30,10 @@ import torch
 
 from . import kernels
 from .base import Packed, Quantizer, check_input, make_header, register, register_kind
+from .constants import FP16_MAX, KIVI_GROUP_SIZE
 from .packing import pack_codes, unpack_codes
 
 __all__ = ["IntGrouped", "Int2Grouped", "Int3Grouped", "Int4Grouped", "Int8Grouped"]
-
-_FP16_MAX = 65504.0
 
 
 def _pad_edge(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -54,7 +53,7 @@ class IntGrouped(Quantizer):
 
     KIND: ClassVar[str] = "int_grouped"
     bits: int = 4
-    group_size: int = 32
+    group_size: int = KIVI_GROUP_SIZE
     axis: str = "channel"
 
     def __post_init__(self):
@@ -75,6 +74,11 @@ class IntGrouped(Quantizer):
     def name(self) -> str:
         return f"int{self.bits}_grouped_{self.axis}_g{self.group_size}"
 
+    @property
+    def label(self) -> str:
+        """Bits and group size; the axis is the layout's (K per channel, V per token)."""
+        return f"int{self.bits}_grouped_g{self.group_size}"
+
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View of the padded tensor with the group members on the second-to-last (channel) or last (token) axis."""
         g = self.group_size
@@ -86,7 +90,7 @@ class IntGrouped(Quantizer):
 
     def _overflow(self, name: str) -> ValueError:
         return ValueError(
-            f"{name}: a group's range or minimum exceeds float16 (|value| or max-min above {_FP16_MAX:g}); "
+            f"{name}: a group's range or minimum exceeds float16 (|value| or max-min above {FP16_MAX:g}); "
             "the float16 scale/zero-point cannot represent it"
         )
 
@@ -197,19 +201,19 @@ class IntGrouped(Quantizer):
         return x.to(p.dtype)
 
 
-def Int2Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+def Int2Grouped(group_size: int = KIVI_GROUP_SIZE, axis: str = "channel") -> IntGrouped:
     return IntGrouped(2, group_size, axis)
 
 
-def Int3Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+def Int3Grouped(group_size: int = KIVI_GROUP_SIZE, axis: str = "channel") -> IntGrouped:
     return IntGrouped(3, group_size, axis)
 
 
-def Int4Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+def Int4Grouped(group_size: int = KIVI_GROUP_SIZE, axis: str = "channel") -> IntGrouped:
     return IntGrouped(4, group_size, axis)
 
 
-def Int8Grouped(group_size: int = 32, axis: str = "channel") -> IntGrouped:
+def Int8Grouped(group_size: int = KIVI_GROUP_SIZE, axis: str = "channel") -> IntGrouped:
     return IntGrouped(8, group_size, axis)
 
 

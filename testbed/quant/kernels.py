@@ -21,6 +21,8 @@ import platform
 import numpy as np
 import torch
 
+from .constants import E8M0_BIAS
+
 try:  # numba is a declared dependency; keep the testbed usable if a platform lacks a wheel
     import numba
     from numba import njit, prange
@@ -612,7 +614,7 @@ def mx_quantize(x: np.ndarray, block: int, ebits: int, mbits: int, bias: int, ma
     return codes, scales, bool(bad.any())
 
 
-_POW2 = np.ldexp(1.0, np.arange(256) - 127)  # value of every E8M0 scale code (255, NaN, never decoded)
+_POW2 = np.ldexp(1.0, np.arange(256) - E8M0_BIAS)  # value of every E8M0 scale code (E8M0_NAN, never decoded)
 
 
 def mx_dequantize(codes: np.ndarray, scales: np.ndarray, lut: np.ndarray, block: int, bits: int, d: int) -> np.ndarray:

@@ -63,6 +63,7 @@ import numpy as np
 
 from . import kernels
 from .base import Packed, Quantizer, check_input, make_header, register, register_kind
+from .constants import E8M0_BIAS, MX_BLOCK_SIZE
 from .packing import pack_codes, unpack_codes
 from .rotation import SignedHadamard
 
@@ -70,7 +71,6 @@ __all__ = ["ElementFormat", "ELEMENTS", "MX", "MXFP8", "MXFP4", "block_scale_cod
            "encode_elements_reference", "element_values", "quantize_blocks", "saturated_blocks", "ROTATIONS",
            "SCALE_RULES"]
 
-E8M0_BIAS = 127
 ROTATIONS = (None, "signed_hadamard")
 SCALE_RULES = ("floor", "rceil")
 
@@ -230,7 +230,7 @@ class MX(Quantizer):
 
     KIND: ClassVar[str] = "mx"
     element: str = "e4m3"
-    block_size: int = 32
+    block_size: int = MX_BLOCK_SIZE
     rotation: str | None = None
     seed: int = 0
     scale_rule: str = "floor"
@@ -256,6 +256,12 @@ class MX(Quantizer):
     def name(self) -> str:
         family = "mxfp4" if self.fmt.bits == 4 else "mxfp8"
         return (f"{family}_{self.element}_b{self.block_size}" + ("_rceil" if self.scale_rule == "rceil" else "")
+                + ("_hadamard" if self.rotation else ""))
+
+    @property
+    def label(self) -> str:
+        """Element format and block, then the scale rule and rotation where they are not the defaults."""
+        return (f"mx_{self.element}_b{self.block_size}" + ("_rceil" if self.scale_rule == "rceil" else "")
                 + ("_hadamard" if self.rotation else ""))
 
     def rotation_for(self, dim: int) -> SignedHadamard | None:
@@ -326,13 +332,13 @@ class MX(Quantizer):
         return y.to(p.dtype)
 
 
-def MXFP8(block_size: int = 32, rotation: str | None = None, seed: int = 0, element: str = "e4m3") -> MX:
+def MXFP8(block_size: int = MX_BLOCK_SIZE, rotation: str | None = None, seed: int = 0, element: str = "e4m3") -> MX:
     if ELEMENTS.get(element) is None or ELEMENTS[element].bits != 8:
         raise ValueError(f"MXFP8 elements are e4m3 or e5m2, got {element!r}")
     return MX(element, block_size, rotation, seed)
 
 
-def MXFP4(block_size: int = 32, rotation: str | None = None, seed: int = 0) -> MX:
+def MXFP4(block_size: int = MX_BLOCK_SIZE, rotation: str | None = None, seed: int = 0) -> MX:
     return MX("e2m1", block_size, rotation, seed)
 
 

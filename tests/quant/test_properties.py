@@ -5,6 +5,11 @@ the closed-form size written out below per scheme kind, *not* taken from the imp
 the error within the scheme's own stated bound (written out below per kind); idempotence on
 already-quantized data (re-quantizing the decoded tensor gives the same decoded tensor); NaN /
 Inf refused with the tensor's name and the index. Scheme-specific laws live beside their scheme.
+
+A new scheme is in the matrix as soon as it is registered. Its closed-form bytes and error bound are
+laws written out here from its documentation (``NBYTES_FORMULA``, ``ERROR_BOUND``; ``IDEMPOTENT_WHEN``
+only where idempotence has an exception), never derived from its code: until they are, the tests
+that need them fail with a message naming the kind and the table (``law``).
 """
 
 from __future__ import annotations
@@ -122,6 +127,25 @@ ERROR_BOUND = {"int_grouped": bound_int_grouped, "mx": bound_mx}
 # MX is idempotent everywhere: a decoded block keeps its scale (its amax rounds into [2**emax, max] X,
 # or the scale was already clamped to 2**-127, where a smaller amax clamps to it again).
 IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds, "mx": lambda x, cfg: True}
+_TABLES = {"bytes": ("NBYTES_FORMULA", NBYTES_FORMULA), "bound": ("ERROR_BOUND", ERROR_BOUND)}
+
+
+def law(what: str, cfg: dict):
+    """The closed form ``what`` ("bytes" or "bound") of ``cfg``'s kind. A registered kind without one
+    fails (never skips: the law is part of the matrix) with a message saying what to write where."""
+    table_name, table = _TABLES[what]
+    if cfg["kind"] not in table:
+        pytest.fail(f"quantizer kind {cfg['kind']!r} has no closed-form {what} in tests/quant/test_properties.py "
+                    f"({table_name}): write it out from the scheme's documented layout, not from its code",
+                    pytrace=False)
+    return table[cfg["kind"]]
+
+
+def test_a_kind_without_a_closed_form_fails_naming_it_and_the_table():
+    for what, table in (("bytes", "NBYTES_FORMULA"), ("bound", "ERROR_BOUND")):
+        with pytest.raises(pytest.fail.Exception, match=rf"'int_symmetric' has no closed-form {what} .*\({table}\)"):
+            law(what, {"kind": "int_symmetric", "bits": 4})
+    assert law("bytes", {"kind": "mx"}) is nbytes_mx and law("bound", {"kind": "int_grouped"}) is bound_int_grouped
 
 
 @st.composite
@@ -149,7 +173,7 @@ def test_shape_dtype_nbytes_and_determinism(scheme, x):
     x_hat = q.dequantize(p)
     assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
     assert p.nbytes == sum(a.nbytes for a in p.arrays.values())
-    assert p.nbytes == NBYTES_FORMULA[q.config()["kind"]](q.config(), tuple(x.shape))
+    assert p.nbytes == law("bytes", q.config())(q.config(), tuple(x.shape))
     p2 = q.quantize(x.clone())
     assert p.arrays.keys() == p2.arrays.keys()
     for name in p.arrays:
@@ -162,7 +186,7 @@ def test_shape_dtype_nbytes_and_determinism(scheme, x):
 def test_error_within_stated_bound(scheme, x):
     q = quant.get(scheme)
     x_hat = q.dequantize(q.quantize(x))
-    bound = ERROR_BOUND[q.config()["kind"]](x, q.config())
+    bound = law("bound", q.config())(x, q.config())
     err = (x_hat.to(torch.float64) - x.to(torch.float64)).abs()
     worst = (err - bound).max()
     assert worst <= 0, f"error exceeds the bound by {float(worst):.3g}"
@@ -179,7 +203,7 @@ def test_idempotent_on_quantized_data(scheme, x):
     if IDEMPOTENT_WHEN.get(cfg["kind"], lambda *_: True)(x, cfg):
         assert torch.equal(x1, x2)
     else:  # the documented exception still respects the bound around the first decode
-        bound = ERROR_BOUND[cfg["kind"]](x1, cfg)
+        bound = law("bound", cfg)(x1, cfg)
         assert bool(((x2.double() - x1.double()).abs() <= bound).all())
 
 
@@ -252,9 +276,9 @@ def test_laws_hold_past_the_fast_path_threshold(scheme, shape, log_scale, offset
     assert p.arrays.keys() == ref.arrays.keys()
     for name in p.arrays:
         assert np.array_equal(p.arrays[name], ref.arrays[name]), name
-    assert p.nbytes == NBYTES_FORMULA[cfg["kind"]](cfg, shape)
+    assert p.nbytes == law("bytes", cfg)(cfg, shape)
     x1 = q.dequantize(p)
-    assert bool(((x1.double() - x.double()).abs() <= ERROR_BOUND[cfg["kind"]](x, cfg)).all())
+    assert bool(((x1.double() - x.double()).abs() <= law("bound", cfg)(x, cfg)).all())
     x2 = q.dequantize(q.quantize(x1))
     if IDEMPOTENT_WHEN.get(cfg["kind"], lambda *_: True)(x, cfg):
         assert torch.equal(x1, x2)
