@@ -410,3 +410,20 @@ def test_mcnemar_p_far_in_the_tail():
     # 2 * P(X = 0) for X ~ Binomial(1000, 1/2) is 2^-999: exact in the audit, through lgamma on the run side
     assert audit_stats.mcnemar_p(0, 1000) == 2.0 ** -999
     assert retrieval.mcnemar_exact_p(1000, 0) == pytest.approx(2.0 ** -999, rel=1e-9)
+
+
+def test_the_audit_rederives_every_seed_and_needle_of_a_grid():
+    """The audit's own statement of the seed rule and of ``needles_of`` (audit_checks/retrieval.py,
+    written from the definition, not imported) gives the run's seeds and needle facts for every
+    trial of a grid of every task (issue #48: what binds a trial to its grid slot)."""
+    from testbed.audit_checks import retrieval as audit_side
+
+    p = {"tasks": ["passkey", "kv_needle", "multi_kv"], "lengths": [256, 512], "depths": [0.0, 0.25, 1.0],
+         "trials": 3, "seed": 11, "needles": 3}
+    run_side = retrieval.grid(p["tasks"], p["lengths"], p["depths"], p["trials"], p["seed"], needles=p["needles"])
+    audit = audit_side.expected_trials(p)
+    assert len(run_side) == len(audit) == 54
+    for c, w in zip(run_side, audit):
+        assert (c["task"], c["length"], c["depth"], c["trial"], c["seed"]) == \
+            (w["task"], w["length"], w["depth"], w["trial"], w["seed"])
+        assert retrieval.needles_of(c["task"], c["seed"], p["needles"]) == w["facts"]
