@@ -196,6 +196,7 @@ def _swap_trials(run: Path, res: dict, a: str, b: str) -> None:
 GRID_FORGERIES = {
     "swap": "trials t0000 (depth 0) and t0001 (depth 1) swap ids, needle, seed, answer and rows; coordinates kept",
     "needle_to_start": "trial t0001's needle (depth 1) moved to the start of its prefill, needle_start/end updated",
+    "needle_of_another": "trial t0000's needle (in its prefill and needle_ids) replaced by trial t0001's",
     "manifest_sha": "retrieval_manifest.json: the model's GGUF SHA-256 zeroed",
     "manifest_gguf": "retrieval_manifest.json: another GGUF file named",
     "manifest_torch": "retrieval_manifest.json: another torch version",
@@ -232,6 +233,16 @@ def test_forgeries_of_the_grid_binding_and_manifest_fail(tiny_run, tmp_path, wha
         meta["needle_start"], meta["needle_end"] = 0, e - s
         forge_results(run, res)
         expect, label = "needle at token 0", "retrieval_tiny t0001"
+    elif what == "needle_of_another":
+        cases = res["cases"]["retrieval_tiny"]
+        mine, other = cases["t0000"], cases["t0001"]
+        theirs = _arrays.load(run, other["arrays"]["needle_ids"]).copy()
+        s, e = mine["meta"]["needle_start"], mine["meta"]["needle_end"]
+        assert e - s == theirs.size and not np.array_equal(_arrays.load(run, mine["arrays"]["needle_ids"]), theirs)
+        forge_array(run, mine["arrays"]["needle_ids"], lambda x: x.__setitem__(slice(None), theirs))
+        forge_array(run, mine["arrays"]["token_ids"], lambda x: x.__setitem__(slice(s, e), theirs))
+        forge_results(run, res)
+        expect, label = "do not occur in the needle's ids", "retrieval_tiny t0000"
     elif what == "figure_duplicate_key":
         doc = (run / "report.html").read_text()
         head = '<script type="application/json" id="figdata-1">{'
