@@ -782,7 +782,7 @@ def _cell_says(cell: str, value) -> bool:
     if isinstance(value, str):
         return cell == value
     try:
-        parsed = json.loads(cell)
+        parsed = strict_json(cell)
     except ValueError:
         return False
     if isinstance(value, bool) or isinstance(parsed, bool):
