@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from .audit_checks import CHECKS, RUN_CHECKS
-from .audit_checks.common import TOLERANCES
+from .audit_checks.common import TOLERANCES, strict_json
 from ._cli import entry as cli_entry
 from .progress import Progress, stderr_emit
 
@@ -99,21 +99,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _no_duplicate_keys(pairs):
-    obj = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
-        obj[key] = value
-    return obj
-
-
 def load_json(path: Path):
     """Parse JSON strictly: UTF-8, no duplicate keys (two readers could see two different values).
 
     Raises ``AuditError`` for anything that is not such a document (including absurd nesting)."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        return strict_json(path.read_bytes().decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise AuditError(f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
@@ -791,7 +782,7 @@ def _cell_says(cell: str, value) -> bool:
     if isinstance(value, str):
         return cell == value
     try:
-        parsed = json.loads(cell)
+        parsed = strict_json(cell)
     except ValueError:
         return False
     if isinstance(value, bool) or isinstance(parsed, bool):

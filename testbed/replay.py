@@ -30,7 +30,9 @@ Tolerance (``TOLERANCES``), chosen from what the replay shares with the run:
   least one).
 
 Chance that forged units escape: sampling N of T units without replacement misses one forged unit
-with probability 1 - N/T, and all of k forged units with C(T-k, N) / C(T, N).
+with probability 1 - N/T, and all of k forged units with C(T-k, N) / C(T, N). The default N is the
+fewest units that leave one forged unit at most a 5 % chance (``ESCAPE``): T - floor(T/20)
+(:func:`default_sample`; 143 of the default run's 150 units); ``--all`` replays every unit.
 
 Prints the share of units checked and the seed, those chances, the sampled units (study case
 arm, on one line), one ``FAIL:`` line per unit that differs (its
@@ -65,7 +67,9 @@ from .protocol import ProtocolError, validate_protocol
 from .sources.capture import INSTALL_HINT, CaptureUnavailable, load_model, model_dims
 from .units import COST_PRIOR, pinned_torch
 
-__all__ = ["main", "replay", "plan_units", "escape_chance", "TOLERANCES", "BadInput"]
+__all__ = ["main", "replay", "plan_units", "escape_chance", "default_sample", "ESCAPE", "TOLERANCES", "BadInput"]
+
+ESCAPE = (5, 100)  # the default sample leaves one forged unit at most this chance to escape (5 %)
 
 TOLERANCES = {
     "same": {"float_atol": 1e-5, "integer_fraction": 0.0},
@@ -248,6 +252,12 @@ def escape_chance(total: int, sampled: int, forged: int = 1) -> float:
     return math.comb(total - forged, sampled) / math.comb(total, sampled)
 
 
+def default_sample(total: int) -> int:
+    """The fewest units N of ``total`` with 1 - N/T at most 5 % (:data:`ESCAPE`): T - floor(T/20),
+    in integers (no float rounds the bound)."""
+    return total - total * ESCAPE[0] // ESCAPE[1]
+
+
 def sample(units: list[Unit], n: int, seed: int) -> list[Unit]:
     """``n`` units drawn without replacement (all when ``n`` reaches their number), in run order."""
     if n >= len(units):
@@ -328,15 +338,19 @@ def _chunk(st: Study, unit: dict, new_row: dict, arrays: dict, name: str, index:
 
 # -- running ----------------------------------------------------------------------------------------
 
-def replay(root: str | Path, n: int, seed: int = 0, threads: int | None = None, tolerance: str = "auto",
+def replay(root: str | Path, n: int | None = None, seed: int = 0, threads: int | None = None, tolerance: str = "auto",
            progress=None) -> dict:
-    """Replay ``n`` sampled units of the run in ``root``. Returns a dict: ``ok``, ``lines`` (what
-    to print), ``checked``, ``total``, ``identical``, ``regime``, ``seconds``."""
-    if n < 1:
+    """Replay ``n`` sampled units of the run in ``root`` (None: :func:`default_sample` of them).
+    Returns a dict: ``ok``, ``lines`` (what to print), ``checked``, ``total``, ``identical``,
+    ``regime``, ``seconds``."""
+    if n is not None and n < 1:
         raise BadInput(f"--sample {n}: sample at least one unit")
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     root = Path(root)
     manifest, results, studies, units = plan_units(root)
+    chosen = "" if n is not None else (f" (the default: the fewest that leave one forged unit at most "
+                                       f"{100 * ESCAPE[0] // ESCAPE[1]} % to escape)")
+    n = default_sample(len(units)) if n is None else n
     env = manifest.get("environment") if isinstance(manifest.get("environment"), dict) else {}
     if threads is None:
         threads = env.get("torch_threads") if isinstance(env.get("torch_threads"), int) and env["torch_threads"] > 0 else 1
@@ -355,7 +369,7 @@ def replay(root: str | Path, n: int, seed: int = 0, threads: int | None = None, 
             tol = TOLERANCES[regime]
             total = len(units)
             share = 100.0 * len(picked) / total
-            lines.append(f"replay of {root}: {len(picked)} of {total} units checked ({share:.1f} %), seed {seed}, "
+            lines.append(f"replay of {root}: {len(picked)} of {total} units checked ({share:.1f} %){chosen}, seed {seed}, "
                          f"{threads} thread(s)")
             why = ", ".join(k for k, v in same.items() if not v)
             ints = "exact" if not tol["integer_fraction"] else f"in at most {tol['integer_fraction']:g} of their elements"
@@ -501,15 +515,19 @@ def _parser() -> argparse.ArgumentParser:
               f"per-token rule): floats within {cross['float_rtol']:g} of the array's largest magnitude, up to "
               f"{cross['outliers']:g} of elements (at least one) beyond but none past {cross['outlier_rtol']:g} of it, "
               f"integer arrays in at most {cross['integer_fraction']:g} of their elements (at least one). "
-              "A forged unit escapes with probability 1 - N/T (k forged: C(T-k, N) / C(T, N)). "
+              "A forged unit escapes with probability 1 - N/T (k forged: C(T-k, N) / C(T, N)); the default N, "
+              "T - floor(T/20), makes that at most 5 %. "
               "Exit 0 PASS, 1 FAIL, 2 bad input. See docs/replay.md.")
     ap = argparse.ArgumentParser(prog="python -m testbed.replay", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=textwrap.fill(epilog, width=100))
     ap.add_argument("run_dir", metavar="RUN", help="a finished run folder")
-    ap.add_argument("--sample", type=int, default=8, metavar="N",
-                    help="units (study, segment or trial, arm) to replay, drawn without replacement (default 8; "
-                         "all when N reaches their number)")
+    pick = ap.add_mutually_exclusive_group()
+    pick.add_argument("--sample", type=int, default=None, metavar="N",
+                      help="units (study, segment or trial, arm) to replay, drawn without replacement (default: the "
+                           "fewest that leave one forged unit at most a 5 %% chance to escape, T - floor(T/20) of T; "
+                           "all when N reaches their number)")
+    pick.add_argument("--all", action="store_true", help="replay every unit (no forged unit escapes the sample)")
     ap.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draw (default 0)")
     ap.add_argument("--threads", type=int, default=None, metavar="T",
                     help="torch intra-op threads (default: the run's own count, for bit-identical replays)")
@@ -522,7 +540,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.sample < 1:
+    if args.sample is not None and args.sample < 1:
         print(f"error: --sample {args.sample}: sample at least one unit", file=sys.stderr)
         return 2
     if args.threads is not None and not 1 <= args.threads <= 1024:
@@ -530,7 +548,8 @@ def main(argv=None) -> int:
         return 2
     progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
-        result = replay(args.run_dir, args.sample, args.seed, args.threads, args.tolerance, progress)
+        n = 1 << 62 if args.all else args.sample  # every unit: sample() takes all when N reaches their number
+        result = replay(args.run_dir, n, args.seed, args.threads, args.tolerance, progress)
     except BadInput as e:
         print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2

@@ -280,3 +280,26 @@ def test_the_old_constructor_is_unchanged():
     cache = PolicyCache(_policy("int4"), 3, record_layer=1)
     assert [type(x) for x in cache.layers] == [PolicyLayer] * 3 and cache.kinds == [F] * 3
     assert [x.record for x in cache.layers] == [False, True, False]
+
+
+@pytest.mark.parametrize("arch, first", [("mistral", 0), ("qwen2_mixed", 1), ("gemma3", 0)])
+def test_a_cache_whose_layer_kinds_are_not_the_models_is_refused(arch, first, reliability):
+    """Issue #48's trap: ``PolicyCache(policy, num_layers)`` serves every layer as full attention; on
+    a model with sliding layers that cache keeps what those layers never read again and its
+    chunked and one-token log-probabilities differ. ``policy_attention`` refuses it at the first
+    forward, naming the first mismatched layer (written from the configs: EXPECTED_KINDS) and
+    pointing to ``PolicyCache.for_model``; the cache ``for_model`` builds runs."""
+    assert EXPECTED_KINDS[arch].index(S) == first
+    model = _model(arch)
+    n = len(EXPECTED_KINDS[arch])
+    wrong = PolicyCache(_policy("streaming"), n)
+    with policy_attention(model), pytest.raises(ValueError) as e:
+        _run(model, _ids(arch), wrong, [1] * STEPS)
+    reliability("bad input: API", f"PolicyCache(policy, num_layers) on a tiny {arch} with sliding layers",
+                "ValueError naming the first mismatched layer and PolicyCache.for_model", str(e.value))
+    assert str(e.value).startswith(f"layer {first}: the cache serves it as full_attention, the model's config makes it "
+                                   f"sliding_attention (window {WINDOW})")
+    assert "PolicyCache.for_model" in str(e.value)
+    right = PolicyCache.for_model(_policy("float32"), model.config)
+    with policy_attention(model):
+        assert _run(model, _ids(arch), right, [CHUNK] + [1] * (STEPS - CHUNK)).shape[1] == STEPS

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.replay import escape_chance, main, plan_units, sample
+from testbed.replay import default_sample, escape_chance, main, plan_units, sample
 from testbed.sources import capture
 from tests import _arrays
 from tests._helpers import forge_array, forge_results, synthetic_run
@@ -107,6 +107,33 @@ def test_sample_share_and_escape_chance_are_printed(run, capsys):
     assert "1 - 3/12 = 75.0 %" in out[2]
     # k = 2 forged units both escape: C(10, 3) / C(12, 3) = 120 / 220
     assert "k=2 54.5 %" in out[2]
+
+
+def test_default_sample_leaves_one_forged_unit_at_most_5_percent(reliability):
+    """Issue #48: the default sample is the fewest units that catch one forged unit with >= 95 %
+    probability, for every run size (the old default of 8 let one escape 94.7 % of the time among
+    the default run's 150 units): at most 5 % with it, more than 5 % with one unit fewer."""
+    for total in range(1, 1001):
+        n = default_sample(total)
+        assert 1 <= n <= total
+        assert escape_chance(total, n) <= 0.05
+        assert n == 1 or escape_chance(total, n - 1) > 0.05
+    reliability("replay", "default sample on the default run's 150 units", "one forged unit escapes <= 5 %",
+                f"{default_sample(150)} of 150 sampled: {100 * escape_chance(150, default_sample(150)):.2f} %")
+    assert escape_chance(150, 8) > 0.9  # what the old default left
+
+
+def test_the_default_and_all_print_their_escape_chance(run, capsys):
+    """Without --sample the replay draws the default (12 units: 12 - floor(12/20) = 12, all) and says
+    so; --all with --sample is refused."""
+    code, out, _ = _replay(capsys, run)
+    assert code == 0, out
+    assert out[0].startswith(f"replay of {run}: 12 of 12 units checked (100.0 %) (the default: the fewest that "
+                             "leave one forged unit at most 5 % to escape)")
+    assert "1 - 12/12 = 0.0 %" in out[2]
+    with pytest.raises(SystemExit) as e:
+        main(["--quiet", str(run), "--all", "--sample", "3"])
+    assert e.value.code == 2
 
 
 def test_escape_chance_counts_draws():

@@ -411,3 +411,43 @@ def test_mcnemar_p_far_in_the_tail():
     # 2 * P(X = 0) for X ~ Binomial(1000, 1/2) is 2^-999: exact in the audit, through lgamma on the run side
     assert audit_stats.mcnemar_p(0, 1000) == 2.0 ** -999
     assert retrieval.mcnemar_exact_p(1000, 0) == pytest.approx(2.0 ** -999, rel=1e-9)
+
+
+def test_the_audit_rederives_every_seed_and_needle_of_a_grid():
+    """The audit's own statement of the seed rule and of ``needles_of`` (audit_checks/retrieval.py,
+    written from the definition, not imported) gives the run's seeds and needle facts for every
+    trial of a grid of every task (issue #48: what binds a trial to its grid slot)."""
+    from testbed.audit_checks import retrieval as audit_side
+
+    p = {"tasks": ["passkey", "kv_needle", "multi_kv"], "lengths": [256, 512], "depths": [0.0, 0.25, 1.0],
+         "trials": 3, "seed": 11, "needles": 3}
+    run_side = retrieval.grid(p["tasks"], p["lengths"], p["depths"], p["trials"], p["seed"], needles=p["needles"])
+    audit = audit_side.expected_trials(p)
+    assert len(run_side) == len(audit) == 54
+    for c, w in zip(run_side, audit):
+        assert (c["task"], c["length"], c["depth"], c["trial"], c["seed"]) == \
+            (w["task"], w["length"], w["depth"], w["trial"], w["seed"])
+        assert retrieval.needles_of(c["task"], c["seed"], p["needles"]) == w["facts"]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_audit_places_every_needle_where_its_depth_puts_it(tok, task):
+    """The audit's tokenizer-free check of the needle's place (issue #48) passes every trial
+    make_trial builds, with a BOS prefix, with multi_kv's distractors before or after the asked
+    needle and with the byte tokenizer, where a haystack unit's tokens are exactly its bytes (the
+    bound the audit uses): and it fails a passkey needle moved from depth 1 to the start."""
+    from testbed.audit_checks import retrieval as audit_side
+
+    for length, depth, seed in itertools.product(lengths_for(tok, task), (0.0, 0.37, 1.0), (0, 11)):
+        t = retrieval.make_trial(tok, task, length, depth, seed)
+        meta = {**t["meta"], "needle_start": t["needle_start"]}
+        w = {"task": task, "length": length, "depth": depth, "seed": seed,
+             "facts": audit_side.needles_of(task, seed, 4)}
+        prefill = np.asarray(t["prefill_ids"])
+        assert audit_side._placement(meta, w, prefill, len(t["needle_ids"]), {}, "") == [], (length, depth, seed)
+    if task == "passkey":
+        t = retrieval.make_trial(tok, task, 1000, 1.0, 0)
+        moved = {**t["meta"], "needle_start": len(t["meta"]["special_prefix"])}
+        w = {"task": task, "length": 1000, "depth": 1.0, "seed": 0, "facts": audit_side.needles_of(task, 0, 4)}
+        problems = audit_side._placement(moved, w, np.asarray(t["prefill_ids"]), len(t["needle_ids"]), {}, "")
+        assert problems and "but depth 1.0 puts it at" in problems[0], problems

@@ -162,6 +162,123 @@ def test_forgeries_of_retrieval_fail(tiny_run, tmp_path, what):
     assert any(expect in f and label in f for f in failures), failures[:6]
 
 
+def _forge_file(run: Path, rel: str, text: str) -> None:
+    """A run file rewritten and its SHA-256 recorded in the manifest, as a consistent forger does."""
+    (run / rel).write_text(text)
+    m = json.loads((run / "manifest.json").read_text())
+    m["files"][rel] = hashlib.sha256((run / rel).read_bytes()).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+def _swap_trials(run: Path, res: dict, a: str, b: str) -> None:
+    """Trials ``a`` and ``b`` exchange everything but their grid coordinates: token ids, needle,
+    seed, answer, metadata and every arm's row (numbers and arrays), all re-hashed."""
+    cases = res["cases"]["retrieval_tiny"]
+    coords = ("task", "length", "depth", "trial")
+    ma, mb = cases[a]["meta"], cases[b]["meta"]
+    na, nb = {**mb, **{k: ma[k] for k in coords}}, {**ma, **{k: mb[k] for k in coords}}
+    ma.clear(), ma.update(na), mb.clear(), mb.update(nb)
+    pairs = [(cases[a]["arrays"][n], cases[b]["arrays"][n]) for n in ("token_ids", "needle_ids")]
+    for arm in ARMS:
+        ra, rb = _row(res, arm, a), _row(res, arm, b)
+        for key in ("seed", "answer_tokens", "answer_logprob", "tf_tokens_correct", "tf_em", "greedy_tokens_correct",
+                    "greedy_em"):
+            ra[key], rb[key] = rb[key], ra[key]
+        pairs += [(ra["arrays"][n], rb["arrays"][n]) for n in ra["arrays"]]
+    for x, y in pairs:
+        xa, xb = _arrays.load(run, x).copy(), _arrays.load(run, y).copy()
+        assert xa.shape == xb.shape  # one task and length: the same counts of tokens
+        forge_array(run, x, lambda z, v=xb: z.__setitem__(slice(None), v))
+        forge_array(run, y, lambda z, v=xa: z.__setitem__(slice(None), v))
+    forge_results(run, res)
+
+
+GRID_FORGERIES = {
+    "swap": "trials t0000 (depth 0) and t0001 (depth 1) swap ids, needle, seed, answer and rows; coordinates kept",
+    "needle_to_start": "trial t0001's needle (depth 1) moved to the start of its prefill, needle_start/end updated",
+    "needle_of_another": "trial t0000's needle (in its prefill and needle_ids) replaced by trial t0001's",
+    "manifest_sha": "retrieval_manifest.json: the model's GGUF SHA-256 zeroed",
+    "manifest_gguf": "retrieval_manifest.json: another GGUF file named",
+    "manifest_torch": "retrieval_manifest.json: another torch version",
+    "manifest_arms": "retrieval_manifest.json: an arm left out of the arms list",
+    "manifest_trials": "retrieval_manifest.json: one more trial claimed",
+    "manifest_duplicate_key": "retrieval_manifest.json: a forged \"trials\" key before the real one",
+    "figure_duplicate_key": "report.html: a figure's JSON data block with a forged \"key\" before the real one",
+}
+
+
+@pytest.mark.parametrize("what", sorted(GRID_FORGERIES))
+def test_forgeries_of_the_grid_binding_and_manifest_fail(tiny_run, tmp_path, what, reliability):
+    """Issue #48: a trial bound to its grid slot without a tokenizer (seed, needle, answer, the
+    needle's place against the depth), the retrieval manifest checked as the live one is, and a
+    duplicate key refused in every JSON the audit reads; each forgery consistent (re-hashed)."""
+    run = _copy(tiny_run, tmp_path)
+    res = _res(run)
+    rel = "retrieval_tiny/retrieval_manifest.json"
+    manifest = json.loads((run / rel).read_text())
+    if what == "swap":
+        assert _res(run)["cases"]["retrieval_tiny"]["t0001"]["meta"]["depth"] == 1.0
+        _swap_trials(run, res, "t0000", "t0001")
+        expect, label = "meta.seed", "retrieval_tiny t0000"
+    elif what == "needle_to_start":
+        rec = res["cases"]["retrieval_tiny"]["t0001"]
+        meta = rec["meta"]
+        s, e, n = meta["needle_start"], meta["needle_end"], meta["length"]
+        assert s > 64  # depth 1 of 128 tokens: near the end
+
+        def move(x):
+            pre = x[:n].copy()
+            x[:n] = np.concatenate([pre[s:e], pre[:s], pre[e:]])
+        forge_array(run, rec["arrays"]["token_ids"], move)
+        meta["needle_start"], meta["needle_end"] = 0, e - s
+        forge_results(run, res)
+        expect, label = "needle at token 0", "retrieval_tiny t0001"
+    elif what == "needle_of_another":
+        cases = res["cases"]["retrieval_tiny"]
+        mine, other = cases["t0000"], cases["t0001"]
+        theirs = _arrays.load(run, other["arrays"]["needle_ids"]).copy()
+        s, e = mine["meta"]["needle_start"], mine["meta"]["needle_end"]
+        assert e - s == theirs.size and not np.array_equal(_arrays.load(run, mine["arrays"]["needle_ids"]), theirs)
+        forge_array(run, mine["arrays"]["needle_ids"], lambda x: x.__setitem__(slice(None), theirs))
+        forge_array(run, mine["arrays"]["token_ids"], lambda x: x.__setitem__(slice(s, e), theirs))
+        forge_results(run, res)
+        expect, label = "do not occur in the needle's ids", "retrieval_tiny t0000"
+    elif what == "figure_duplicate_key":
+        doc = (run / "report.html").read_text()
+        head = '<script type="application/json" id="figdata-1">{'
+        assert head in doc
+        _forge_file(run, "report.html", doc.replace(head, head + '"key":"forged",', 1))
+        expect, label = "duplicate key 'key'", "report.html figure 1"
+    else:
+        text = None
+        if what == "manifest_sha":
+            manifest["model"]["gguf_sha256"] = "0" * 64
+            expect = "model.gguf_sha256"
+        elif what == "manifest_gguf":
+            manifest["model"]["gguf"] = "SmolLM2-360M-Instruct.Q4_1.gguf"
+            expect = "model.gguf"
+        elif what == "manifest_torch":
+            manifest["software"]["torch"] = "2.0.0"
+            expect = "software.torch"
+        elif what == "manifest_arms":
+            manifest["arms"] = manifest["arms"][:-1]
+            expect = "arms is"
+        elif what == "manifest_trials":
+            manifest["trials"] += 1
+            expect = "trials is"
+        else:
+            text = json.dumps(manifest, indent=1).replace('"trials":', '"trials": 99,\n "trials":', 1)
+            expect = "duplicate key 'trials'"
+        _forge_file(run, rel, text or json.dumps(manifest, indent=1) + "\n")
+        label = rel
+    ok, failures, _ = audit(run, check_sources=False)
+    hit = [f for f in failures if expect in f and label in f]
+    reliability("tamper: consistent forger", GRID_FORGERIES[what], "audit FAIL naming what is wrong",
+                hit[0] if hit else (failures[0] if failures else "audit PASSED"))
+    assert not ok
+    assert hit, failures[:6]
+
+
 def test_protocol_errors_name_the_key(tmp_path):
     from testbed.protocol import ProtocolError, load_protocol
 

@@ -33,10 +33,11 @@ capture ran on is recorded, not cross-checked (a Ray cluster may run it on anoth
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 
 import numpy as np
+
+from .common import strict_json
 
 __all__ = ["check_run", "MODELS", "query_index", "llm_layout"]
 
@@ -84,7 +85,7 @@ def llm_layout(keys: int, current: int, recent: int, sink: int) -> list[dict]:
 def _json(ctx, rel: str):
     if rel not in ctx.manifest.get("files", {}):
         raise ValueError(f"{rel} is not among the run's files")
-    return json.loads(ctx.read_bytes(rel).decode("utf-8"))
+    return strict_json(ctx.read_bytes(rel).decode("utf-8"))
 
 
 def check_run(ctx) -> None:

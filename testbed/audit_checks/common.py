@@ -6,6 +6,7 @@ second implementation that must agree with the first.
 
 from __future__ import annotations
 
+import json
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -55,7 +56,25 @@ __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "deco
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
            "payload_differences", "MAX_ROW_SCORES", "row_tiles", "HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS",
-           "E8M0_NAN", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label"]
+           "E8M0_NAN", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label", "no_duplicate_keys",
+           "strict_json"]
+
+
+def no_duplicate_keys(pairs):
+    """``object_pairs_hook`` refusing an object that names a key twice: two readers (one keeping
+    the first, one the last) could see two different values, so a forged copy could hide before
+    the real one."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def strict_json(text, **kwargs):
+    """``json.loads`` refusing duplicate keys (a ``ValueError`` naming the key)."""
+    return json.loads(text, object_pairs_hook=no_duplicate_keys, **kwargs)
 
 # float64 scores per tile of one query head's rows in the observation and ablation re-derivations
 # (16 MiB a score array; a tile's temporaries are a few times that): the per-head work never holds

@@ -30,6 +30,7 @@ from . import ablation_audit as ablation_check
 from . import live_quality
 from . import residual_window as residual_window_check
 from . import retrieval as retrieval_check
+from .common import strict_json
 
 __all__ = ["check_run", "IDENTITY", "DESCRIPTIVE_FIELDS", "expected_cases", "expected_rows"]
 
@@ -181,7 +182,7 @@ def _trace_cases(ctx, study: str, p: dict) -> dict:
     rel = f"{study}/trace_manifest.json"
     if rel not in ctx.manifest.get("files", {}):
         raise ValueError(f"{rel} is not among the run's files (the listing of the trace records)")
-    listing = json.loads(ctx.read_bytes(rel).decode("utf-8"))
+    listing = strict_json(ctx.read_bytes(rel).decode("utf-8"))
     files = listing.get("files") if isinstance(listing, dict) else None
     if not isinstance(files, list) or [f.get("file") if isinstance(f, dict) else None for f in files] != list(p["files"]):
         raise ValueError(f"{rel} does not list the protocol's trace files {p['files']} in order")

@@ -31,7 +31,6 @@ import base64
 import binascii
 import difflib
 import html
-import json
 import math
 import re
 import struct
@@ -40,7 +39,7 @@ from html.parser import HTMLParser
 
 import numpy as np
 
-from .common import TOLERANCES
+from .common import TOLERANCES, strict_json
 from .live_quality import BUDGET_VERSUS, budget_of, versus_of
 
 __all__ = ["check_run", "derive_figures", "parse_report", "expected_page", "page_lines", "caption", "CSP",
@@ -684,7 +683,7 @@ def check_run(ctx) -> None:
             ctx.fail(name, f"has {len(fig['data'])} JSON data blocks, needs exactly one")
             continue
         try:
-            data = json.loads(fig["data"][0], parse_constant=lambda c: float("nan"))
+            data = strict_json(fig["data"][0], parse_constant=lambda c: float("nan"))
         except ValueError as e:
             ctx.fail(name, f"data block is not valid JSON ({str(e)[:120]})")
             continue

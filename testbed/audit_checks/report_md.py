@@ -56,14 +56,13 @@ table, the row key, the column, the printed and the derived text.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 from collections import Counter
 
 import numpy as np
 
-from .common import TOLERANCES
+from .common import TOLERANCES, strict_json
 from .completeness import ANALYSIS_DEFAULTS
 from . import live_quality
 from .retrieval import arms_of as retrieval_arms
@@ -1037,7 +1036,7 @@ def check_run(ctx) -> None:
     timings = []
     if "timings.json" in ctx.manifest.get("files", {}):
         try:
-            timings = json.loads(ctx.read_bytes("timings.json").decode("utf-8"))
+            timings = strict_json(ctx.read_bytes("timings.json").decode("utf-8"))
         except Exception as e:  # noqa: BLE001 - a missing or broken file also has its own FAIL line
             ctx.fail(f"{REL} timings", f"timings.json cannot be read ({type(e).__name__}); the ms column is unchecked")
             timings = []

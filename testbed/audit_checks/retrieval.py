@@ -18,32 +18,139 @@ For every (trial, arm) row, from the stored arrays and the frozen protocol:
   ``t0000`` on), each with its coordinates, distinct seeds and distinct answers, and exactly one row
   per (trial, arm) of the protocol's arms.
 
+- each trial bound to its grid slot, without a tokenizer (:func:`_binding`): its seed is the one the
+  study seed and its coordinates derive (SHA-256 of ``retrieval/<seed>/<task>/<length>/<depth>/<trial>/
+  <attempt>``, the attempt counted up past an answer an earlier trial has); its needle facts (key,
+  value, text) and answer are the ones that seed draws (:func:`needles_of`, written here from the
+  definition in ``testbed/retrieval.py``); the answer's ids occur in the needle's ids; where every
+  answer of the study is one id per character, a character is the same id in every trial; and
+  the asked needle sits where the depth puts it: its haystack offset (``needle_start`` less the
+  tokenizer's prefix and the needles before it) is within one haystack unit of ``depth x
+  haystack tokens`` (the run puts it at the unit boundary nearest that point, and the last unit is
+  cut to the length), a unit's tokens bounded by its UTF-8 bytes (a token covers at least one
+  byte); the units are the filler sentences (passkey) or the lines of ``pydoc_data.topics`` from
+  the seed's first unit on (kv tasks);
+- the study's ``retrieval_manifest.json`` (:func:`_check_manifest`): the model's name, GGUF file
+  name and SHA-256 against the audit's own table (``capture.MODELS``), the software against the
+  run's environment, the arms and the trial count against the frozen protocol and the rows.
+
 What it cannot re-derive: the log-probabilities, argmaxes and generated tokens rest on model
 forward passes (checked for shape, dtype, finiteness and sign only), and the token ids rest on the
-tokenizer: that the needle, question and answer ids encode the recorded texts is not checked (the
-audit has no tokenizer), nor that the seeds are the ones the study seed derives.
+tokenizer: that the needle, question and haystack ids encode the recorded texts is not checked (the
+audit has no tokenizer); the binding above makes a trial's ids its own grid slot's only as far as
+the answer's ids, the needle's place and the per-character ids go.
 The report's accuracies, Wilson intervals and McNemar p-values are re-derived from these rows in
 ``report_md.py`` with :mod:`retrieval_stats`.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import re
 
 import numpy as np
 
 from . import retrieval_stats
+from .capture import MODELS, _check_software, _compare, _json
 from .live_quality import _policy, check_grid, policy_names
 
-__all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "REFERENCE", "DEFAULTS"]
+__all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
+           "DEFAULTS", "MODEL"]
 
 REFERENCE = "dynamic_cache"
 # the run side's schema defaults, the audit's own statement of them (a frozen copy is as written)
 DEFAULTS = {"trials": 8, "seed": 0, "needles": 4, "peers": [], "window": 128, "group": 32, "sink": 4,
             "evict_window": 256, "batch": 4}
 PEER_GROUP = 64
-VOCAB = 49152  # SmolLM2's vocabulary (the only model of the study)
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the only model of the study (a key of capture.MODELS)
+VOCAB = 49152  # SmolLM2's vocabulary
+PREFIX_MAX = 8  # tokens a tokenizer may put before any text by default (a BOS token; none for SmolLM2)
 LOGPROB_CEILING = 1e-5  # a log-probability above this is not one (float32 log_softmax rounding allowed)
+
+
+# -- the trials' construction, stated again from testbed/retrieval.py's definition (not imported) --
+
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key."
+KV_NEEDLE = "The special magic number for {key} is {value}."
+ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively",
+              "mellow", "narrow", "olive", "proud", "quiet", "rapid", "silent", "tidy", "upper", "vivid", "wary",
+              "young", "zesty", "bitter", "crisp", "distant", "early", "fierce", "golden", "humble", "idle", "lucky",
+              "modest", "noble", "odd", "pale", "rough", "sharp", "tender", "usual", "vast", "wild", "woolen", "bold",
+              "clever", "damp")
+NOUNS = ("harbor", "meadow", "lantern", "pebble", "canyon", "violin", "falcon", "orchard", "glacier", "compass", "ribbon",
+         "thimble", "anchor", "bramble", "cobble", "dagger", "ember", "fjord", "garnet", "hammock", "island", "juniper",
+         "kettle", "ladder", "marble", "nectar", "oyster", "parcel", "quarry", "raven", "saddle", "tunnel", "umbrella",
+         "velvet", "walnut", "yarrow", "zephyr", "basket", "candle", "donkey", "engine", "feather", "gravel", "helmet",
+         "insect", "jigsaw", "kernel", "locket")
+
+
+def _draw(label: str):
+    """The n-th draw below ``m`` is SHA-256 of ``label/n`` (n from 1) as a big-endian integer, mod m."""
+    n = 0
+
+    def below(m: int) -> int:
+        nonlocal n
+        n += 1
+        return int.from_bytes(hashlib.sha256(f"{label}/{n}".encode()).digest(), "big") % m
+    return below
+
+
+def trial_seed(study_seed: int, task: str, length: int, depth: float, trial: int, attempt: int) -> int:
+    """A trial's seed: the first 8 bytes of SHA-256 of the '/'-joined coordinates, big-endian, halved."""
+    text = "/".join(str(x) for x in ("retrieval", study_seed, task, int(length), repr(float(depth)), trial, attempt))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+@functools.lru_cache(maxsize=1)
+def corpus() -> tuple[tuple[str, ...], frozenset, str]:
+    """The kv tasks' haystack: the help topics of ``pydoc_data.topics`` in name order joined with
+    blank lines, split into units (a maximal whitespace run holding a newline and the line after
+    it), the 7-digit strings in it, and its SHA-256."""
+    from pydoc_data import topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    lined = "\n\n" + text
+    starts = [m.start() for m in re.finditer(r"[ \t\r\f\v]*\n\s*", lined)]
+    units = tuple(u for u in (lined[a:b] for a, b in zip(starts, starts[1:] + [len(lined)])) if u.strip())
+    sevens = frozenset(run[i:i + 7] for run in re.findall(r"\d{7,}", text) for i in range(len(run) - 6))
+    return units, sevens, hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def needles_of(task: str, seed: int, needles: int) -> list[dict]:
+    """A trial's needle facts from its seed (``{"key", "value", "text"}``, the asked one first):
+    passkey, one 5-digit value; kv_needle one and multi_kv ``needles`` distinct keys
+    (adjective-noun) drawn first, then as many distinct 7-digit values not in the corpus."""
+    below = _draw(f"needles/{task}/{seed}")
+    if task == "passkey":
+        value = str(10_000 + below(90_000))
+        return [{"key": None, "value": value, "text": PASSKEY_NEEDLE.format(value=value)}]
+    if task not in ("kv_needle", "multi_kv"):
+        raise ValueError(f"unknown task {task!r}")
+    count = 1 if task == "kv_needle" else needles
+    sevens = corpus()[1]
+    keys, values = [], []
+    while len(keys) < count:
+        key = f"{ADJECTIVES[below(len(ADJECTIVES))]}-{NOUNS[below(len(NOUNS))]}"
+        if key not in keys:
+            keys.append(key)
+    while len(values) < count:
+        value = str(1_000_000 + below(9_000_000))
+        if value not in values and value not in sevens:
+            values.append(value)
+    return [{"key": k, "value": v, "text": KV_NEEDLE.format(key=k, value=v)} for k, v in zip(keys, values)]
+
+
+def _unit_bytes(task: str, seed: int, room: int) -> int:
+    """At least the tokens of the longest haystack unit a trial can use (its UTF-8 bytes): a filler
+    sentence with its space, or a help-text line of the ``room`` units from the seed's first one."""
+    if task == "passkey":
+        return max(len((" " + f).encode("utf-8")) for f in FILLER)
+    units = corpus()[0]
+    first = _draw(f"haystack/{task}/{seed}")(len(units))
+    return max(len(units[(first + i) % len(units)].encode("utf-8")) for i in range(min(room + 1, len(units))))
 
 
 def params_of(ctx, study) -> dict:
@@ -58,14 +165,21 @@ def arms_of(p: dict) -> list[str]:
 
 
 def expected_trials(p: dict) -> list[dict]:
-    """The grid in the run's order: ``{"case", "task", "length", "depth", "trial"}``."""
-    out = []
+    """The grid in the run's order: ``{"case", "task", "length", "depth", "trial", "seed", "facts"}``;
+    a seed whose asked value an earlier trial drew is derived again with the next attempt."""
+    out, used = [], set()
     for task in p["tasks"]:
         for length in p["lengths"]:
             for depth in p["depths"]:
                 for t in range(p["trials"]):
+                    for attempt in range(1000):
+                        seed = trial_seed(p["seed"], task, length, depth, t, attempt)
+                        facts = needles_of(task, seed, p["needles"])
+                        if facts[0]["value"] not in used:
+                            break
+                    used.add(facts[0]["value"])
                     out.append({"case": f"t{len(out):04d}", "task": task, "length": int(length),
-                                "depth": float(depth), "trial": t})
+                                "depth": float(depth), "trial": t, "seed": seed, "facts": facts})
     return out
 
 
@@ -106,7 +220,7 @@ def check_study(ctx, study: str, p: dict) -> bool:
         ctx.fail(f"{where} {cid}", "missing: the protocol's grid has this trial")
     for cid in sorted(set(cases) - set(names)):
         ctx.fail(f"{where} {cid}", "not a trial of the protocol's grid")
-    seeds, answers = {}, {}
+    seeds, answers, spelled = {}, {}, []
     for w in want:
         rec = cases.get(w["case"])
         if not isinstance(rec, dict):
@@ -120,9 +234,138 @@ def check_study(ctx, study: str, p: dict) -> bool:
             if value in seen:
                 ctx.fail(f"{where} {w['case']}", f"{name} {value!r} repeats trial {seen[value]}'s: trials must be independent")
             seen[value] = w["case"]
+        try:
+            answer = _binding(ctx, f"{where} {w['case']}", w, rec, meta, p)
+        except Exception as e:  # noqa: BLE001 - a forged trial must give a FAIL line, never a crash
+            ctx.fail(f"{where} {w['case']}", f"cannot be bound to its grid slot ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        if answer is not None:
+            spelled.append((w["case"], *answer))
+    _check_spelling(ctx, where, spelled)
     arms = arms_of(p)
     check_grid(ctx, study, where, names, arms, "trial")
+    try:
+        _check_manifest(ctx, study, p, len(want))
+    except Exception as e:  # noqa: BLE001 - a forged manifest must give a FAIL line, never a crash
+        ctx.fail(f"{study}/retrieval_manifest.json", f"cannot be checked ({type(e).__name__}: {str(e)[:200]})")
     return True
+
+
+def _binding(ctx, where: str, w: dict, rec: dict, meta: dict, p: dict):
+    """One trial against its grid slot (the module docstring): FAIL lines under ``where``; returns
+    (answer text, answer ids) for the per-character check, or None when the ids cannot be read."""
+    facts, task = w["facts"], w["task"]
+    kv = task != "passkey"
+    drift = ""
+    if kv and meta.get("corpus_sha256") != corpus()[2]:
+        drift = (f" (this Python's pydoc_data.topics, sha256 {corpus()[2][:12]}.., is not the run's "
+                 f"{str(meta.get('corpus_sha256'))[:12]}..: re-derived on this one)")
+    ctx.numbers += 1
+    if meta.get("seed") != w["seed"]:
+        ctx.fail(where, f"meta.seed: case says {meta.get('seed')!r}, the study seed {p['seed']} and the trial's "
+                        f"coordinates ({task}, {w['length']}, {w['depth']!r}, trial {w['trial']}) give {w['seed']}")
+    lead = "\n" if kv else " "
+    want = {"answer": facts[0]["value"], "key": facts[0]["key"], "needle_text": lead + facts[0]["text"],
+            "answer_text": " " + facts[0]["value"]}
+    for key, val in want.items():
+        ctx.numbers += 1
+        if meta.get(key) != val:
+            ctx.fail(where, f"meta.{key}: case says {meta.get(key)!r}, the grid slot's seed draws {val!r}{drift}")
+    arrays = rec.get("arrays") if isinstance(rec.get("arrays"), dict) else {}
+    ids, needle = ctx.load(arrays.get("token_ids")), ctx.load(arrays.get("needle_ids"))
+    n_a, length = meta.get("answer_tokens"), w["length"]
+    if not (isinstance(n_a, int) and 0 < n_a < ids.size and ids.ndim == 1 and needle.ndim == 1 and ids.size > length):
+        return None  # the trial's own check (_trial) has the FAIL line
+    prefill, answer = ids[:length].astype(np.int64), ids[-n_a:].astype(np.int64)
+    needle = needle.astype(np.int64)
+    ctx.numbers += 1
+    if not any(np.array_equal(needle[i:i + n_a], answer) for i in range(needle.size - n_a + 1)):
+        ctx.fail(where, f"answer ids {answer.tolist()} do not occur in the needle's ids: the needle states the answer "
+                        f"({want['needle_text']!r} holds {want['answer_text']!r})")
+    for problem in _placement(meta, w, prefill, int(needle.size), p, drift):
+        ctx.fail(where, problem)
+    return want["answer_text"], answer
+
+
+def _placement(meta: dict, w: dict, prefill, needle_size: int, p: dict, drift: str) -> list[str]:
+    """Where the asked needle sits against the trial's depth (the module docstring)."""
+    out = []
+    prefix = meta.get("special_prefix")
+    if (not isinstance(prefix, list) or len(prefix) > PREFIX_MAX
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in prefix)
+            or prefill[:len(prefix)].tolist() != prefix):
+        return [f"meta.special_prefix {str(prefix)[:80]}: must be the prefill's first ids, at most {PREFIX_MAX} of them "
+                "(the tokenizer's default prefix)"]
+    start = meta.get("needle_start")
+    if not isinstance(start, int) or isinstance(start, bool):
+        return []  # the trial's own check has the FAIL line
+    spans = []  # the distractors' [start, end)
+    if w["task"] == "multi_kv":
+        dis = meta.get("distractors")
+        if not isinstance(dis, list) or len(dis) != len(w["facts"]) - 1:
+            return [f"meta.distractors: {len(w['facts']) - 1} expected (the protocol's needles less the asked one)"]
+        for i, (d, f) in enumerate(zip(dis, w["facts"][1:])):
+            d = d if isinstance(d, dict) else {}
+            if (d.get("key"), d.get("value")) != (f["key"], f["value"]):
+                out.append(f"meta.distractors[{i}]: {d.get('key')!r} = {d.get('value')!r}, the seed draws "
+                           f"{f['key']!r} = {f['value']!r}{drift}")
+            s, e = d.get("start"), d.get("end")
+            if not (isinstance(s, int) and isinstance(e, int) and 0 <= s < e <= prefill.size):
+                out.append(f"meta.distractors[{i}]: span [{s!r}, {e!r}) is not inside the prefill")
+                return out
+            spans.append((s, e))
+    k = len(prefix)
+    room = w["length"] - k - needle_size - sum(e - s for s, e in spans)
+    offset = start - k - sum(e - s for s, e in spans if s < start)
+    if room < 1:
+        return out + [f"the needles leave {room} haystack tokens of {w['length']}"]
+    target = w["depth"] * room
+    tol = _unit_bytes(w["task"], w["seed"], room)
+    if abs(offset - target) > tol:
+        out.append(f"needle at token {start} (haystack offset {offset} of {room}), but depth {w['depth']!r} puts it at "
+                   f"{target:.1f} \u00b1 one haystack unit (at most {tol} tokens){drift}")
+    if meta.get("depth_actual") != offset / room or meta.get("haystack_tokens") != room:
+        out.append(f"meta.depth_actual {meta.get('depth_actual')!r}, haystack_tokens {meta.get('haystack_tokens')!r}: "
+                   f"the needle's place gives {offset / room!r} of {room} tokens")
+    return out
+
+
+def _check_spelling(ctx, where: str, spelled: list) -> None:
+    """Where every answer of the study is one id per character (SmolLM2 splits digits), one
+    character is one id in every trial: answer ids taken from another trial spell another value."""
+    if not spelled or any(len(text) != ids.size for _, text, ids in spelled):
+        return
+    seen: dict[str, tuple] = {}
+    for case, text, ids in spelled:
+        for ch, i in zip(text, ids.tolist()):
+            ctx.numbers += 1
+            if ch in seen and seen[ch][0] != i:
+                ctx.fail(f"{where} {case}", f"answer ids {ids.tolist()} do not spell {text!r}: {ch!r} is id {i} here, "
+                                            f"{seen[ch][0]} in trial {seen[ch][1]}'s answer")
+                break
+            seen.setdefault(ch, (i, case))
+
+
+def _check_manifest(ctx, study: str, p: dict, trials: int) -> None:
+    """The study's retrieval_manifest.json as the live study's manifest is checked: the model
+    (name, GGUF file, SHA-256) against the audit's table, the software against the run's
+    environment, the arms and trials against the frozen protocol and the rows."""
+    rel = f"{study}/retrieval_manifest.json"
+    m = _json(ctx, rel)
+    if not isinstance(m, dict):
+        raise ValueError("not a JSON object")
+    model = m.get("model") if isinstance(m.get("model"), dict) else {}
+    known = MODELS[MODEL]
+    rows = [r for r in ctx.results.get("rows", []) if isinstance(r, dict) and r.get("study") == study]
+    _compare(ctx, rel, {"schema_version": (m.get("schema_version"), 1), "model.model": (model.get("model"), MODEL),
+                        "model.gguf": (model.get("gguf"), known["gguf"]),
+                        "model.gguf_sha256": (model.get("gguf_sha256"), known["gguf_sha256"]),
+                        "arms": (m.get("arms"), arms_of(p)), "trials": (m.get("trials"), trials)})
+    if len({r.get("case") for r in rows}) != m.get("trials") or sorted({r.get("arm") for r in rows}) != sorted(
+            m.get("arms") or []):
+        ctx.fail(rel, f"trials {m.get('trials')!r} and arms {m.get('arms')!r} are not the rows': "
+                      f"{len({r.get('case') for r in rows})} trials, arms {sorted({str(r.get('arm')) for r in rows})}")
+    _check_software(ctx, rel, m.get("software"))
 
 
 def _ids(ctx, row, arrays, name, n):
@@ -175,6 +418,7 @@ def check(row: dict, ctx) -> None:
         raise ValueError(f"arm {arm!r} (kind {kind!r}) is not an arm of the protocol")
     trial = _trial(ctx, study, row.get("case"))
     meta = trial["meta"]
+    ctx.equal(row, "model", row.get("model"), MODEL)
     for key in ("task", "length", "depth", "trial", "seed"):
         ctx.equal(row, key, row.get(key), meta.get(key))
     answer, n = trial["answer"], trial["answer_tokens"]

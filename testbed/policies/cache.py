@@ -111,7 +111,8 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 @contextlib.contextmanager
 def policy_attention(model):
     """Run ``model`` with SDPA behind :data:`ATTN_NAME` (which applies a policy layer's eviction
-    mask) for the duration of the block."""
+    mask) for the duration of the block. A :class:`PolicyCache` whose layer kinds are not the
+    model's is refused at its first forward (:func:`check_cache_kinds`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -125,14 +126,44 @@ def policy_attention(model):
     _DIRECT.clear()
     _SELECT.clear()
     _ACTIVE[0] += 1
+    hook = model.register_forward_pre_hook(_refuse_mismatched_cache, with_kwargs=True)
     try:
         yield model
     finally:
+        hook.remove()
         _ACTIVE[0] -= 1
         _PENDING.clear()
         _DIRECT.clear()
         _SELECT.clear()
         model.set_attn_implementation(previous)
+
+
+def _refuse_mismatched_cache(model, args, kwargs):
+    """Forward pre-hook of :func:`policy_attention`: every :class:`PolicyCache` the forward is given
+    checked once against the model's layer kinds."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, PolicyCache) and not getattr(value, "_kinds_checked", False):
+            check_cache_kinds(value, model.config)
+            value._kinds_checked = True
+
+
+def check_cache_kinds(cache, config) -> None:
+    """Refuse (``ValueError`` naming the first mismatched layer) a :class:`PolicyCache` whose layers
+    are not the kinds :func:`layer_kinds` reads from the model's ``config``: ``PolicyCache(policy,
+    num_layers)`` serves every layer as full attention, which on a model with sliding layers keeps
+    tokens those layers never read again and gives chunked and one-token feeding different
+    log-probabilities; :meth:`PolicyCache.for_model` builds the right one."""
+    want = layer_kinds(config)
+    fix = "build the cache with PolicyCache.for_model(policy, model.config), which reads the layer kinds"
+    if len(cache.layers) != len(want):
+        raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(want)}: {fix}")
+    for i, ((kind, window), layer) in enumerate(zip(want, cache.layers)):
+        have = cache.kinds[i] if i < len(cache.kinds) else "?"
+        if isinstance(layer, SlidingLayer):
+            have = f"sliding_attention (window {layer.sliding_window})"
+        wanted = kind if window is None else f"{kind} (window {window})"
+        if have != wanted or isinstance(layer, SlidingLayer) != (kind == "sliding_attention"):
+            raise ValueError(f"layer {i}: the cache serves it as {have}, the model's config makes it {wanted}: {fix}")
 
 
 def _causal_softmax_blocks(query: torch.Tensor, key: torch.Tensor, scale: float, block: int, dtype: torch.dtype):
