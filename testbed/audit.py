@@ -346,6 +346,9 @@ class Audit:
         self.tolerances: dict[str, dict] = {}
         self.outside_protocols: dict[str, str] = {}
         self.outside_models: dict[str, str] = {}  # study -> a live model given by path (self-consistent only)
+        # study -> scorers whose choice the audit cannot re-derive (a user's file; an online choice from
+        # attention): their kept sets are checked self-consistently only
+        self.user_scorers: dict[str, set] = {}
         self.protocol_copies: dict[str, dict] = {}  # study -> its frozen protocol copy, once it passed its checks
         self.numbers = 0
         self.rows_checked = 0
@@ -894,7 +897,10 @@ def audit(root: str | Path, check_sources: bool = True, progress=None) -> tuple[
                + "".join(f"; protocol {n} from outside the repository ({p}): self-consistent only"
                          for n, p in sorted(a.outside_protocols.items()))
                + "".join(f"; study {n} runs a model the audit does not know ({m}): its dimensions and bytes are "
-                         "self-consistent only" for n, m in sorted(a.outside_models.items())))
+                         "self-consistent only" for n, m in sorted(a.outside_models.items()))
+               + "".join(f"; study {n} keeps tokens by {', '.join(sorted(m))}: those kept sets are checked "
+                         "self-consistently (count, indices, K/V, bytes), not the choice itself"
+                         for n, m in sorted(a.user_scorers.items())))
     return (not a.failures), a.failures, summary
 
 

@@ -87,6 +87,8 @@ SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-
     "group": Key(("choice", (2, 4, 8, 16, 32, 64, 128, 256)), "quantization group size G of the policies", 32),
     "sink": Key(("range", int, 0, 1024), "float32 sink tokens of the policies that keep a sink", 4),
     "evict_window": Key(("range", int, 1, 8192), "newest tokens kept by the evicting policies", 256),
+    "budget_tolerance": Key(("range", float, 0.0, 0.5), "how far below its budget a declared policy's derived kept "
+                                                        "count may land at the end of a segment (a fraction)", 0.01),
     "peers": Key(("list", dict, 0), "QuantizedCache arms", [], see=PEER),
     "peer_group": Key(("choice", (32, 64)), "quanto's q_group_size", 64),
     "reference_chunk": Key(("range", int, 1, 8192), "tokens per forward of the reference", 256),
@@ -128,7 +130,8 @@ def validate(params, where: str) -> dict:
             raise ProtocolError(f"{where}.steps: prefill + steps + 1 = {prefill + p['steps'] + 1} exceeds the model's "
                                 "8,192 positions")
     try:
-        policies_of(p, where=f"{where}.policies")
+        for _, prefill in context_views(p):  # a budget's kept count is derived per context
+            policies_of({**p, "prefill": prefill}, where=f"{where}.policies")
     except ValueError as e:
         raise ProtocolError(str(e)) from None
     if p["model"] in MODELS:  # a model given by path is checked the same way once loaded (plan)
@@ -184,9 +187,20 @@ def case_id(prefix: str, i: int) -> str:
 
 
 def policies_of(p: dict, where: str = "policies") -> list[Policy]:
-    """The study's policies: presets at the protocol's R, G, W and S, or declared by their fields."""
+    """The study's policies: presets at the protocol's R, G, W and S, or declared by their fields; a
+    declared budget's kept count derived at the end of a segment of this context (``prefill``; with
+    several contexts and none given, the longest) for a model of :data:`MODELS` without sliding layers
+    (a budget of ``tokens`` needs no model)."""
+    budget = None  # a study without a segment length (retrieval's trials) derives no budget
+    if "steps" in p and (p.get("prefill") is not None or p.get("contexts")):
+        prefill = p["prefill"] if p.get("prefill") is not None else max(pre for _, pre in context_views(p))
+        dims = MODELS.get(p.get("model"))
+        known = dims is not None and not dims.get("sliding_window")
+        budget = {"prefill": prefill, "steps": p["steps"], "layers": dims["layers"] if known else None,
+                  "kv_heads": dims["kv_heads"] if known else None, "head_dim": dims["head_dim"] if known else None,
+                  "tolerance": p.get("budget_tolerance", 0.01)}
     return policies_from(p["policies"], window=p["window"], group=p["group"], evict_window=p["evict_window"],
-                         sink=p["sink"], where=where)
+                         sink=p["sink"], where=where, budget=budget)
 
 
 def estimate_bytes(p: dict, base: Path | None = None) -> int:
@@ -326,22 +340,26 @@ class SharedPrefill:
     allocates its bits from the prefill's attention, each layer's head concentration ``[B, H_kv]``
     (:func:`testbed.policies.cache.concentration`); in either case the queries of batch row 0 of
     the ``record_layer`` (the audit's evidence); when a policy keeps heavy hitters, each layer's
-    accumulated attention ``[B, H_kv, P]`` (:func:`testbed.policies.cache.accumulated_attention`)."""
+    accumulated attention ``[B, H_kv, P]`` (:func:`testbed.policies.cache.accumulated_attention`); when
+    a scored selection reads the prefill's attention (:mod:`testbed.policies.scorers`), each layer's
+    last ``query_tail`` queries ``[B, H_q, w, D]`` and attention scale."""
 
     def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0, concentration=None,
-                 received=None):
+                 received=None, tails=None, scales=None):
         self.keys, self.values, self.scores = keys, values, scores
         self.query0, self.record_layer = query0, record_layer
         self.seconds = seconds
         self.concentration = concentration
         self.received = received
+        self.tails, self.scales = tails, scales
 
     def _map(self, f) -> "SharedPrefill":
         return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
                              None if self.scores is None else [None if s is None else f(s) for s in self.scores],
                              None if self.query0 is None else f(self.query0), self.record_layer, self.seconds,
                              None if self.concentration is None else [f(c) for c in self.concentration],
-                             None if self.received is None else [f(r) for r in self.received])
+                             None if self.received is None else [f(r) for r in self.received],
+                             None if self.tails is None else [f(q) for q in self.tails], self.scales)
 
     def as_numpy(self) -> "SharedPrefill":
         """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
@@ -356,11 +374,19 @@ class SharedPrefill:
         sink is chosen from attention, or whose bits are, takes the recorded scores instead of an
         attention call)."""
         from .policies.cache import PolicyLayer
+        from .policies.scored import ScoredLayer
 
         with torch.no_grad():
             for i, (k, v) in enumerate(zip(self.keys, self.values)):
                 layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
-                if isinstance(layer, PolicyLayer):
+                if isinstance(layer, ScoredLayer):
+                    if getattr(layer.scorer, "ATTENTION", False) and self.tails is None:
+                        raise ValueError(f"policy {layer.policy.name} scores tokens by the prefill's attention, but "
+                                         "the shared prefill recorded no queries")
+                    layer.load_prefill(k, v, None if self.tails is None else self.tails[i],
+                                       None if self.scales is None else self.scales[i],
+                                       None if self.received is None else self.received[i])
+                elif isinstance(layer, PolicyLayer):
                     mass = layer.policy.sink_select == "mass"
                     measured = layer.policy.mixed and layer.policy.observes
                     if mass and self.scores is None:
@@ -385,13 +411,14 @@ class SharedPrefill:
 
 def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
                    record_layer: int | None = None, concentration: bool = False,
-                   heavy: bool = False) -> tuple[SharedPrefill, object]:
+                   heavy: bool = False, query_tail: int = 0) -> tuple[SharedPrefill, object]:
     """Run the prefill ``ids [B, P]`` once through a float32 ``DynamicCache`` with logits of the
     last position only; returns the :class:`SharedPrefill` and the DynamicCache (the reference
     continues from it). With ``candidates``, the attention function also computes every layer's
     sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys;
     with ``concentration``, every layer's head concentration likewise; with ``heavy``, every layer's
-    accumulated attention per key."""
+    accumulated attention per key; with ``query_tail``, every layer's last ``query_tail`` queries and
+    its attention scale."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -407,6 +434,8 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     keys: list = [None] * n_layers
     values: list = [None] * n_layers
     query0: list = [None]
+    tails: list = [None] * n_layers
+    scales: list = [None] * n_layers
 
     def observe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
@@ -422,6 +451,8 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
             conc[i] = head_concentration(query, key, scale)
         if heavy:
             received[i] = accumulated_attention(query, key, scale)
+        if query_tail:
+            tails[i], scales[i] = query[:, :, -query_tail:].detach().float().clone(), scale
         if (candidates is not None or concentration) and i == record_layer:
             query0[0] = query[0].detach().float().clone()
         return out
@@ -442,7 +473,8 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
         raise RuntimeError("the shared prefill did not see every layer's K/V of the whole prefill")
     shared = SharedPrefill(keys, values, None if candidates is None else scores, query0[0], record_layer,
-                           time.perf_counter() - t0, conc if concentration else None, received if heavy else None)
+                           time.perf_counter() - t0, conc if concentration else None, received if heavy else None,
+                           tails if query_tail else None, scales if query_tail else None)
     return shared, cache
 
 
@@ -567,6 +599,25 @@ def _summary(lp: np.ndarray, kl: np.ndarray, agree: np.ndarray) -> dict:
             "top1_agreement": float(np.mean(agree.astype(np.float64)))}
 
 
+def _scored_needs(p: dict) -> tuple[int, bool]:
+    """What the study's scored selections read of the shared prefill: the most last queries any of
+    them reads (0: none), and whether one reads every query's accumulated attention (``h2o``-like)."""
+    from .policies import scorers
+
+    tail, received = 0, False
+    for pol in policies_of(p):
+        if not pol.scored:
+            continue
+        cls = scorers.SCORERS.get(pol.scorer)
+        if cls is None or not cls.ATTENTION:  # a user's scorer reads keys only
+            continue
+        if cls.QUERIES:
+            tail = max(tail, cls.QUERIES)
+        else:
+            tail, received = max(tail, 1), True
+    return tail, received
+
+
 def _arms(p: dict) -> list[tuple[str, object]]:
     """(name, what) of every arm, the reference first: what is None, a Policy or a peer's dict."""
     return [(REFERENCE, None)] + [(pol.name, pol) for pol in policies_of(p)] + [(_peer_name(x), x) for x in p["peers"]]
@@ -631,12 +682,12 @@ def batch_units(p: dict, views: list[tuple[int, list[str]]], seg_tokens: dict[st
     """The units of a live study, one per (batch of segments, arm), the reference of each batch
     first: ``views`` is (prefill, segment ids) per context, ``seg_tokens`` each segment's token ids
     (:func:`plan`; :mod:`testbed.replay` rebuilds the same units from a finished run's arrays)."""
-    arms = _arms(p)
     batches = [(prefill, vi, seg_ids[i:i + p["batch"]]) for prefill, seg_ids in views
                for vi, i in enumerate(range(0, len(seg_ids), p["batch"]))]
     units = []
     for bi, (prefill, vi, batch) in enumerate(batches):
         ref = len(units)
+        arms = _arms({**p, "prefill": prefill})  # a budget's kept count is the context's
         for j, (arm, what) in enumerate(arms):
             # forward calls of the arm: what a scheduler starts first (quanto's one token per forward)
             forwards = 1 + (p["steps"] if what is not None and not isinstance(what, Policy) else
@@ -671,7 +722,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     if arm == REFERENCE and p["shared_prefill"]:
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
         shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer,
-                                       _measures_concentration(p), any(pol.heavy for pol in policies_of(p)))
+                                       _measures_concentration(p), any(pol.heavy for pol in policies_of(p))
+                                       or _scored_needs(p)[1], _scored_needs(p)[0])
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})
@@ -711,7 +763,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
                 scores = oracle["scores"]
         with policy_attention(model):
             cache = PolicyCache.for_model(what, cfg, record_layer=evidence_layer if what.middle != "float32" else None,
-                                          scores=scores, received=received)
+                                          scores=scores, received=received, scorer_base=unit.get("model_base"))
             res = _run_arm(model, kw, ids, p, cache, schedule, ref_logp, bytes_of=lambda c: c.stored_bytes(),
                            prefill=None if own else shared)
         kind, mode = "policy", p["mode"]

@@ -79,6 +79,13 @@ _CAPTIONS = {
                     "paired difference against the compared arm or its interval (report.md's equal-bytes table has both), "
                     "free generation or task accuracy (teacher forcing), other models (one small model, SmolLM2-135M), "
                     "other text (one corpus), or an interval: {segments} segments."),
+    "frontier": ("What a byte of cache buys: the perplexity change against the DynamicCache reference (exp of the "
+                 "mean per-segment NLL difference, minus 1) against the cache's bytes per token at the end of a segment "
+                 "(mean over segments), one curve per family of policy (quantization: the grouped-int and MX presets; "
+                 "quanto; streaming: a sink and the newest tokens; each scorer, online or compressing the prefill "
+                 "once), one panel per context; lower and further left is better. What it does not show: retrieval "
+                 "(the retrieval study), intervals or paired tests, free generation (teacher forcing), other models "
+                 "(one small model, SmolLM2-135M), or other text (one corpus): {segments} segments."),
     "retrieval_heatmap": ("Needle retrieval: teacher-forced exact-match accuracy per needle depth (rows, 0 = the "
                           "haystack's start) and prefill length (columns), one panel per task and arm; each cell is "
                           "the share of its trials whose every answer token was the model's argmax (the number of "
@@ -302,6 +309,48 @@ def _equal_bytes(study, rows, load):
     return {"budgets": panels} if panels else None
 
 
+def policy_family(row) -> str | None:
+    """The family a live row's arm belongs to on the frontier figure: ``"quanto"`` (a peer), the
+    scorer (``"knorm"``, ``"snapkv (prefill)"``: a scored selection, and how it decides),
+    ``"streaming"`` (a sink and the newest tokens), ``"quantization"`` (a quantized middle); None for
+    the reference and a float32 cache."""
+    if row["kind"] == "peer":
+        return "quanto"
+    pol = row.get("policy") if row["kind"] == "policy" else None
+    if not pol or pol["middle"] == "float32":
+        return None
+    if pol.get("scorer"):
+        return pol["scorer"] + (" (prefill)" if pol.get("scorer_mode") == "prefill" else "")
+    return "streaming" if pol["middle"] == "drop" else "quantization"
+
+
+def _frontier(study, rows, load):
+    """The frontier figure's data, for a study with a scored selection: per context, each family's
+    arms (:func:`policy_family`) with their bytes per token and Δ perplexity (the live figure's),
+    sorted by (bytes, name); families in the order their arms first come. None without a scorer."""
+    if not any((r.get("policy") or {}).get("scorer") for r in rows):
+        return None
+    groups = _context_groups(rows)
+    contexts = []
+    for prefix, sel in groups:
+        by_arm: dict[str, dict[str, dict]] = {}
+        for r in sel:
+            by_arm.setdefault(r["arm"], {})[r["case"]] = r
+        ref = next((segs for segs in by_arm.values() if next(iter(segs.values()))["kind"] == "reference"), None)
+        if ref is None:
+            continue
+        families: dict[str, list] = {}
+        for arm, segs in by_arm.items():
+            fam = policy_family(next(iter(segs.values())))
+            pt = None if fam is None else _delta_point(arm, segs, ref)
+            if pt is not None:
+                families.setdefault(fam, []).append(pt)
+        contexts.append({"context": prefix[1:] if len(groups) > 1 else "",
+                         "families": [{"family": f, "points": sorted(p, key=lambda x: (x["bytes_per_token"], x["arm"]))}
+                                      for f, p in families.items()]})
+    return {"contexts": contexts} if contexts else None
+
+
 def _retrieval(study, rows, load):
     maps = []
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -346,6 +395,7 @@ _BUILDERS = (("heatmap", "observation", _heatmaps), ("support_ecdf", "observatio
              ("region_mass", "observation", _regions), ("mx_paths", "mx_paths", _mx),
              ("ablation_pairs", "ablation", _ablation), ("residual_window", "residual_window", _residual),
              ("live_quality", "live_quality", _live), ("equal_bytes", "live_quality", _equal_bytes),
+             ("frontier", "live_quality", _frontier),
              ("retrieval_heatmap", "retrieval", _retrieval))
 
 
@@ -741,7 +791,30 @@ def _draw_equal_bytes(plt, d):
     return fig
 
 
-_DRAW = {"heatmap": _draw_heatmap, "support_ecdf": _draw_support, "region_mass": _draw_regions, "mx_paths": _draw_mx,
+def _draw_frontier(plt, d):
+    """One panel per context: Δ perplexity against bytes per token, one line per family."""
+    n = len(d["contexts"])
+    fig, axes = plt.subplots(1, n, figsize=(_MAX_W, 4.6), squeeze=False)
+    names = list(dict.fromkeys(f["family"] for c in d["contexts"] for f in c["families"]))
+    cmap = plt.get_cmap("tab20" if len(names) > 10 else "tab10")
+    shapes = "osD^v<>ph*"
+    for ax, c in zip(axes[0], d["contexts"]):
+        for f in c["families"]:
+            i = names.index(f["family"])
+            ax.plot([p["bytes_per_token"] for p in f["points"]], [p["delta_pct"] for p in f["points"]],
+                    "-" + shapes[i % len(shapes)], color=cmap(i % cmap.N), lw=1.2, ms=5, label=f["family"])
+        ax.set_xlabel("bytes per token")
+        ax.set_ylabel("perplexity change vs reference (%)")
+        ax.set_yscale("symlog", linthresh=0.1)
+        _log(ax, "x")
+        if c["context"]:
+            ax.set_title(f"{c['context']} tokens")
+    _legend_right(axes[0][-1], title="family")
+    return fig
+
+
+_DRAW = {"frontier": _draw_frontier,
+         "heatmap": _draw_heatmap, "support_ecdf": _draw_support, "region_mass": _draw_regions, "mx_paths": _draw_mx,
          "ablation_pairs": _draw_ablation, "residual_window": _draw_residual, "live_quality": _draw_live,
          "equal_bytes": _draw_equal_bytes, "retrieval_heatmap": _draw_retrieval}
 
@@ -842,7 +915,8 @@ def _palette_png(raw: bytes) -> bytes:
 def _caption(d) -> str:
     dist_word = "layer" if any(str(x).startswith("L") for x in _distributions(d)) else "distribution or layout"
     segments = (len(d["arms"][0]["segments"]) if d["kind"] == "live_quality"
-                else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes" else 0)
+                else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes"
+                else len(d["contexts"][0]["families"][0]["points"][0]["segments"]) if d["kind"] == "frontier" else 0)
     return _CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
 
 

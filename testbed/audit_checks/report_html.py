@@ -349,6 +349,47 @@ def _equal_bytes_figure(rows):
     return budgets
 
 
+def _family(r):
+    """The frontier figure's family of a row (the audit's own rule): a peer "quanto"; a policy with a
+    scorer its scorer, " (prefill)" when it decides at the prefill only; a dropped middle
+    "streaming"; another non-float32 middle "quantization"; else none."""
+    if r["kind"] == "peer":
+        return "quanto"
+    pol = r.get("policy") if r["kind"] == "policy" else None
+    if not isinstance(pol, dict) or pol.get("middle") == "float32":
+        return None
+    if pol.get("scorer"):
+        return pol["scorer"] + (" (prefill)" if pol.get("scorer_mode") == "prefill" else "")
+    return "streaming" if pol.get("middle") == "drop" else "quantization"
+
+
+def _frontier_figure(rows):
+    """Per context (row order): each family's arms with bytes per token and Δ perplexity against the
+    reference, sorted by (bytes, arm), families in the order of their first arm; only for a study
+    with a scored selection."""
+    if not any(isinstance(r.get("policy"), dict) and r["policy"].get("scorer") for r in rows):
+        return None
+    prefixes = _ordered([_context_of(r) for r in rows])
+    contexts = []
+    for prefix in prefixes:
+        sel = [r for r in rows if _context_of(r) == prefix]
+        names = _ordered([r["arm"] for r in sel])
+        seg = {arm: {r["case"]: r for r in sel if r["arm"] == arm} for arm in names}
+        refs = [a for a in names if next(iter(seg[a].values()))["kind"] == "reference"]
+        if not refs:
+            continue
+        families: dict = {}
+        for arm in names:
+            fam = _family(next(iter(seg[arm].values())))
+            p = None if fam is None else _versus_reference(arm, seg[arm], seg[refs[0]])
+            if p is not None:
+                families.setdefault(fam, []).append(p)
+        contexts.append({"context": prefix[1:] if len(prefixes) > 1 else "",
+                         "families": [{"family": f, "points": sorted(v, key=lambda x: (x["bytes_per_token"], x["arm"]))}
+                                      for f, v in families.items()]})
+    return {"contexts": contexts} if contexts else None
+
+
 def _live_figure(rows, ctx):
     """One point per arm, or per (arm, context) where the study has several contexts (case ids
     ``c{n}-seg...``): labelled ``"arm @ n"``, the contexts in the order their rows come."""
@@ -359,11 +400,12 @@ def _live_figure(rows, ctx):
         sel = [r for r in rows if (str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "") == prefix]
         one = _live_points(sel, ctx, f" @ {prefix[1:]}" if len(prefixes) > 1 else "")
         if one is None:
-            return [("live_quality", None), ("equal_bytes", budgets and {"budgets": budgets})]
+            return [("live_quality", None), ("equal_bytes", budgets and {"budgets": budgets}),
+                    ("frontier", _frontier_figure(rows))]
         points += one[0]
         agreement += one[1]
     return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement}),
-            ("equal_bytes", budgets and {"budgets": budgets})]
+            ("equal_bytes", budgets and {"budgets": budgets}), ("frontier", _frontier_figure(rows))]
 
 
 def _live_points(rows, ctx, suffix: str):
@@ -523,6 +565,13 @@ CAPTIONS = {
                     "paired difference against the compared arm or its interval (report.md's equal-bytes table has both), "
                     "free generation or task accuracy (teacher forcing), other models (one small model, SmolLM2-135M), "
                     "other text (one corpus), or an interval: {segments} segments."),
+    "frontier": ("What a byte of cache buys: the perplexity change against the DynamicCache reference (exp of the "
+                 "mean per-segment NLL difference, minus 1) against the cache's bytes per token at the end of a segment "
+                 "(mean over segments), one curve per family of policy (quantization: the grouped-int and MX presets; "
+                 "quanto; streaming: a sink and the newest tokens; each scorer, online or compressing the prefill "
+                 "once), one panel per context; lower and further left is better. What it does not show: retrieval "
+                 "(the retrieval study), intervals or paired tests, free generation (teacher forcing), other models "
+                 "(one small model, SmolLM2-135M), or other text (one corpus): {segments} segments."),
     "retrieval_heatmap": ("Needle retrieval: teacher-forced exact-match accuracy per needle depth (rows, 0 = the "
                           "haystack's start) and prefill length (columns), one panel per task and arm; each cell is "
                           "the share of its trials whose every answer token was the model's argmax (the number of "
@@ -544,7 +593,8 @@ def caption(d: dict) -> str:
               for item in d.get(key, [])]
     dist_word = "layer" if any(str(x).startswith("L") for x in groups) else "distribution or layout"
     segments = (len(d["arms"][0]["segments"]) if d["kind"] == "live_quality"
-                else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes" else 0)
+                else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes"
+                else len(d["contexts"][0]["families"][0]["points"][0]["segments"]) if d["kind"] == "frontier" else 0)
     return CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
 
 

@@ -52,7 +52,10 @@ from ..metrics import effective_support
 from ..quant import Packed
 from ..quant.base import make_header
 from . import packed_attention as pa
+from . import scorers
+from .causal import _causal_softmax_blocks, accumulated_attention
 from .policy import HEADER_BYTES, Policy, sink_candidates
+from .scored import ScoredLayer
 
 __all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
            "policy_attention", "sink_scores", "choose_sink", "concentration", "allocation_keys", "allocate",
@@ -166,24 +169,6 @@ def check_cache_kinds(cache, config) -> None:
             raise ValueError(f"layer {i}: the cache serves it as {have}, the model's config makes it {wanted}: {fix}")
 
 
-def _causal_softmax_blocks(query: torch.Tensor, key: torch.Tensor, scale: float, block: int, dtype: torch.dtype):
-    """Yield ``(P [B, H_kv, g, z - a, n], qpos)`` per block of queries ``a:z`` of one causal pass:
-    ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions (the pass's
-    keys in order, a cache's history first), scores and softmax in ``dtype``, the query heads
-    grouped by KV head (g per head); memory ``B H_q block n``."""
-    b, hq, t, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    q = query.to(dtype).reshape(b, hkv, hq // hkv, t, d)
-    k = key.to(dtype)
-    kpos = torch.arange(n, device=query.device)
-    for a in range(0, t, block):
-        z = min(t, a + block)
-        qpos = torch.arange(n - t + a, n - t + z, device=query.device)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, a:z], k) * scale
-        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        yield torch.softmax(s, dim=-1), qpos
-
-
 def sink_scores(query: torch.Tensor, key: torch.Tensor, scale: float, candidates: int, block: int = 256) -> torch.Tensor:
     """``[B, H_kv, candidates]``: for each of the first ``candidates`` keys of a causal prefill, the
     mean share of attention it receives over the queries that see it (query positions >= its own)
@@ -212,18 +197,6 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
     for p, qpos in _causal_softmax_blocks(query, key, scale, block, torch.float32):
         acc += effective_support(p, qpos + 1).sum(dim=(2, 3))
     return acc if total else acc / (hq // hkv * t)
-
-
-def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scale: float, block: int = 256) -> torch.Tensor:
-    """``[B, H_kv, n]`` float64: the attention each of the ``n`` keys received in one causal pass,
-    summed over the pass's queries and the KV head's query heads (H2O's accumulated score).
-    ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions; float64
-    scores (so a pass cut into chunks sums to the same up to float64 rounding), queries in blocks."""
-    b, hkv, n = query.shape[0], key.shape[1], key.shape[2]
-    acc = torch.zeros(b, hkv, n, dtype=torch.float64, device=query.device)
-    for p, _ in _causal_softmax_blocks(query, key, scale, block, torch.float64):
-        acc += p.sum(dim=(2, 3))
-    return acc
 
 
 def choose_heavy(index: torch.Tensor, score: torch.Tensor, count: int) -> torch.Tensor:
@@ -949,6 +922,30 @@ def layer_kinds(config) -> list[tuple[str, int | None]]:
     return out
 
 
+def _full_layer(policy: Policy, record: bool, layer_idx: int, direct: bool, scorer_base=None):
+    """A full-attention layer running ``policy``: a :class:`ScoredLayer` for a scored selection
+    (its scorer from :mod:`testbed.policies.scorers`; a user's file relative to ``scorer_base``),
+    else a :class:`PolicyLayer`."""
+    if policy.scored:
+        if direct:
+            raise ValueError(f"policy {policy.name}: direct attention over codes needs a quantized middle")
+        return ScoredLayer(policy, scorers.get(policy.scorer, policy.seed, scorer_base), record=record,
+                           layer_idx=layer_idx, mask_hook=_scored_mask, select_hook=_scored_select)
+    return PolicyLayer(policy, record=record, layer_idx=layer_idx, direct=direct)
+
+
+def _scored_select(layer) -> None:
+    """A scored layer whose scorer reads attention: the attention call that follows reports to it."""
+    _require_active("a scorer of attention", layer.layer_idx)
+    _SELECT[layer.layer_idx] = layer
+
+
+def _scored_mask(layer, visible: torch.Tensor) -> None:
+    """A scored layer's chunk after an eviction: its mask, applied by the attention call that follows."""
+    _require_active("a chunk after a scored eviction", layer.layer_idx)
+    _PENDING[layer.layer_idx] = (layer, visible)
+
+
 class PolicyCache(Cache):
     """``Cache(layers=[PolicyLayer(policy), ...])`` for a model of ``num_layers`` layers;
     ``record_layer`` records its float32 inputs (see :meth:`PolicyLayer.evidence`); ``direct``:
@@ -960,10 +957,9 @@ class PolicyCache(Cache):
 
     def __init__(self, policy: Policy, num_layers: int, record_layer: int | None = None, direct: bool = False, *,
                  layers: list | None = None, kinds: list[str] | None = None, scores: torch.Tensor | None = None,
-                 received: list[torch.Tensor] | None = None):
+                 received: list[torch.Tensor] | None = None, scorer_base=None):
         if layers is None:
-            layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
-                      for i in range(num_layers)]
+            layers = [_full_layer(policy, i == record_layer, i, direct, scorer_base) for i in range(num_layers)]
         elif len(layers) != num_layers:
             raise ValueError(f"{len(layers)} layers given for num_layers={num_layers}")
         super().__init__(layers=layers)
@@ -984,7 +980,7 @@ class PolicyCache(Cache):
     @classmethod
     def for_model(cls, policy: Policy, config, record_layer: int | None = None, direct: bool = False,
                   sliding: str = "native", scores: torch.Tensor | None = None,
-                  received: list[torch.Tensor] | None = None) -> "PolicyCache":
+                  received: list[torch.Tensor] | None = None, scorer_base=None) -> "PolicyCache":
         """The cache for a model of ``config`` (a transformers config), one layer per decoder layer:
 
         - a ``"full_attention"`` layer gets a :class:`PolicyLayer` running ``policy``;
@@ -1020,7 +1016,7 @@ class PolicyCache(Cache):
         if policy.middle != "float32" and not any(k == "full_attention" for k, _ in kinds):
             raise ValueError(f"policy {policy.name}: layers 0..{n - 1} are all {kinds[0][0]}; the policy applies to "
                              "full-attention layers only, so it would apply nowhere")
-        layers = [PolicyLayer(policy, record=(i == record_layer), layer_idx=i, direct=direct)
+        layers = [_full_layer(policy, i == record_layer, i, direct, scorer_base)
                   if kind == "full_attention" else SlidingLayer(window, layer_idx=i)
                   for i, (kind, window) in enumerate(kinds)]
         return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds], scores=scores,

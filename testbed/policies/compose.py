@@ -20,8 +20,9 @@ by its fields (:func:`declared`)::
      "storage": {"middle": "int4", "window": 128, "group": 64},
      "description": "KIVI-style int4 with K grouped over 64 tokens"}
 
-Unset fields take the protocol's ``window`` (R, a storage field), ``group`` (G) and
-``evict_window`` (W, the ``"sink_window"`` selection's window); every other field takes its default
+Unset fields take the protocol's ``window`` (R, the storage's float32 window of an ``"all"``
+selection), ``group`` (G) and ``evict_window`` (W, the ``"sink_window"`` selection's window); a
+scored selection's ``keep`` may come from a ``budget`` (:func:`budget_keep`); every other field takes its default
 below (no sink, K per channel, groups of 32 features, no per-head precision, no heavy hitters).
 The audit states the same mapping on its own (``audit_checks/live_quality.py``, ``declared_policy``)
 and re-derives the bytes and the schedule from the frozen fields: a new combination is a protocol
@@ -33,10 +34,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from .policy import PRESETS, Policy, preset
+from . import scorers
+from .policy import PRESETS, SCORED_TOKEN_EXTRA, Policy, preset
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
-           "RESERVED_NAMES"]
+           "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS"]
 
 # which tokens a selection keeps: every one, or the first S and the newest W
 SELECTIONS = ("all", "sink_window")
@@ -53,7 +55,12 @@ class Selection:
     at the start (``sink_select``: ``"first"`` or ``"mass"``, the most attended at the prefill);
     ``window``: W, the newest tokens a ``"sink_window"`` selection keeps; ``heavy``: C tokens of a
     quantized middle kept float32, chosen by ``heavy_rule`` (``"attention"``: H2O's accumulated
-    attention; ``"first"``: the oldest, a control; ``"oracle"``: the whole segment's attention)."""
+    attention; ``"first"``: the oldest, a control; ``"oracle"``: the whole segment's attention).
+
+    A scored selection: ``kind`` a scorer of :mod:`testbed.policies.scorers` (``"knorm"``,
+    ``"random"``) or ``"file.py:Class"``; it keeps the ``keep`` tokens of largest score per
+    (layer, KV head), deciding at the prefill only (``mode="prefill"``) or as every token arrives
+    (``"online"``); ``seed`` for a seeded scorer."""
 
     kind: str = "all"
     sink: int = 0
@@ -61,6 +68,9 @@ class Selection:
     window: int = 0
     heavy: int = 0
     heavy_rule: str = "attention"
+    keep: int = 0
+    mode: str = "online"
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,8 +97,23 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
     """The policy that keeps ``selection``'s tokens stored as ``storage`` says (validated by
     :class:`Policy`; a ``"sink_window"`` selection keeps its tokens float32 and has no middle)."""
     s, t = selection, storage
-    if s.kind not in SELECTIONS:
-        raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, got {s.kind!r}")
+    if s.kind not in SELECTIONS and not (s.kind in scorers.SCORERS or scorers.is_user_scorer(s.kind)):
+        raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, a scorer "
+                         f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
+    if s.kind not in SELECTIONS:  # a scored selection: the top-keep tokens, float32
+        if t.middle != "float32" or t.window or t.low is not None:
+            raise ValueError(f"policy {name}: a scored selection keeps its tokens float32 (storage middle 'float32', "
+                             f"no window, no low scheme), got middle {t.middle!r}, window {t.window}")
+        if s.sink or s.window or s.heavy or s.sink_select != "first":
+            raise ValueError(f"policy {name}: a scored selection keeps its top-scored tokens only (no sink, window or "
+                             "heavy hitters)")
+        modes = scorers.SCORERS[s.kind].MODES if s.kind in scorers.SCORERS else scorers.MODES
+        if s.mode not in modes:
+            raise ValueError(f"policy {name}: scorer {s.kind} decides {' or '.join(modes)}, not {s.mode!r}")
+        return Policy(name, "drop", 0, 0, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
+                      keep=s.keep, seed=s.seed, description=description)
+    if s.keep or s.seed or s.mode != "online":
+        raise ValueError(f"policy {name}: keep, mode and seed belong to a scored selection (kind a scorer)")
     if s.kind == "sink_window":
         if t.middle != "float32" or t.low is not None:
             raise ValueError(f"policy {name}: a sink_window selection keeps its tokens float32 (storage middle "
@@ -105,12 +130,15 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
     if t.middle == "drop":
         raise ValueError(f"policy {name}: 'drop' is a selection (kind 'sink_window'), not a storage scheme")
     return Policy(name, t.middle, s.sink, t.window, t.group, t.feature_group, t.key_axis, s.sink_select, t.low,
-                  t.low_share, t.alloc, t.alloc_from, s.heavy, s.heavy_rule, description)
+                  t.low_share, t.alloc, t.alloc_from, s.heavy, s.heavy_rule, description=description)
 
 
 def decompose(policy: Policy) -> tuple[Selection, Storage]:
     """The selection and storage of any policy: ``compose(p.name, *decompose(p), p.description) == p``."""
     p = policy
+    if p.scored:
+        return (Selection(p.scorer, keep=p.keep, mode=p.scorer_mode, seed=p.seed),
+                Storage("float32", 0, p.group, p.feature_group, p.key_axis))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis))
@@ -147,17 +175,20 @@ def policy_name(entry) -> str:
     return entry["name"] if isinstance(entry, dict) else entry
 
 
-def declared(entry: dict, *, window: int, group: int, evict_window: int, where: str = "policy") -> Policy:
+def declared(entry: dict, *, window: int, group: int, evict_window: int, where: str = "policy",
+             budget: dict | None = None) -> Policy:
     """The policy a protocol declares by its fields (the module's docstring): ``name``,
     ``selection`` and ``storage`` objects, an optional ``description``; unset fields take the
-    protocol's ``window`` (R), ``group`` (G) and ``evict_window`` (W). Raises ``ValueError`` naming
+    protocol's ``window`` (R), ``group`` (G) and ``evict_window`` (W). A scored selection's ``budget``
+    (:func:`budget_keep`) sets its ``keep`` from ``budget``: the study's ``prefill``, ``steps`` and the
+    model's ``layers``, ``kv_heads``, ``head_dim`` (and ``tolerance``). Raises ``ValueError`` naming
     the offending field."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be a preset name or an object, got {entry!r}")
-    unknown = sorted(set(entry) - {"name", "selection", "storage", "description"})
+    unknown = sorted(set(entry) - {"name", "selection", "storage", "description", "budget"})
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; a declared policy has name, selection, storage and "
-                         "description")
+        raise ValueError(f"{where}: unknown key(s) {unknown}; a declared policy has name, selection, storage, budget "
+                         "and description")
     name = entry.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"{where}.name: a declared policy needs a name of letters, digits, '_', '.' or '-' "
@@ -173,17 +204,84 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
     kind = sel.get("kind", "all")
     if kind == "sink_window":
         sel.setdefault("window", evict_window)
-    elif sto.get("middle", "float32") != "drop":
+    elif kind == "all" and sto.get("middle", "float32") != "drop":
         sto.setdefault("window", window)
     sto.setdefault("group", group)
+    if "budget" in entry:
+        if kind == "all":
+            raise ValueError(f"{where} ({name}): a budget sets the kept count of a scored or sink_window selection; "
+                             "selection kind 'all' keeps every token")
+        if "keep" in sel or (kind == "sink_window" and "window" in entry.get("selection", {})):
+            raise ValueError(f"{where} ({name}): give either the kept count (keep, or a sink_window's window) or a "
+                             "budget, not both")
+        if budget is None:
+            raise ValueError(f"{where} ({name}): a budget needs the study's context and model dimensions")
+        if kind == "sink_window":  # the first S and the newest W, float32 K and V only: W from the budget
+            held = budget_keep(entry["budget"], mode="online", where=f"{where} ({name}).budget", extra=0, **budget)
+            if held <= sel.get("sink", 0):
+                raise ValueError(f"{where} ({name}).budget: {held} tokens per (layer, KV head) leave no window "
+                                 f"beside the sink of {sel.get('sink', 0)}")
+            sel["window"] = held - sel.get("sink", 0)
+        else:
+            sel["keep"] = budget_keep(entry["budget"], mode=sel.get("mode", "online"),
+                                      where=f"{where} ({name}).budget", **budget)
     try:
         return compose(name, Selection(**sel), Storage(**sto), description)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where} ({name}): {e}") from None
 
 
+# a budget names one of these: bytes per token of the whole cache, that as a fraction of a float16
+# cache's, or the kept tokens per (layer, KV head) directly
+BUDGET_KINDS = ("bytes_per_token", "fp16_fraction", "tokens")
+
+
+def scored_bytes(keep: int, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
+                 extra: int = SCORED_TOKEN_EXTRA) -> int:
+    """Whole-cache bytes of a scored selection at the end of a segment (``prefill + steps`` tokens):
+    per layer the header and, per KV head and held token, float32 K and V and ``extra`` bytes (an
+    int32 index and a float32 score; 0 for a sink_window selection, which stores neither)."""
+    held = min(prefill + steps, keep) if mode == "online" else min(prefill, keep) + steps
+    return layers * (16 + kv_heads * held * (2 * head_dim * 4 + extra))
+
+
+def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
+                tolerance: float = 0.01, where: str = "budget", extra: int = SCORED_TOKEN_EXTRA) -> int:
+    """The kept count per (layer, KV head) that lands a scored selection within ``tolerance`` below
+    ``budget`` at the end of the segment: the largest whose bytes do not exceed it. ``ValueError``
+    when no count does (the budget is below one token, above every token, or between two counts)."""
+    if not isinstance(budget, dict) or len(budget) != 1 or next(iter(budget)) not in BUDGET_KINDS:
+        raise ValueError(f"{where}: give exactly one of {list(BUDGET_KINDS)}, got {budget!r}")
+    (kind, value), = budget.items()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{where}.{kind}: expected a positive number, got {value!r}")
+    n = prefill + steps
+    per_token = 2 * head_dim * 4 + extra
+    if kind == "tokens":
+        if not isinstance(value, int):
+            raise ValueError(f"{where}.tokens: expected an integer, got {value!r}")
+        return value
+    if layers is None:
+        raise ValueError(f"{where}.{kind}: a budget in bytes is derived for a model of the study's known models "
+                         "without sliding layers (their bytes are the audit's); give {\"tokens\": K} for this one")
+    target = value * n if kind == "bytes_per_token" else value * n * layers * 2 * kv_heads * head_dim * 2
+    held = int((target / layers - 16) // (kv_heads * per_token))  # tokens per (layer, KV head) at the end
+    keep = held if mode == "online" else held - steps
+    if held < 1 or keep < 1 or (mode == "prefill" and keep > prefill) or held > n:
+        fp16 = layers * 2 * kv_heads * head_dim * 2
+        raise ValueError(f"{where}: {target / n:,.1f} bytes per token ({target / n / fp16:.4f} of float16's) is out of "
+                         f"reach of a {mode} scored selection at {n} tokens: it would hold {held} tokens per (layer, KV "
+                         f"head) of {per_token} B each"
+                         + (f", {steps} of them the decode steps it keeps" if mode == "prefill" else ""))
+    got = scored_bytes(keep, mode, prefill, steps, layers, kv_heads, head_dim, extra)
+    if (target - got) / target > tolerance:
+        raise ValueError(f"{where}: the nearest kept count ({keep}) lands {(target - got) / target:.2%} below the "
+                         f"budget at {n} tokens, more than the tolerance {tolerance:.2%}")
+    return keep
+
+
 def policies_from(entries, *, window: int, group: int, evict_window: int, sink: int,
-                  where: str = "policies") -> list[Policy]:
+                  where: str = "policies", budget: dict | None = None) -> list[Policy]:
     """The policies of a protocol's ``policies`` list: a preset's name (at the protocol's R, G, W and
     S) or a declared policy (:func:`declared`). Two entries of one name are refused."""
     out, seen = [], {}
@@ -194,7 +292,8 @@ def policies_from(entries, *, window: int, group: int, evict_window: int, sink: 
             except ValueError as e:
                 raise ValueError(f"{where}[{i}]: {e}") from None
         else:
-            pol = declared(entry, window=window, group=group, evict_window=evict_window, where=f"{where}[{i}]")
+            pol = declared(entry, window=window, group=group, evict_window=evict_window, where=f"{where}[{i}]",
+                           budget=budget)
         if pol.name in seen:
             raise ValueError(f"{where}[{i}]: the arm {pol.name!r} is listed twice (also at index {seen[pol.name]})")
         seen[pol.name] = i

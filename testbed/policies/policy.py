@@ -59,7 +59,8 @@ from dataclasses import asdict, dataclass, replace
 from ..quant import MX, IntGrouped, Quantizer
 from ..quant.constants import HEADER_BYTES
 
-__all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
+__all__ = ["Policy", "PRESETS", "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
+           "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
            "equal_bytes_versus"]
 
@@ -72,6 +73,12 @@ ALLOC = ("concentrated", "diffuse", "late", "random")
 ALLOC_FROM = ("prefill", "oracle")
 MIXED_FIELDS = ("low", "low_share", "alloc", "alloc_from")  # in a row's policy config only when mixed
 HEAVY_FIELDS = ("heavy", "heavy_rule")  # in a row's policy config only when heavy hitters are kept
+# a scored selection (testbed.policies.scorers): which scorer, when it decides (SCORER_MODES), how many
+# tokens per (layer, KV head) it keeps, its seed; in a row's policy config only when a scorer is set
+SCORER_FIELDS = ("scorer", "scorer_mode", "keep", "seed")
+SCORER_MODES = ("prefill", "online")
+# bytes per kept token per KV head of a scored selection beside its float32 K and V: int32 index, float32 score
+SCORED_TOKEN_EXTRA = 8
 # which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), the
 # oldest (content-blind: a float32 sink of C tokens at the same bytes, the control), or the most
 # attended over the whole segment (the oracle: a float32 pass over the segment in advance, impossible
@@ -156,9 +163,18 @@ class Policy:
     alloc_from: str = "prefill"
     heavy: int = 0
     heavy_rule: str = "attention"
+    scorer: str | None = None
+    scorer_mode: str = "online"
+    keep: int = 0
+    seed: int = 0
     description: str = ""
 
     def __post_init__(self):
+        if self.scorer is not None:
+            self._check_scored()
+            return
+        if self.keep or self.seed or self.scorer_mode != "online":
+            raise ValueError(f"policy {self.name}: keep, seed and scorer_mode belong to a scored selection (set scorer)")
         if self.middle not in MIDDLE_SCHEMES:
             raise ValueError(f"policy {self.name}: middle {self.middle!r} is not one of {list(MIDDLE_SCHEMES)}")
         for label in ("sink", "window"):
@@ -204,7 +220,35 @@ class Policy:
         if self.alloc_from == "oracle" and self.alloc not in ("concentrated", "diffuse"):
             raise ValueError(f"policy {self.name}: an oracle allocation needs a rule that reads attention")
 
+    def _check_scored(self) -> None:
+        if not isinstance(self.scorer, str) or not self.scorer:
+            raise ValueError(f"policy {self.name}: scorer must be a scorer's name, got {self.scorer!r}")
+        if self.middle != "drop" or self.sink or self.window or self.heavy or self.low is not None \
+                or self.sink_select != "first":
+            raise ValueError(f"policy {self.name}: a scored selection keeps its top-scored tokens float32 and nothing "
+                             "else (no sink, window, heavy hitters or per-head bits)")
+        if self.scorer_mode not in SCORER_MODES:
+            raise ValueError(f"policy {self.name}: scorer_mode must be one of {list(SCORER_MODES)}, "
+                             f"got {self.scorer_mode!r}")
+        for label in ("keep", "seed"):
+            v = getattr(self, label)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if label == "keep" else 0) or v >= 2 ** 24:
+                raise ValueError(f"policy {self.name}: {label} must be an integer in [{1 if label == 'keep' else 0}, "
+                                 f"2**24), got {v!r}")
+
     # -- what the middle is ------------------------------------------------------------------
+    @property
+    def scored(self) -> bool:
+        """Tokens kept by a scorer's top-``keep`` per (layer, KV head) (:mod:`testbed.policies.scorers`)."""
+        return self.scorer is not None
+
+    def scored_held(self, n: int, prefill: int) -> int:
+        """Tokens a scored selection holds per (layer, KV head) after ``n`` tokens (``n >= prefill``):
+        online, at most ``keep``; at the prefill only, the prefill's top ``keep`` and every later token."""
+        if self.scorer_mode == "online":
+            return min(n, self.keep)
+        return min(prefill, self.keep) + max(0, n - prefill)
+
     @property
     def quantized(self) -> bool:
         return self.middle not in ("float32", "drop")
@@ -271,6 +315,9 @@ class Policy:
         if not self.heavy:
             for key in HEAVY_FIELDS:
                 del out[key]
+        if not self.scored:
+            for key in SCORER_FIELDS:
+                del out[key]
         return out
 
     def with_(self, **changes) -> "Policy":
@@ -304,6 +351,8 @@ class Policy:
         have evicted, which is exact for any chunk -- and a float32 one never."""
         if self.middle == "float32":
             return math.inf
+        if self.scored:  # online: the append that makes the cache exceed keep evicts, after its own attention
+            return math.inf if self.scorer_mode == "prefill" else max(1, self.keep + 1 - n)
         if self.evicts:  # the append that makes the cache exceed S + W evicts (without a mask)
             return math.inf if masked else max(1, self.sink + self.window + 1 - n)
         # smallest m > n with m - S - R a positive multiple of G: the append that flushes
@@ -322,9 +371,14 @@ class Policy:
             return 0.0
         return scheme_bytes_per_token(self.middle, heads, head_dim, self.group, self.feature_group, self.key_axis)
 
-    def layer_bytes(self, n: int, heads: int, head_dim: int) -> int:
+    def layer_bytes(self, n: int, heads: int, head_dim: int, prefill: int | None = None) -> int:
         """Exact bytes of one layer's cache (one sequence) after ``n`` tokens (not for a mixed
-        policy, whose layers differ: :meth:`cache_bytes`)."""
+        policy, whose layers differ: :meth:`cache_bytes`); a scored selection's, after a prefill of
+        ``prefill`` tokens: every held token's float32 K and V, int32 index and float32 score."""
+        if self.scored:
+            if prefill is None:
+                raise ValueError(f"policy {self.name}: a scored selection's bytes depend on the prefill length")
+            return HEADER_BYTES + heads * self.scored_held(n, prefill) * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
         if self.mixed:
             raise ValueError(f"policy {self.name}: a mixed policy's layer bytes depend on its allocation; use cache_bytes")
         spans = self.kept_spans(n)

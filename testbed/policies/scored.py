@@ -1,0 +1,225 @@
+"""The cache layer of a scored selection: each (sequence, KV head) keeps its top-``keep`` tokens.
+
+A scorer (:mod:`testbed.policies.scorers`) gives every token a float32 score when it arrives; the
+layer keeps the ``keep`` tokens of largest score, ties to the older token (:func:`keep_top`), as
+float32 K and V in the order they arrived, each with its int32 position and float32 score (counted
+in the bytes: the index is what the audit and any sparse kernel need, the score what an online
+decision compares a new token with).
+
+- ``scorer_mode="prefill"``: the prefill attends itself causally, as with every policy, then is
+  cut to its top ``keep`` once (kvpress's compression); every later token is kept.
+- ``scorer_mode="online"``: the same at the prefill, then each later token is scored on arrival,
+  attends the held tokens and itself, and the lowest-scored of the held ones and it is dropped
+  when more than ``keep`` are held (append-only: a dropped token never comes back). A chunk of
+  tokens is exact up to and including the token whose append first exceeds ``keep``
+  (:meth:`~testbed.policies.policy.Policy.next_change`); after that, one token per forward.
+
+Kept keys keep the positions they were rotated with. Every held key is older than every new query,
+but once tokens were dropped the model's causal mask (by position) no longer lines up with the held
+keys: a chunk of several tokens then gets its own mask (held keys visible to all, new keys causal)
+through :func:`testbed.policies.cache.policy_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from .causal import accumulated_attention
+from .policy import HEADER_BYTES, Policy
+from .scorers import Scorer, keep_top
+
+__all__ = ["ScoredLayer"]
+
+
+class ScoredLayer(DynamicLayer):
+    """One layer's cache under a scored ``policy`` with ``scorer``; ``record=True`` keeps a float32
+    copy of every K/V appended for batch row 0 (the audit re-derives the kept set from it)."""
+
+    is_croppable = False
+
+    def __init__(self, policy: Policy, scorer: Scorer, record: bool = False, layer_idx: int | None = None,
+                 mask_hook=None, select_hook=None):
+        super().__init__()
+        # select_hook(layer): the attention call that follows reports its queries (observe_prefill) to a
+        # scorer of attention, which decides then
+        self.select_hook = select_hook
+        self._waiting = None  # (keys, values, index, previous scores) until the attention call reports
+        self._loading = False
+        self.recorded_q = None
+        # mask_hook(layer, visible [t, held + t] bool): hands attention the mask of a chunk that follows
+        # an eviction (testbed.policies.cache's policy_attention applies it)
+        self.mask_hook = mask_hook
+        if not policy.scored:
+            raise ValueError(f"policy {policy.name} has no scorer")
+        if layer_idx is None:
+            raise ValueError("a scored layer needs its layer index (scorers may depend on it)")
+        self.policy, self.scorer, self.record, self.layer_idx = policy, scorer, record, layer_idx
+        self.recorded_k: list[torch.Tensor] = []
+        self.recorded_v: list[torch.Tensor] = []
+        self.seen = 0
+        self.kept_k = self.kept_v = self.kept_index = self.kept_score = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        empty = key_states[..., :0, :].to(torch.float32)
+        self.kept_k = self.kept_v = self.keys = self.values = empty
+        self.kept_index = torch.zeros(empty.shape[:3], dtype=torch.int64, device=empty.device)
+        self.kept_score = torch.zeros(empty.shape[:3], dtype=torch.float32, device=empty.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._waiting is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the previous update's attention call never reported its "
+                               "queries (a scorer of attention decides from them; run the model inside "
+                               "testbed.policies.cache.policy_attention(model))")
+        b, h, t, _ = key_states.shape
+        k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
+        if self.record:
+            self.recorded_k.append(k_new[0].detach().clone())
+            self.recorded_v.append(v_new[0].detach().clone())
+        positions = torch.arange(self.seen, self.seen + t, device=k_new.device)
+        attention = getattr(self.scorer, "ATTENTION", False)
+        if attention:  # scored when the attention call reports; until then 0
+            score = torch.zeros(b, h, t, dtype=torch.float32, device=k_new.device)
+        else:
+            score = self._checked(self.scorer.score(k_new, positions, self.layer_idx), (b, h, t))
+        held = self.kept_k.shape[-2]
+        if t > 1 and held < self.seen:  # tokens were dropped: the causal mask by position would be wrong
+            if self.mask_hook is None:
+                raise RuntimeError(f"layer {self.layer_idx}: a chunk after an eviction needs its mask; run the model "
+                                   "inside testbed.policies.cache.policy_attention(model)")
+            visible = torch.ones(t, held + t, dtype=torch.bool)
+            visible[:, held:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+            self.mask_hook(self, visible)
+        keys = torch.cat([self.kept_k, k_new], dim=-2)
+        values = torch.cat([self.kept_v, v_new], dim=-2)
+        out = keys.to(key_states.dtype), values.to(value_states.dtype)  # what this call's queries attend
+        index = torch.cat([self.kept_index, positions.expand(b, h, t)], dim=-1)
+        scores = torch.cat([self.kept_score, score], dim=-1)
+        first = self.seen == 0
+        self.seen += t
+        if not (first or self.policy.scorer_mode == "online"):  # after a prefill-only decision: keep all
+            self.kept_k, self.kept_v, self.kept_index, self.kept_score = keys, values, index, scores
+        elif attention:
+            self._waiting = (keys, values, index, scores)
+            if not self._loading:
+                if self.select_hook is None or (t > 1 and held < self.seen - t):
+                    raise RuntimeError(f"layer {self.layer_idx}: a scorer of attention needs the attention call's "
+                                       "queries; run the model inside testbed.policies.cache.policy_attention(model)")
+                self.select_hook(self)
+        else:
+            self._keep(keys, values, index, scores)
+        return out
+
+    def _checked(self, score: torch.Tensor, shape: tuple) -> torch.Tensor:
+        if tuple(score.shape) != tuple(shape) or score.dtype != torch.float32 or not torch.isfinite(score).all():
+            raise ValueError(f"layer {self.layer_idx}: scorer {self.policy.scorer} returned {score.dtype} "
+                             f"{list(score.shape)}; a finite float32 {list(shape)} score per token was expected")
+        return score
+
+    def _keep(self, keys, values, index, scores) -> None:
+        keep = keep_top(scores, self.policy.keep)
+        at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
+        self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
+        self.kept_index, self.kept_score = torch.gather(index, 2, keep), torch.gather(scores, 2, keep)
+
+    def observe_prefill(self, query: torch.Tensor, key: torch.Tensor, scale: float,
+                        received: torch.Tensor | None = None) -> None:
+        """The attention call's queries ``[B, H_q, t, D]`` (the last t of the keys it attended; or the
+        scorer's last ``QUERIES`` of them) and keys ``[B, H_kv, n, D]``: a scorer of attention scores
+        every held token and the newest, and the layer keeps its top ``keep``. ``received``: the
+        accumulated attention of the call's queries, when the call was a shared prefill that measured it."""
+        if self._waiting is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no update waits for its attention call")
+        keys, values, index, previous = self._waiting
+        self._waiting = None
+        n = keys.shape[-2]
+        if key.shape[-2] != n:
+            raise RuntimeError(f"layer {self.layer_idx}: attention over {key.shape[-2]} keys, {n} held and new")
+        want = self.scorer.QUERIES
+        if want and query.shape[2] < want and query.shape[2] < n:
+            raise ValueError(f"layer {self.layer_idx}: scorer {self.policy.scorer} reads the last {want} queries, "
+                             f"got {query.shape[2]}")
+        q = query if not want else query[:, :, -want:]
+        if received is None and not want:
+            received = accumulated_attention(query, key, scale)
+        if self.record and self.recorded_q is None:  # the prefill decision's queries, for the audit
+            self.recorded_q = q[0].detach().float().clone()
+        score = self.scorer.attention_score(q.float(), key.float(), scale, previous, received)
+        self._keep(keys, values, index, self._checked(score, tuple(previous.shape)))
+
+    def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor | None = None,
+                     scale: float | None = None, received: torch.Tensor | None = None) -> None:
+        """A shared float32 prefill's post-RoPE K/V, taken as the model's own prefill would be; a
+        scorer of attention also needs the prefill's last queries (``query``, at least the scorer's
+        ``QUERIES``; all of them when it reads ``received``, which the shared prefill may hand instead)
+        and the attention ``scale``."""
+        if self.seen:
+            raise RuntimeError(f"layer {self.layer_idx}: load_prefill needs an empty layer ({self.seen} tokens held)")
+        self._loading = True
+        try:
+            self.update(key_states, value_states)
+        finally:
+            self._loading = False
+        if self._waiting is not None:
+            if query is None or scale is None or (not self.scorer.QUERIES and received is None):
+                self._waiting = None
+                raise ValueError(f"layer {self.layer_idx}: scorer {self.policy.scorer} decides from the prefill's "
+                                 "attention; load_prefill needs its last queries, the scale"
+                                 + (" and the accumulated attention" if not self.scorer.QUERIES else ""))
+            self.observe_prefill(query, self._waiting[0].to(query.dtype), scale, received)
+
+    def get_seq_length(self) -> int:
+        return self.seen  # positions continue from here, also after an eviction
+
+    def held_tokens(self) -> int:
+        return 0 if not self.is_initialized else self.kept_k.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.held_tokens() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("ScoredLayer cannot be reset; make a new cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("ScoredLayer cannot be cropped")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("ScoredLayer does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("ScoredLayer does not support batch expansion")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("ScoredLayer does not support batch selection")
+
+    def batch_bytes(self) -> int:
+        """Bytes for the whole batch, header not counted: float32 K and V, int32 indices, float32 scores."""
+        if not self.is_initialized:
+            return 0
+        return (sum(x.numel() * x.element_size() for x in (self.kept_k, self.kept_v, self.kept_score))
+                + self.kept_index.numel() * 4)
+
+    def stored_bytes(self) -> int:
+        """Bytes this layer stores for one sequence (every sequence holds the same count)."""
+        if not self.is_initialized:
+            return 0
+        return self.batch_bytes() // self.kept_k.shape[0] + HEADER_BYTES
+
+    def evidence(self) -> dict[str, torch.Tensor]:
+        """Batch row 0's stored arrays (``float.k``, ``float.v``, ``kept.index`` int32, ``kept.score``)
+        and, when recording, ``input.k`` / ``input.v``: the float32 K/V of every token appended."""
+        out = {"float.k": self.kept_k[0], "float.v": self.kept_v[0], "kept.index": self.kept_index[0].to(torch.int32),
+               "kept.score": self.kept_score[0]}
+        if self.record:
+            out["input.k"] = torch.cat(self.recorded_k, dim=-2)
+            out["input.v"] = torch.cat(self.recorded_v, dim=-2)
+            if self.recorded_q is not None:
+                out["prefill.q"] = self.recorded_q  # the last queries the prefill decision read
+        return {k: v.detach().contiguous().cpu() for k, v in out.items()}
