@@ -48,8 +48,8 @@ from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
                               _hardware, _software, estimate_dims, load_checked, load_model)
 
-__all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "corpus_text", "segment_starts",
-           "chunk_schedule", "quanto_bytes", "REFERENCE", "comparator", "equal_bytes"]
+__all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "scored_needs", "corpus_text",
+           "segment_starts", "chunk_schedule", "quanto_bytes", "REFERENCE", "comparator", "equal_bytes"]
 
 REFERENCE = "dynamic_cache"
 PEER = Spec("live peer", "A cache users know, run as one more arm: transformers' QuantizedCache.", {
@@ -599,7 +599,7 @@ def _summary(lp: np.ndarray, kl: np.ndarray, agree: np.ndarray) -> dict:
             "top1_agreement": float(np.mean(agree.astype(np.float64)))}
 
 
-def _scored_needs(p: dict) -> tuple[int, bool]:
+def scored_needs(p: dict) -> tuple[int, bool]:
     """What the study's scored selections read of the shared prefill: the most last queries any of
     them reads (0: none), and whether one reads every query's accumulated attention (``h2o``-like)."""
     from .policies import scorers
@@ -723,7 +723,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         # the one prefill of the batch: every arm starts from its K/V (the reference continues its cache)
         shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer,
                                        _measures_concentration(p), any(pol.heavy for pol in policies_of(p))
-                                       or _scored_needs(p)[1], _scored_needs(p)[0])
+                                       or scored_needs(p)[1], scored_needs(p)[0])
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})

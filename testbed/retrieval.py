@@ -144,11 +144,10 @@ def validate(params: Any, where: str) -> dict:
                              sink=p["sink"], where=f"{where}.policies")
     except ValueError as e:
         raise ProtocolError(str(e)) from None
-    live_only = [q.name for q in pols if q.mixed or q.oracle or q.scored]
+    live_only = [q.name for q in pols if q.mixed or q.oracle]
     if live_only:
         raise ProtocolError(f"{where}.policies: {', '.join(live_only)} run in the live study only (per-head "
-                            "precision and oracles decide from a perplexity segment; scored selections are not yet "
-                            "wired into retrieval)")
+                            "precision and oracles decide from a perplexity segment)")
     return p
 
 

@@ -40,7 +40,7 @@ import torch
 
 from . import retrieval
 from .live import (REFERENCE, _arms, _forward, _mass_candidates, _warm_quanto, batch_note, chunk_schedule, cost_kind,
-                   shared_prefill)
+                   scored_needs, shared_prefill)
 from .policies import Policy
 from .sources.capture import INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
 
@@ -215,8 +215,10 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     t0 = time.perf_counter()
     with torch.no_grad():
         if arm == REFERENCE:
+            tail, received = scored_needs(p)  # what the scored selections read of the prefill
             shared, cache = shared_prefill(model, kw, ids[:, :P], _mass_candidates({**p, "prefill": P}), None,
-                                           heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in _arms(p)))
+                                           heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in _arms(p))
+                                           or received, query_tail=tail)
             ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                                 "seconds": shared.seconds, "trials": len(batch), "tokens": len(batch) * P,
                                 "forwards": 1})

@@ -249,7 +249,9 @@ ARMS = [{"name": "knorm_k24", "selection": {"kind": "knorm", "keep": 24}},
         {"name": "snapkv_k70", "selection": {"kind": "snapkv", "mode": "prefill", "keep": 70}},
         {"name": "tova_pre", "selection": {"kind": "tova", "mode": "prefill", "keep": 40}},
         {"name": "tova_k60", "selection": {"kind": "tova", "keep": 60}},
-        {"name": "h2o_k60", "selection": {"kind": "h2o", "keep": 60}}]
+        {"name": "h2o_k60", "selection": {"kind": "h2o", "keep": 60}},
+        {"name": "knorm_w16", "selection": {"kind": "knorm", "keep": 40, "window": 16}},
+        {"name": "h2o_w16", "selection": {"kind": "h2o", "keep": 40, "window": 16}}]
 
 
 def _protocol(base: Path, policies) -> Path:
@@ -298,7 +300,7 @@ def test_scored_arms_run_and_pass_the_audit(scored_run):
     data = json.loads(block[block.index(">") + 1:block.index("</script>")])
     fams = {f["family"]: [p["arm"] for p in f["points"]] for f in data["contexts"][0]["families"]}
     assert fams["streaming"] == ["streaming"] and fams["snapkv (prefill)"] == ["snapkv_k70"]
-    assert set(fams["knorm"]) == {"knorm_k24", "knorm_half"} and "my_scorers.py:LowNorm" in fams
+    assert set(fams["knorm"]) == {"knorm_k24", "knorm_half", "knorm_w16"} and "my_scorers.py:LowNorm" in fams
     rows = _rows(scored_run)
     n = 104
     assert rows["knorm_k24"]["bytes_final"] == 30 * (16 + 3 * 24 * (2 * 64 * 4 + 8))
@@ -307,6 +309,10 @@ def test_scored_arms_run_and_pass_the_audit(scored_run):
     assert 0.9 * half <= rows["knorm_half"]["bytes_final"] <= half
     # prefill mode keeps 20 of the prefill and all 24 decode tokens
     assert rows["random_pre"]["bytes_final"] == 30 * (16 + 3 * 44 * (2 * 64 * 4 + 8))
+    # a protected window: the newest 16 of the 104 tokens are kept in every head, beside 24 by score
+    for arm in ("knorm_w16", "h2o_w16"):
+        kept = _arrays.load(scored_run, rows[arm]["evidence"]["arrays"]["kept.index"])
+        assert kept.shape == (3, 40) and all(set(range(n - 16, n)) <= set(h.tolist()) for h in kept)
     # the user's own knorm keeps what the built-in one keeps: the same log-probs, bytes and kept set
     mine, kn = rows["mine_k24"], rows["knorm_k24"]
     assert mine["bytes_final"] == kn["bytes_final"]
@@ -325,7 +331,7 @@ def _forge(run: Path, rel: str, edit) -> None:
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
-@pytest.mark.parametrize("arm", ["knorm_k24", "random_pre", "snapkv_k70", "tova_pre"])
+@pytest.mark.parametrize("arm", ["knorm_k24", "random_pre", "snapkv_k70", "tova_pre", "knorm_w16"])
 def test_a_consistently_forged_kept_set_fails(scored_run, tmp_path, arm):
     """Swap one kept token for the best-scored dropped one of head 0, with its K, V and score, all
     re-hashed: indices, K/V and bytes stay consistent, but the kept set is no longer the top keep."""
@@ -342,13 +348,14 @@ def test_a_consistently_forged_kept_set_fails(scored_run, tmp_path, arm):
         own = scorers.get(arm.split("_")[0]).attention_score(q, kp, 64 ** -0.5, torch.zeros(kp.shape[:3]), None)[0]
         own = own.numpy()
     else:
-        pol = {"knorm_k24": ("knorm", 0), "random_pre": ("random", 2)}[arm]
+        pol = {"knorm_k24": ("knorm", 0), "random_pre": ("random", 2), "knorm_w16": ("knorm", 0)}[arm]
         own = scorers.get(pol[0], seed=pol[1]).score(torch.from_numpy(k)[None], torch.arange(k.shape[1]), 0)[0]
         own = own.numpy()
     kept = set(idx[0].tolist())
     eligible = range(80) if arm.endswith("_pre") or arm.startswith("snapkv") else range(k.shape[1])
     worst = max((t for t in eligible if t not in kept), key=lambda t: -own[0, t])  # the lowest-scored dropped
-    new = sorted((kept - {int(idx[0, -1] if arm == "knorm_k24" else idx[0, 0])}) | {worst})
+    out = int(idx[0, -1] if arm == "knorm_k24" else idx[0, 0])  # knorm_w16: its oldest kept, outside the window
+    new = sorted((kept - {out}) | {worst})
     assert len(new) == idx.shape[1]
     _forge(run, ev["kept.index"], lambda x: x.__setitem__(0, np.array(new, dtype=np.int32)))
     _forge(run, ev["kept.score"], lambda x: x.__setitem__(0, np.where(np.array(new) < own.shape[1],
@@ -392,3 +399,39 @@ def test_the_audits_budget_is_the_runs(entry):
         target = 0.25 * 2304 * 30 * 2 * 3 * 64 * 2
         got_bytes = 30 * (16 + 3 * (4 + pol.window) * 2 * 64 * 4)
         assert 0 <= target - got_bytes <= 0.01 * target
+
+
+def test_scored_selections_in_the_retrieval_study(tmp_path):
+    """Retrieval with the question after compression (kvpress's protocol): scored arms (a kept count
+    given as tokens; a budget needs a live segment) run through the shared prefill, the question and
+    answer fed after it, and pass the audit; a budget is refused there with one error naming it."""
+    from testbed.audit import audit
+    from testbed.run import main as run_main
+    from testbed.sources import capture
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    proto = json.loads((REPO / "protocols" / "retrieval_small.json").read_text())
+    proto.update(name="retrieval_scored", default=False)
+    arms = [{"name": "knorm_k96", "selection": {"kind": "knorm", "keep": 96}},
+            {"name": "snapkv_k96", "selection": {"kind": "snapkv", "mode": "prefill", "keep": 96}},
+            {"name": "tova_k96", "selection": {"kind": "tova", "keep": 96}}]
+    proto["retrieval"].update({"tasks": ["passkey"], "lengths": [160], "depths": [0.0, 1.0], "trials": 1, "batch": 2,
+                               "policies": ["int4", *arms], "peers": []})
+    path = tmp_path / "retrieval_scored.json"
+    path.write_text(json.dumps(proto))
+    out = tmp_path / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    ok, failures, _ = audit(out)
+    assert ok, failures[:5]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["arm"] for r in rows} >= {"knorm_k96", "snapkv_k96", "tova_k96"}
+    assert all(r["policy"]["keep"] == 96 for r in rows if r["arm"].endswith("_k96"))
+    proto["retrieval"]["policies"] = [{"name": "knorm_q", "selection": {"kind": "knorm"}, "budget": {"tokens": 9}}]
+    path.write_text(json.dumps(proto))
+    from testbed.protocol import load_protocol
+
+    with pytest.raises(ProtocolError, match=r"retrieval\.policies\[0\] \(knorm_q\): a budget needs"):
+        load_protocol(path)

@@ -178,7 +178,7 @@ def declared_policy(entry: dict, live: dict) -> dict:
         keep = s["keep"]
         if "budget" in entry:
             keep = _budget_keep(entry["budget"], s["mode"], live)
-        return {"middle": "drop", "sink": 0, "window": 0, "group": group, "feature_group": t["feature_group"],
+        return {"middle": "drop", "sink": 0, "window": s["window"] or 0, "group": group, "feature_group": t["feature_group"],
                 "key_axis": t["key_axis"], "sink_select": "first", "scorer": s["kind"], "scorer_mode": s["mode"],
                 "keep": keep, "seed": s["seed"], "_prefill": live.get("prefill")}
     if s["kind"] == "sink_window":
@@ -432,9 +432,16 @@ def _check_kept(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarra
     if not np.allclose(score[decided], kept_own[decided], rtol=tol, atol=atol):
         ctx.fail(row, f"kept.score: not the {pol['scorer']} scores of the kept keys")
     eligible = np.ones(own.shape, dtype=bool)
+    # the newest window tokens at the last decision are kept whatever their score: the prefill's, or all n
+    last = live["prefill"] if pol["scorer_mode"] == "prefill" else n
+    w = pol.get("window", 0)
+    if w:
+        eligible[:, last - w:last] = False
+        if not all(np.all(np.isin(np.arange(last - w, last), idx[hh])) for hh in range(idx.shape[0])):
+            ctx.fail(row, f"kept set: the newest {w} tokens are always kept")
     if pol["scorer_mode"] == "prefill":
         eligible[:, live["prefill"]:] = False  # every token after the prefill is kept
-        if not np.all(np.isin(np.arange(live["prefill"], n), idx)):
+        if not all(np.all(np.isin(np.arange(live["prefill"], n), idx[hh])) for hh in range(idx.shape[0])):
             ctx.fail(row, "kept set: a prefill-mode selection keeps every token after the prefill")
     dropped = eligible.copy()
     np.put_along_axis(dropped, idx.astype(np.int64), False, axis=1)

@@ -58,9 +58,10 @@ class Selection:
     attention; ``"first"``: the oldest, a control; ``"oracle"``: the whole segment's attention).
 
     A scored selection: ``kind`` a scorer of :mod:`testbed.policies.scorers` (``"knorm"``,
-    ``"random"``) or ``"file.py:Class"``; it keeps the ``keep`` tokens of largest score per
-    (layer, KV head), deciding at the prefill only (``mode="prefill"``) or as every token arrives
-    (``"online"``); ``seed`` for a seeded scorer."""
+    ``"random"``, ...) or ``"file.py:Class"``; it keeps ``keep`` tokens per (layer, KV head): the
+    newest ``window`` always (H2O's recent tokens; 0: none), the rest of largest score, deciding at
+    the prefill only (``mode="prefill"``) or as every token arrives (``"online"``); ``seed`` for a
+    seeded scorer."""
 
     kind: str = "all"
     sink: int = 0
@@ -104,13 +105,13 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         if t.middle != "float32" or t.window or t.low is not None:
             raise ValueError(f"policy {name}: a scored selection keeps its tokens float32 (storage middle 'float32', "
                              f"no window, no low scheme), got middle {t.middle!r}, window {t.window}")
-        if s.sink or s.window or s.heavy or s.sink_select != "first":
-            raise ValueError(f"policy {name}: a scored selection keeps its top-scored tokens only (no sink, window or "
-                             "heavy hitters)")
+        if s.sink or s.heavy or s.sink_select != "first":
+            raise ValueError(f"policy {name}: a scored selection keeps its top-scored tokens and its newest window only "
+                             "(no sink or heavy hitters)")
         modes = scorers.SCORERS[s.kind].MODES if s.kind in scorers.SCORERS else scorers.MODES
         if s.mode not in modes:
             raise ValueError(f"policy {name}: scorer {s.kind} decides {' or '.join(modes)}, not {s.mode!r}")
-        return Policy(name, "drop", 0, 0, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
+        return Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
                       keep=s.keep, seed=s.seed, description=description)
     if s.keep or s.seed or s.mode != "online":
         raise ValueError(f"policy {name}: keep, mode and seed belong to a scored selection (kind a scorer)")
@@ -137,7 +138,7 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
     """The selection and storage of any policy: ``compose(p.name, *decompose(p), p.description) == p``."""
     p = policy
     if p.scored:
-        return (Selection(p.scorer, keep=p.keep, mode=p.scorer_mode, seed=p.seed),
+        return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed),
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),

@@ -223,10 +223,12 @@ class Policy:
     def _check_scored(self) -> None:
         if not isinstance(self.scorer, str) or not self.scorer:
             raise ValueError(f"policy {self.name}: scorer must be a scorer's name, got {self.scorer!r}")
-        if self.middle != "drop" or self.sink or self.window or self.heavy or self.low is not None \
-                or self.sink_select != "first":
+        if self.middle != "drop" or self.sink or self.heavy or self.low is not None or self.sink_select != "first":
             raise ValueError(f"policy {self.name}: a scored selection keeps its top-scored tokens float32 and nothing "
-                             "else (no sink, window, heavy hitters or per-head bits)")
+                             "else (no sink, heavy hitters or per-head bits)")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or not 0 <= self.window < max(self.keep, 1):
+            raise ValueError(f"policy {self.name}: a scored selection's window (the newest tokens it always keeps) must "
+                             f"be an integer in [0, keep), got {self.window!r} with keep {self.keep!r}")
         if self.scorer_mode not in SCORER_MODES:
             raise ValueError(f"policy {self.name}: scorer_mode must be one of {list(SCORER_MODES)}, "
                              f"got {self.scorer_mode!r}")

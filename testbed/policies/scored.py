@@ -1,7 +1,8 @@
 """The cache layer of a scored selection: each (sequence, KV head) keeps its top-``keep`` tokens.
 
 A scorer (:mod:`testbed.policies.scorers`) gives every token a float32 score when it arrives; the
-layer keeps the ``keep`` tokens of largest score, ties to the older token (:func:`keep_top`), as
+layer keeps the ``keep`` tokens of largest score, ties to the older token (:func:`keep_top`), and
+always the newest ``window`` tokens seen (the policy's ``window``: H2O's recent tokens), as
 float32 K and V in the order they arrived, each with its int32 position and float32 score (counted
 in the bytes: the index is what the audit and any sparse kernel need, the score what an online
 decision compares a new token with).
@@ -121,7 +122,9 @@ class ScoredLayer(DynamicLayer):
         return score
 
     def _keep(self, keys, values, index, scores) -> None:
-        keep = keep_top(scores, self.policy.keep)
+        w = self.policy.window  # the newest w tokens seen are kept whatever their score
+        rank = scores if not w else torch.where(index >= self.seen - w, torch.full_like(scores, float("inf")), scores)
+        keep = keep_top(rank, self.policy.keep)
         at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
         self.kept_index, self.kept_score = torch.gather(index, 2, keep), torch.gather(scores, 2, keep)
