@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .policies import PRESETS, Policy
-from .policies.compose import policies_from
+from .policies.compose import check_scored_prefill, policies_from
 from .policies.policy import equal_bytes_budget, equal_bytes_versus, heavy_count, sink_candidates
 from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, _forward_kwargs,
@@ -131,7 +131,8 @@ def validate(params, where: str) -> dict:
                                 "8,192 positions")
     try:
         for _, prefill in context_views(p):  # a budget's kept count is derived per context
-            policies_of({**p, "prefill": prefill}, where=f"{where}.policies")
+            check_scored_prefill(policies_of({**p, "prefill": prefill}, where=f"{where}.policies"), prefill,
+                                 f"{where}.policies")
     except ValueError as e:
         raise ProtocolError(str(e)) from None
     if p["model"] in MODELS:  # a model given by path is checked the same way once loaded (plan)

@@ -59,7 +59,7 @@ import sys
 from typing import Any, Sequence
 
 from .policies import PRESETS, preset
-from .policies.compose import policies_from
+from .policies.compose import check_scored_prefill, policies_from
 from .schema import Key, ProtocolError, Spec, check_value
 
 __all__ = ["TASKS", "SPEC", "PEER", "validate", "make_trial", "grid", "needles_of", "wilson", "mcnemar",
@@ -144,6 +144,11 @@ def validate(params: Any, where: str) -> dict:
                              sink=p["sink"], where=f"{where}.policies")
     except ValueError as e:
         raise ProtocolError(str(e)) from None
+    for n in p["lengths"]:  # each length is a prefill
+        try:
+            check_scored_prefill(pols, n, f"{where}.policies")
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
     live_only = [q.name for q in pols if q.mixed or q.oracle]
     if live_only:
         raise ProtocolError(f"{where}.policies: {', '.join(live_only)} run in the live study only (per-head "

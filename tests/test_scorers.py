@@ -134,20 +134,25 @@ def test_a_scored_cache_chunked_equals_one_token_per_forward(scorer, mode):
     assert torch.equal(ev["float.k"], torch.gather(k, 1, want[..., None].expand(-1, -1, d)))
 
 
-ATTN_CASES = [("snapkv", "prefill"), ("tova", "prefill"), ("tova", "online"), ("h2o", "online"), ("h2o", "prefill")]
+ATTN_CASES = [("snapkv", "prefill", 80, 70), ("tova", "prefill", 80, 70), ("tova", "online", 80, 70),
+              ("h2o", "online", 80, 70), ("h2o", "prefill", 80, 70),
+              # a prefill shorter than keep: the first decode chunk runs up to the first eviction
+              ("tova", "online", 8, 20), ("h2o", "online", 8, 20), ("knorm", "online", 8, 20)]
 
 
-@pytest.mark.parametrize("scorer, mode", ATTN_CASES)
-def test_a_scorer_of_attention_chunked_equals_one_token_per_forward(scorer, mode):
+@pytest.mark.parametrize("scorer, mode, prefill, keep", ATTN_CASES)
+def test_a_scorer_of_attention_chunked_equals_one_token_per_forward(scorer, mode, prefill, keep):
     """The prefill (80 tokens: more than snapkv's 64-query window) decides from its own attention; then
     the decode steps, chunked as the policy's schedule allows, give one token per forward's log-probs."""
     from testbed.live import chunk_schedule
 
     model = _tiny()
-    prefill, steps, keep = 80, 20, 70
+    steps = 20
     pol = Policy("s", "drop", scorer=scorer, scorer_mode=mode, keep=keep)
     ids = torch.randint(0, 256, (2, prefill + steps), generator=torch.Generator().manual_seed(4))
     chunked = chunk_schedule(pol, prefill, steps, "chunked", 256)
+    if prefill < keep:  # online: one chunk up to the token that first exceeds keep, then one at a time
+        assert chunked[0] == keep + 1 - prefill and set(chunked[1:]) == {1}
     a, _, cache = _run(model, pol, ids, [prefill] + chunked)
     b, bytes_b, _ = _run(model, pol, ids, [prefill] + [1] * steps)
     assert torch.allclose(a[:, prefill - 1:], b[:, prefill - 1:], atol=1e-5, rtol=0)
@@ -161,11 +166,11 @@ def test_a_scorer_of_attention_chunked_equals_one_token_per_forward(scorer, mode
         assert prefill + steps - 1 in ev["kept.index"][0].tolist()
 
 
-@pytest.mark.parametrize("scorer, mode", ATTN_CASES + [("knorm", "online")])
+@pytest.mark.parametrize("scorer, mode", [c[:2] for c in ATTN_CASES[:5]] + [("knorm", "online")])
 def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     """The live study's shared float32 prefill (K/V, last queries, accumulated attention handed to the
     cache) leaves the cache the model's own prefill through it leaves: same kept sets, same log-probs."""
-    from testbed.live import shared_prefill
+    from testbed.live import scored_needs, shared_prefill
     from testbed.policies.cache import PolicyCache, policy_attention
     from testbed.sources.capture import _forward_kwargs
 
@@ -173,8 +178,10 @@ def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     prefill, keep = 80, 70
     pol = Policy("s", "drop", scorer=scorer, scorer_mode=mode, keep=keep)
     ids = torch.randint(0, 256, (2, prefill + 4), generator=torch.Generator().manual_seed(5))
-    cls = scorers.SCORERS[scorer]  # what the study hands the shared prefill for this arm (live._scored_needs)
-    tail, received = ((cls.QUERIES or 1) if cls.ATTENTION else 0), (cls.ATTENTION and not cls.QUERIES)
+    tail, received = scored_needs({"policies": [{"name": "s", "selection": {"kind": scorer, "mode": mode,
+                                                                             "keep": keep}}],
+                                   "prefill": prefill, "steps": 4, "model": "x", "window": 16, "group": 16,
+                                   "evict_window": 16, "sink": 4})
     shared, _ = shared_prefill(model, _forward_kwargs(model), ids[:, :prefill], heavy=received, query_tail=tail)
     outs = []
     for own in (True, False):
@@ -193,9 +200,20 @@ def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
 
 
-def test_snapkv_refuses_an_online_mode():
+def test_snapkv_refuses_an_online_mode_a_short_keep_and_a_short_prefill(tmp_path):
     with pytest.raises(ValueError, match="snapkv decides prefill, not 'online'"):
-        declared({"name": "x", "selection": {"kind": "snapkv", "keep": 8}}, window=16, group=16, evict_window=16)
+        declared({"name": "x", "selection": {"kind": "snapkv", "keep": 80}}, window=16, group=16, evict_window=16)
+    with pytest.raises(ValueError, match="keep must exceed 64, got 40"):
+        declared({"name": "x", "selection": {"kind": "snapkv", "mode": "prefill", "keep": 40}}, window=16, group=16,
+                 evict_window=16)
+    from testbed.protocol import load_protocol
+
+    path = _protocol(tmp_path, [{"name": "snap", "selection": {"kind": "snapkv", "mode": "prefill", "keep": 70}}])
+    proto = json.loads(path.read_text())
+    proto["live"]["prefill"] = 48
+    path.write_text(json.dumps(proto))
+    with pytest.raises(ProtocolError, match="snap: snapkv observes the prefill's last 64 queries; a prefill of 48"):
+        load_protocol(path)
 
 
 # -- budgets -----------------------------------------------------------------------------------------
@@ -435,3 +453,17 @@ def test_scored_selections_in_the_retrieval_study(tmp_path):
 
     with pytest.raises(ProtocolError, match=r"retrieval\.policies\[0\] \(knorm_q\): a budget needs"):
         load_protocol(path)
+
+
+def test_a_forged_prefill_query_fails(scored_run, tmp_path):
+    """The queries a prefill decision read (prefill.q) zeroed, so every attention score ties and any kept
+    set would pass the re-derivation: they must still equal the other arms' recording of the same prefill."""
+    from testbed.audit import audit
+
+    run = tmp_path / "copy"
+    shutil.copytree(scored_run, run)
+    ev = _rows(run)["tova_pre"]["evidence"]["arrays"]
+    _forge(run, ev["prefill.q"], lambda x: x.__setitem__(slice(None), 0.0))
+    ok, failures, _ = audit(run)
+    assert not ok
+    assert any("prefill queries, last 1 differs" in f and "tova_pre" in f for f in failures), failures[:5]

@@ -371,6 +371,9 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         ctx.fail(row, f"a scored selection stores float K/V, indices and scores only, found {extra}")
     total = sum(int(a[x].nbytes) for x in ("float.k", "float.v", "kept.index", "kept.score"))
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
+    w, last = pol.get("window", 0), (live["prefill"] if pol["scorer_mode"] == "prefill" else n)
+    if w and not all(np.all(np.isin(np.arange(last - w, last), idx[hh])) for hh in range(idx.shape[0])):
+        ctx.fail(row, f"kept set: the newest {w} tokens are always kept")  # whatever the scorer
     attention = pol["scorer"] in ATTENTION_SCORERS
     if pol["scorer"] not in AUDIT_SCORERS or (attention and (pol["scorer"] == "h2o" or pol["scorer_mode"] == "online")):
         what = pol["scorer"] + ("" if pol["scorer"] not in AUDIT_SCORERS else f" ({pol['scorer_mode']})")
@@ -385,12 +388,12 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
                              f"{None if q is None else list(q.shape)}")
         own = np.zeros(k.shape[:2], dtype=np.float32)
         own[:, :P] = _attention_scores(pol["scorer"], q, k[:, :P])
-        tol = TOLERANCES["float32_softmax"]["rtol"]
+        tol = TOLERANCES["score_attention"]["rtol"]
     else:
         own = _scores(pol, k, int(layer))
         tol = TOLERANCES["score_near_tie"]["rtol"]
     if attention:
-        _check_kept(row, ctx, pol, live, own, idx, score, tol, atol=TOLERANCES["float32_softmax"]["atol"])
+        _check_kept(row, ctx, pol, live, own, idx, score, tol, atol=TOLERANCES["score_attention"]["atol"])
     else:
         _check_kept(row, ctx, pol, live, own, idx, score, tol)
 
@@ -428,17 +431,17 @@ def _check_kept(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarra
     n = live["prefill"] + live["steps"]
     kept_own = np.take_along_axis(own, idx.astype(np.int64), axis=1)
     ctx.numbers += score.size
-    decided = idx < (live["prefill"] if pol["scorer_mode"] == "prefill" else n)  # later tokens: stored score 0
+    # a scorer of attention stores 0 for the tokens after a prefill-only decision; a static one scores every token
+    after = pol["scorer_mode"] == "prefill" and pol["scorer"] in ATTENTION_SCORERS
+    decided = idx < (live["prefill"] if after else n)
     if not np.allclose(score[decided], kept_own[decided], rtol=tol, atol=atol):
         ctx.fail(row, f"kept.score: not the {pol['scorer']} scores of the kept keys")
     eligible = np.ones(own.shape, dtype=bool)
     # the newest window tokens at the last decision are kept whatever their score: the prefill's, or all n
     last = live["prefill"] if pol["scorer_mode"] == "prefill" else n
     w = pol.get("window", 0)
-    if w:
+    if w:  # kept whatever their score (checked in _scored_evidence)
         eligible[:, last - w:last] = False
-        if not all(np.all(np.isin(np.arange(last - w, last), idx[hh])) for hh in range(idx.shape[0])):
-            ctx.fail(row, f"kept set: the newest {w} tokens are always kept")
     if pol["scorer_mode"] == "prefill":
         eligible[:, live["prefill"]:] = False  # every token after the prefill is kept
         if not all(np.all(np.isin(np.arange(live["prefill"], n), idx[hh])) for hh in range(idx.shape[0])):
@@ -1020,7 +1023,8 @@ def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
     one array, and every prefill-rule allocation reads one measurement (``alloc_score`` equal). A
     forger who makes one arm's recorded queries tell another allocation breaks that agreement."""
     P = live["prefill"]
-    groups: dict[str, dict[str, bytes]] = {"input.k[:, :P]": {}, "input.q": {}, "alloc_score (prefill rules)": {}}
+    groups: dict[str, dict[str, bytes]] = {"input.k[:, :P]": {}, "input.q": {}, "alloc_score (prefill rules)": {},
+                                           "prefill queries, last 1": {}, "prefill queries, last 64": {}}
     for r in ctx.results.get("rows", []):
         if not (isinstance(r, dict) and r.get("study") == study and r.get("case") == case and r.get("kind") == "policy"):
             continue
@@ -1033,6 +1037,14 @@ def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
                 groups["input.k[:, :P]"][f"{arm} (oracle.k)"] = ctx.load(a["oracle.k"])[:, :P].tobytes()
         if "input.q" in a:
             groups["input.q"][arm] = ctx.load(a["input.q"]).tobytes()
+        # a scored arm's prefill.q (the last queries its prefill decision read) is the tail of those same
+        # queries: equal across arms, and to a recorded input.q's last rows
+        for w in (1, 64):
+            for name in ("input.q", "prefill.q"):
+                if name in a:
+                    q = ctx.load(a[name])
+                    if q.ndim == 3 and q.shape[1] >= w:
+                        groups[f"prefill queries, last {w}"][f"{arm} ({name})"] = q[:, -w:].tobytes()
         pol = _policy(arm, live) if arm in policy_names(live) else {}
         if pol.get("low") and pol.get("alloc") in ("concentrated", "diffuse") and pol.get("alloc_from") == "prefill":
             groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("alloc_score")).tobytes()

@@ -929,7 +929,11 @@ def _full_layer(policy: Policy, record: bool, layer_idx: int, direct: bool, scor
     if policy.scored:
         if direct:
             raise ValueError(f"policy {policy.name}: direct attention over codes needs a quantized middle")
-        return ScoredLayer(policy, scorers.get(policy.scorer, policy.seed, scorer_base), record=record,
+        scorer = scorers.get(policy.scorer, policy.seed, scorer_base)
+        if policy.scorer_mode not in getattr(scorer, "MODES", scorers.MODES):
+            raise ValueError(f"policy {policy.name}: scorer {policy.scorer} decides {' or '.join(scorer.MODES)}, "
+                             f"not {policy.scorer_mode!r}")
+        return ScoredLayer(policy, scorer, record=record,
                            layer_idx=layer_idx, mask_hook=_scored_mask, select_hook=_scored_select)
     return PolicyLayer(policy, record=record, layer_idx=layer_idx, direct=direct)
 

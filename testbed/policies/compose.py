@@ -38,7 +38,7 @@ from . import scorers
 from .policy import PRESETS, SCORED_TOKEN_EXTRA, Policy, preset
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
-           "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS"]
+           "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill"]
 
 # which tokens a selection keeps: every one, or the first S and the newest W
 SELECTIONS = ("all", "sink_window")
@@ -111,6 +111,10 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         modes = scorers.SCORERS[s.kind].MODES if s.kind in scorers.SCORERS else scorers.MODES
         if s.mode not in modes:
             raise ValueError(f"policy {name}: scorer {s.kind} decides {' or '.join(modes)}, not {s.mode!r}")
+        need = getattr(scorers.SCORERS.get(s.kind), "WINDOW", 0)  # snapkv keeps its observation window whole
+        if need and s.keep <= need:
+            raise ValueError(f"policy {name}: {s.kind} keeps its last {need} prefill tokens first; keep must exceed "
+                             f"{need}, got {s.keep}")
         return Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
                       keep=s.keep, seed=s.seed, description=description)
     if s.keep or s.seed or s.mode != "online":
@@ -300,3 +304,13 @@ def policies_from(entries, *, window: int, group: int, evict_window: int, sink: 
         seen[pol.name] = i
         out.append(pol)
     return out
+
+
+def check_scored_prefill(pols, prefill: int, where: str) -> None:
+    """Refuse (``ValueError``) a scored selection whose scorer reads more of the prefill's last queries
+    than a prefill of ``prefill`` tokens has (snapkv's observation window of 64 needs at least 65)."""
+    for pol in pols:
+        need = getattr(scorers.SCORERS.get(pol.scorer), "WINDOW", 0) if pol.scored else 0
+        if need and prefill <= need:
+            raise ValueError(f"{where}: {pol.name}: {pol.scorer} observes the prefill's last {need} queries; a "
+                             f"prefill of {prefill} tokens needs more than {need}")

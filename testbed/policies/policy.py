@@ -393,12 +393,12 @@ class Policy:
         return int(HEADER_BYTES + floats * 2 * heads * head_dim * 4 + round(p * self.packed_bytes_per_token(heads, head_dim))
                    + heavy)
 
-    def cache_bytes(self, n: int, layers: int, heads: int, head_dim: int) -> int:
+    def cache_bytes(self, n: int, layers: int, heads: int, head_dim: int, prefill: int | None = None) -> int:
         """Exact bytes of the whole cache (one sequence, ``layers`` layers) after ``n`` tokens; a
         mixed policy's: ``low_count`` head middles at ``low``'s bits, the rest at ``middle``'s, one
         byte of bits per (layer, KV head) pair."""
         if not self.mixed:
-            return layers * self.layer_bytes(n, heads, head_dim)
+            return layers * self.layer_bytes(n, heads, head_dim, prefill)
         spans = self.kept_spans(n)
         floats = sum(b - a for key, (a, b) in spans.items() if key != "packed")
         p = spans["packed"][1] - spans["packed"][0]
