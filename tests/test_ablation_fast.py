@@ -235,6 +235,7 @@ def same_result(a, b):
             assert x == y, f.name
 
 
+@pytest.mark.slow
 def test_arms_sharing_selections_give_what_each_arm_gives_alone(monkeypatch):
     case = video_like_case(5)
     ctrl = controls_of(case)
@@ -256,6 +257,7 @@ def test_arms_sharing_selections_give_what_each_arm_gives_alone(monkeypatch):
         assert got.matched.any() and not got.matched.all()
 
 
+@pytest.mark.slow
 def test_selections_of_another_reference_are_not_read():
     case, other = video_like_case(5), video_like_case(6)
     ctrl = controls_of(case)

@@ -20,6 +20,8 @@ from testbed.sources.video import make_llm_case, make_video_case
 
 from ._helpers import copy_run, forge_results, run_main
 
+pytestmark = pytest.mark.slow  # a run of every analysis on three sources
+
 # the smallest parameters that exercise each analysis
 PARAMS = {
     "observation": {"block_tokens": 8, "spatial_tiles": 2},

@@ -23,6 +23,8 @@ from testbed.sources import capture
 from . import _arrays
 from ._helpers import copy_run, forge_results
 
+pytestmark = pytest.mark.slow  # capture runs of SmolLM2
+
 TEXT = ("The harbour master counted the boats every morning and wrote their names in a ledger kept under the "
         "counter, beside the tide tables and a jar of pencils that nobody was allowed to borrow. ") * 8
 DIGITS = " ".join(str(i) for i in range(300))

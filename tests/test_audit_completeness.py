@@ -313,6 +313,7 @@ def capture_run(tmp_path_factory) -> Path:
     return base / "run"
 
 
+@pytest.mark.slow
 @pytest.mark.capture
 def test_capture_untouched_passes_with_its_short_prompt_excluded(capture_run, tmp_path):
     m = load(capture_run, "manifest.json")
@@ -334,6 +335,7 @@ def _without_prompt_again(capture_run: Path, tmp_path: Path) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.capture
 def test_capture_prompt_deleted_while_not_excluded(capture_run, tmp_path):
     run = _without_prompt_again(capture_run, tmp_path)
@@ -345,6 +347,7 @@ def test_capture_prompt_deleted_while_not_excluded(capture_run, tmp_path):
     assert all("again" in f for f in fails), fails
 
 
+@pytest.mark.slow
 @pytest.mark.capture
 def test_capture_prompt_excluded_with_a_forged_reason(capture_run, tmp_path):
     """The prompt deleted and excluded, but with a reason that is not 'too short for the protocol'."""

@@ -111,6 +111,7 @@ def _peak(fn) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 def test_peak_memory_of_the_per_head_work_is_bounded_by_the_tile(monkeypatch):
     """tracemalloc sees numpy's buffers: with a tile of 16 rows the re-derivations of a head of 800
     queries x 2,400 keys stay within a few tiles of scores (plus their [H, Tq]-sized outputs), far

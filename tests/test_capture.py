@@ -48,6 +48,7 @@ def small_params(**over):
 # -- needs the model ---------------------------------------------------------------------------
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_the_model_answers_paris_through_the_observer(smollm2):
     model, tok, _ = smollm2
     ids = tok("The capital of France is", return_tensors="pt").input_ids
@@ -59,6 +60,7 @@ def test_the_model_answers_paris_through_the_observer(smollm2):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_logits_are_identical_with_and_without_the_observer(smollm2, prose_ids):
     model, _, _ = smollm2
     assert model.config._attn_implementation == "sdpa"
@@ -77,6 +79,7 @@ def test_logits_are_identical_with_and_without_the_observer(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_an_eager_model_stays_eager_and_identical(smollm2, prose_ids):
     model, _, _ = smollm2
     ids = prose_ids[:, :48]
@@ -99,6 +102,7 @@ def test_an_eager_model_stays_eager_and_identical(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_other_attention_implementations_are_refused(smollm2):
     from types import SimpleNamespace
 
@@ -109,6 +113,7 @@ def test_other_attention_implementations_are_refused(smollm2):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_records_reproduce_the_kernel_output(smollm2, prose_ids):
     """float64 attention over the recorded post-RoPE Q/K/V equals what the SDPA kernel returned."""
     model, _, _ = smollm2
@@ -128,6 +133,7 @@ def test_records_reproduce_the_kernel_output(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_streamed_keys_are_the_one_shot_keys_in_token_order(smollm2, prose_ids):
     model, _, _ = smollm2
     one = capture.Observer(layers=[19])
@@ -143,6 +149,7 @@ def test_streamed_keys_are_the_one_shot_keys_in_token_order(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_head_and_query_selection_keep_gqa_groups(smollm2, prose_ids):
     model, _, _ = smollm2
     obs = capture.Observer(layers=[5], kv_heads=[1], queries=5, keep_output=True)
@@ -161,6 +168,7 @@ def test_head_and_query_selection_keep_gqa_groups(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_reduce_keeps_only_the_reduction(smollm2, prose_ids):
     model, _, _ = smollm2
     obs = capture.Observer(layers=[0, 1], reduce=lambda rec: (rec.layer, tuple(rec.k.shape)))
@@ -170,6 +178,7 @@ def test_reduce_keeps_only_the_reduction(smollm2, prose_ids):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_capture_source_cases_gates_and_manifest(smollm2, tmp_path):
     params = small_params()
     ctx = RunContext(ArrayStore(tmp_path), study="cap", progress=lambda m: None)
@@ -207,6 +216,7 @@ def test_capture_source_cases_gates_and_manifest(smollm2, tmp_path):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_a_gate_mismatch_fails_the_run(smollm2, tmp_path, monkeypatch):
     real = capture.Observer.call_counts
 
@@ -225,6 +235,7 @@ def test_a_gate_mismatch_fails_the_run(smollm2, tmp_path, monkeypatch):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_small_capture_run_is_audited(smollm2, tmp_path):
     raw = {"name": "cap", "source": small_params(prompts=[small_params()["prompts"][1]], record_chunks=[-1]),
            "analyses": {"observation": {"block_tokens": 16}, "mx_paths": {},
@@ -245,6 +256,7 @@ def test_small_capture_run_is_audited(smollm2, tmp_path):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_captured_cases_round_trip_through_a_trace(smollm2, tmp_path):
     cases = list(capture.cases(small_params(prompts=[small_params()["prompts"][0]], record_chunks=[-1]), None))
     path = save_trace(tmp_path / "cap.safetensors", cases)
@@ -257,6 +269,7 @@ def test_captured_cases_round_trip_through_a_trace(smollm2, tmp_path):
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_second_load_comes_from_the_safetensors_cache(smollm2, prose_ids, monkeypatch):
     model, _, info = smollm2
     monkeypatch.setattr(capture, "_LOADED", {})
@@ -369,6 +382,7 @@ def test_missing_weights_or_extra_are_excluded_and_the_run_goes_on(tmp_path, mon
 
 
 @pytest.mark.capture
+@pytest.mark.slow
 def test_example_script_writes_a_loadable_trace(smollm2, tmp_path, capsys):
     import importlib.util
 

@@ -21,7 +21,7 @@ from testbed.run import main as run_main
 from tests import _arrays
 from tests._helpers import forge_results
 
-pytestmark = pytest.mark.capture
+pytestmark = [pytest.mark.capture, pytest.mark.slow]  # a capture run of SmolLM2
 
 STUDY = "cap"
 REL = f"{STUDY}/capture_manifest.json"

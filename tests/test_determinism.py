@@ -25,6 +25,8 @@ from testbed import audit as audit_mod
 from testbed.run import main as run_main
 from tests import _arrays
 
+pytestmark = pytest.mark.slow  # full runs in subprocesses
+
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOL = REPO / "protocols" / "residual_window.json"
 

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from testbed.run import main as run_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -15,6 +17,7 @@ def _run(out: Path, *extra: str) -> dict:
     return json.loads((out / "manifest.json").read_text())
 
 
+@pytest.mark.slow
 def test_parallel_run_equals_serial_run(tmp_path):
     serial = _run(tmp_path / "serial")
     parallel = _run(tmp_path / "parallel", "--jobs", "2")

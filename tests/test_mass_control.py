@@ -347,6 +347,7 @@ def _mass_row(res, case="clean-s1-n128", arm="float32", name="mass_control_sink"
                 and r["arm"] == arm and r["ablation"] == name)
 
 
+@pytest.mark.slow
 def test_untouched_focus_run_passes_and_its_mass_rows_say_what_they_matched(focus_run):
     ok, failures = _audit(focus_run)
     assert ok, failures[:5]
@@ -374,6 +375,7 @@ def test_untouched_focus_run_passes_and_its_mass_rows_say_what_they_matched(focu
     ("mass_mismatch_max", lambda x: 0.02, "outside the documented 1 % band"),
     ("target_rel_l2_matched", lambda x: x * 0.99, "target_rel_l2_matched"),
 ])
+@pytest.mark.slow
 def test_a_forged_mass_matched_number_fails_naming_the_row(focus_run, tmp_path, field, edit, says):
     run = tmp_path / "run"
     shutil.copytree(focus_run, run)
@@ -390,6 +392,7 @@ def test_a_forged_mass_matched_number_fails_naming_the_row(focus_run, tmp_path, 
     assert hit, failures[:5]
 
 
+@pytest.mark.slow
 def test_a_forged_selection_that_overlaps_the_target_fails(focus_run, tmp_path):
     """A forger who recomputes the row consistently from a selection that may use target keys
     (the mass-matched control redefined as 'any keys of that mass') is caught: the audit selects

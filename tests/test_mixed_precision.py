@@ -206,6 +206,7 @@ def _held_bytes(cache) -> int:
     return total // batch + 16 * len(cache.layers)
 
 
+@pytest.mark.slow
 def test_equal_bytes_at_the_end_of_a_segment_measured_against_uniform_int4_and_three_bits():
     """At the end of a segment (prefill 64, 128 steps, R = G = 16), the bytes a mixed cache holds:
     mix28 (a third of the pairs int8, two thirds int2) within 1 % of a uniform int4 cache run on the

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # live runs of a tiny random Llama
+
 tf = pytest.importorskip("transformers", reason="the live study needs transformers: pip install -e '.[capture]'")
 
 from testbed.context import RunContext  # noqa: E402  (after the importorskip above)

@@ -131,6 +131,7 @@ def test_layer_kinds_follow_the_config_and_dynamic_cache(arch):
 
 # -- (a) the float32 policy is DynamicCache, step by step and in chunks ------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["step", "chunked"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_policy_matches_dynamic_cache(arch, mode):
@@ -171,6 +172,7 @@ def test_float32_policy_matches_dynamic_cache(arch, mode):
 UNIFORM = [n for n in PRESETS if not preset(n).mixed]  # per-head precision: tests/test_mixed_precision.py
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNIFORM)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_preset_chunked_equals_step(arch, name):
@@ -212,6 +214,7 @@ def test_every_preset_chunked_equals_step(arch, name):
 
 # -- (c) the bytes per layer kind against a DynamicCache, after the window filled --------------------
 
+@pytest.mark.slow
 def test_gemma3_sliding_layers_bounded_full_layers_policy():
     """The regression of Gemma-3-270M: the float32 policy kept every token on sliding layers. Here
     a sliding layer holds WINDOW - 1 tokens however long the context, a full layer every token."""

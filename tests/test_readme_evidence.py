@@ -1,11 +1,12 @@
-"""The README's headline figures ("What the testbed answers") are those of the archived run evidence/.
+"""The findings' figures (docs/findings.md, "What the testbed answers") are those of the archived run
+evidence/, and the README's headline table is the findings' live quality table.
 
 Every number in that section must be accounted for: either a claim below ties it to evidence/ (a
 value the audit's own report derivation, testbed/audit_checks/report_md.py, computes from
-evidence/results.json, compared at the README's printed precision; or a parameter of the frozen
+evidence/results.json, compared at the printed precision; or a parameter of the frozen
 protocol copy that made it), or an entry of the explicit allow-list ``NOT_EVIDENCE`` says why it is
 not from evidence/ (the seed study's figures, the full live study that evidence/ does not archive).
-A README number that drifts from evidence/, a reworded claim that no longer matches (update the
+A findings number that drifts from evidence/, a reworded claim that no longer matches (update the
 claim here with it), or a new number in the section that is in neither list fails the test.
 """
 
@@ -27,14 +28,43 @@ NUMBER = r"[−+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 TOKEN = re.compile(r"(?<![\w.\-])" + NUMBER + r"(?![\w.]\w|\w)")
 
 
+FINDINGS = REPO / "docs" / "findings.md"  # the README's findings section, moved there whole
+
+
 def section() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = FINDINGS.read_text(encoding="utf-8")
     start = text.index("## What the testbed answers")
     return text[start:text.index("\n## ", start + 3)].replace("**", "")  # bold carries no number
 
 
+def first_table(text: str, header: str) -> list[str]:
+    """The lines of the first Markdown table whose header line starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def readme_headline_table(readme: str) -> list[str]:
+    return first_table(readme[readme.index("## Headline"):], "| arm | perplexity |")
+
+
+def test_the_readme_headline_table_is_the_findings_table():
+    """The README's one table repeats the live quality table of docs/findings.md (whose every number
+    test_readme_headline_figures_are_the_evidence accounts for), row for row."""
+    table = readme_headline_table((REPO / "README.md").read_text(encoding="utf-8"))
+    assert len(table) > 3 and table == first_table(section(), "| arm | perplexity |")
+
+
+def test_a_drifted_readme_headline_table_fails():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    drifted = readme.replace("| 10.113 |", "| 10.114 |", 1)
+    assert drifted != readme
+    assert readme_headline_table(drifted) != first_table(section(), "| arm | perplexity |")
+
+
 def pattern(template: str) -> re.Pattern:
-    """A README sentence with ``{}`` for each number; spaces match any whitespace (the README wraps
+    """A findings sentence with ``{}`` for each number; spaces match any whitespace (the file wraps
     lines)."""
     parts = template.split("{}")
     out = []
@@ -56,7 +86,7 @@ class Readme:
     def claim(self, template: str, *expected) -> None:
         """``expected``: per number, a callable ``(printed) -> None`` that asserts, or SEED."""
         found = list(pattern(template).finditer(self.text))
-        assert len(found) == 1, f"README no longer says (exactly once): {template!r}; update this test with it"
+        assert len(found) == 1, f"docs/findings.md no longer says (exactly once): {template!r}; update this test with it"
         m = found[0]
         assert len(expected) == len(m.groups()), template
         for i, want in enumerate(expected, 1):
@@ -66,7 +96,7 @@ class Readme:
 
     def allow(self, regex: str) -> None:
         found = list(re.finditer(regex, self.text))
-        assert found, f"allow-list entry {regex!r} matches nothing in the README: remove it"
+        assert found, f"allow-list entry {regex!r} matches nothing in docs/findings.md: remove it"
         self.used += [f.span() for f in found]
 
     def unaccounted(self) -> list[str]:
@@ -78,17 +108,17 @@ class Readme:
 
 
 def at(value: float, scale: float = 100.0):
-    """The README number equals ``scale * value`` rounded to the README's own decimals."""
+    """The printed number equals ``scale * value`` rounded to its own decimals."""
     def check(printed: str) -> None:
         s = printed.replace(",", "").replace("−", "-")
         digits = len(s.split(".")[1]) if "." in s else 0
-        assert f"{scale * value:.{digits}f}" == s.lstrip("+"), f"README says {printed}, evidence/ has {scale * value!r}"
+        assert f"{scale * value:.{digits}f}" == s.lstrip("+"), f"docs/findings.md says {printed}, evidence/ has {scale * value!r}"
     return check
 
 
 def eq(value):
     def check(printed: str) -> None:
-        assert printed.replace(",", "") == str(value), f"README says {printed}, evidence/ has {value}"
+        assert printed.replace(",", "") == str(value), f"docs/findings.md says {printed}, evidence/ has {value}"
     return check
 
 
@@ -395,7 +425,7 @@ def check_readme(text: str, ev) -> None:
             eq(single({mtext(d, "matched rows").split("/")[1] for d in up})))
     hi = layers[2:]
     assert {mtext(d, "ablation worse") for d in hi} == {f"{n}/{n}"}
-    assert len({m2(d, "Holm p") for d in hi}) == 1  # the README gives one Holm p for both layers
+    assert len({m2(d, "Holm p") for d in hi}) == 1  # the findings give one Holm p for both layers
     r.claim("{} / {} % against {} / {} % ({}/{} prompts,",
             *[at(m2(d, "rel-L2 (matched rows)")) for d in hi], *[at(m2(d, "mass-matched rel-L2")) for d in hi],
             eq(n), eq(n))
@@ -408,7 +438,7 @@ def check_readme(text: str, ev) -> None:
     assert m2(layers[0], "rel-L2 (matched rows)") < m2(layers[0], "mass-matched rel-L2")
     rp = min(m2(d, "Holm p", "drop_recent") for d in layers)
     r.claim("The recent window at equal mass differs consistently at no layer (Holm p ≥ {}).",
-            lambda s: (abs(rp - float(s)) < 5e-5 and rp > 0.05) or pytest.fail(f"smallest recent Holm p {rp}, README {s}"))
+            lambda s: (abs(rp - float(s)) < 5e-5 and rp > 0.05) or pytest.fail(f"smallest recent Holm p {rp}, findings {s}"))
     r.claim("the three-prompt study (observation, quantization, MX) has one KV group and {} queries of one chunk, the "
             "{}-prompt study ablates the float32 cache of one chunk at {} tokens,", eq(src["queries"]), eq(n), eq(ss["tokens"]))
     r.claim("Across {} prompts and every head", eq(n))
@@ -446,4 +476,4 @@ def check_readme(text: str, ev) -> None:
     r.allow(r"Which heads, and which tokens, should get the bits\?[\s\S]*?and there mostly\s+by keeping the sink\.")
     #    "Δ ppl [95 % CI]" etc. live inside the table above; nothing else may be left
     left = r.unaccounted()
-    assert not left, "README numbers neither tied to evidence/ nor allow-listed:\n" + "\n".join(left)
+    assert not left, "docs/findings.md numbers neither tied to evidence/ nor allow-listed:\n" + "\n".join(left)

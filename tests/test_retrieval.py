@@ -54,7 +54,7 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # the tokenizer load_model saves
 
 
-@pytest.fixture(params=["bytes", "bytes_bos", pytest.param("smollm2", marks=pytest.mark.capture)])
+@pytest.fixture(params=["bytes", "bytes_bos", pytest.param("smollm2", marks=[pytest.mark.capture, pytest.mark.slow])])
 def tok(request):
     if request.param == "smollm2":
         return request.getfixturevalue("smollm2_tokenizer")

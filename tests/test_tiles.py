@@ -218,6 +218,7 @@ print(json.dumps({"measured": peak_of() - base}))
 """
 
 
+@pytest.mark.slow
 def test_tiled_analyses_stay_far_below_the_whole_probability_matrix(reliability):
     """8 heads (2 KV heads) x 2,048 causal queries x 4,096 keys: P[H, Tq, Tk] in float64 is 512 MiB.
     With tiles of 2^18 scores (8 queries) mx_paths and residual_window together peak at a fraction

@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/reliability_table.py            # run the suites, write docs/reliability.md
     .venv/bin/python tools/reliability_table.py --no-run   # re-render from target/reliability/
-    .venv/bin/python tools/reliability_table.py --readme README.md   # also refresh the block there
+    .venv/bin/python tools/reliability_table.py --readme FILE   # also refresh the marker-delimited block in FILE
 
 In CI, to reuse the one full pytest run instead of running the suites twice::
 

@@ -37,6 +37,7 @@ def test_float16_rounding_matches_ieee_conversion():
     assert np.array_equal(soft_bits, ieee_bits)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(bits=st.sampled_from([2, 3, 4, 8]), g=st.sampled_from([2, 4, 8, 16, 32, 64, 128]),
        axis=st.sampled_from(["channel", "token"]), lead=st.integers(1, 3), n=st.integers(1, 70),
