@@ -150,6 +150,7 @@ def _rows(run: Path) -> list:
     return json.loads((run / "results.json").read_text())["rows"]
 
 
+@pytest.mark.slow
 def test_declared_policies_run_and_pass_the_audit(declared_run):
     ok, failures, _ = audit(declared_run)
     assert ok, failures[:5]
@@ -171,6 +172,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_a_forged_declared_arms_bytes_fail(declared_run, tmp_path):
     run = _copy(declared_run, tmp_path)
     res = json.loads((run / "results.json").read_text())
@@ -187,6 +189,7 @@ def test_a_forged_declared_arms_bytes_fail(declared_run, tmp_path):
     assert any("int4_g8" in f and "bytes" in f for f in failures), failures[:5]
 
 
+@pytest.mark.slow
 def test_a_forged_declaration_in_the_frozen_protocol_fails(declared_run, tmp_path):
     """The frozen protocol's declaration says G = 16 for int4_g8 (its copy re-hashed in the manifest):
     the rows that ran G = 8 no longer match what the audit derives from the fields."""

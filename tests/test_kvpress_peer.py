@@ -61,6 +61,7 @@ def test_knorm_keeps_what_kvpress_knormpress_keeps_on_random_keys(keep):
     assert _compare(keys, keep) == 0  # continuous random norms: no ties at all
 
 
+@pytest.mark.slow
 def test_knorm_keeps_what_kvpress_knormpress_keeps_on_smollm2_keys(smollm2):
     from transformers import DynamicCache
 
@@ -107,6 +108,7 @@ def _full_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Ten
     return torch.softmax(s, dim=-1, dtype=torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["snapkv", "tova"])
 def test_attention_scorers_keep_what_kvpress_keeps_on_smollm2(smollm2, name):
     """testbed's ``snapkv`` / ``tova`` against kvpress's ``SnapKVPress`` / ``TOVAPress`` (their scores

@@ -104,6 +104,7 @@ def _run(model, pol, ids, chunks):
     return torch.cat(out, 1), bytes_, cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scorer", ["knorm", "random"])
 @pytest.mark.parametrize("mode", ["online", "prefill"])
 def test_a_scored_cache_chunked_equals_one_token_per_forward(scorer, mode):
@@ -140,6 +141,7 @@ ATTN_CASES = [("snapkv", "prefill", 80, 70), ("tova", "prefill", 80, 70), ("tova
               ("tova", "online", 8, 20), ("h2o", "online", 8, 20), ("knorm", "online", 8, 20)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scorer, mode, prefill, keep", ATTN_CASES)
 def test_a_scorer_of_attention_chunked_equals_one_token_per_forward(scorer, mode, prefill, keep):
     """The prefill (80 tokens: more than snapkv's 64-query window) decides from its own attention; then
@@ -166,6 +168,7 @@ def test_a_scorer_of_attention_chunked_equals_one_token_per_forward(scorer, mode
         assert prefill + steps - 1 in ev["kept.index"][0].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scorer, mode", [c[:2] for c in ATTN_CASES[:5]] + [("knorm", "online")])
 def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     """The live study's shared float32 prefill (K/V, last queries, accumulated attention handed to the
@@ -303,6 +306,7 @@ def _rows(run: Path) -> dict:
     return {r["arm"]: r for r in json.loads((run / "results.json").read_text())["rows"]}
 
 
+@pytest.mark.slow
 def test_scored_arms_run_and_pass_the_audit(scored_run):
     from testbed.audit import audit
 
@@ -349,6 +353,7 @@ def _forge(run: Path, rel: str, edit) -> None:
     (run / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arm", ["knorm_k24", "random_pre", "snapkv_k70", "tova_pre", "knorm_w16"])
 def test_a_consistently_forged_kept_set_fails(scored_run, tmp_path, arm):
     """Swap one kept token for the best-scored dropped one of head 0, with its K, V and score, all
@@ -419,6 +424,7 @@ def test_the_audits_budget_is_the_runs(entry):
         assert 0 <= target - got_bytes <= 0.01 * target
 
 
+@pytest.mark.slow
 def test_scored_selections_in_the_retrieval_study(tmp_path):
     """Retrieval with the question after compression (kvpress's protocol): scored arms (a kept count
     given as tokens; a budget needs a live segment) run through the shared prefill, the question and
@@ -455,6 +461,7 @@ def test_scored_selections_in_the_retrieval_study(tmp_path):
         load_protocol(path)
 
 
+@pytest.mark.slow
 def test_a_forged_prefill_query_fails(scored_run, tmp_path):
     """The queries a prefill decision read (prefill.q) zeroed, so every attention score ties and any kept
     set would pass the re-derivation: they must still equal the other arms' recording of the same prefill."""
