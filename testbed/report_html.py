@@ -274,6 +274,16 @@ def _delta_point(arm, segs, ref):
             "delta_pct": 100.0 * math.expm1(_mean([segs[s]["nll"] - ref[s]["nll"] for s in ids]))}
 
 
+def _arms_of_context(sel):
+    """One context's rows as ``{arm: {case: row}}`` (arms in row order) and the reference's segments
+    (None without a reference)."""
+    by_arm: dict[str, dict[str, dict]] = {}
+    for r in sel:
+        by_arm.setdefault(r["arm"], {})[r["case"]] = r
+    ref = next((segs for segs in by_arm.values() if next(iter(segs.values()))["kind"] == "reference"), None)
+    return by_arm, ref
+
+
 def _equal_bytes(study, rows, load):
     """The equal-bytes figure's data: per context and byte budget (``mix28``, ``mix24``, ``int2_hh``),
     each arm that :func:`testbed.live.comparator` pairs with an arm of the run, its Δ perplexity
@@ -282,10 +292,7 @@ def _equal_bytes(study, rows, load):
     groups = _context_groups(rows)
     panels = []
     for prefix, sel in groups:
-        by_arm: dict[str, dict[str, dict]] = {}
-        for r in sel:
-            by_arm.setdefault(r["arm"], {})[r["case"]] = r
-        ref = next((segs for segs in by_arm.values() if next(iter(segs.values()))["kind"] == "reference"), None)
+        by_arm, ref = _arms_of_context(sel)
         if ref is None:
             continue
 
@@ -333,10 +340,7 @@ def _frontier(study, rows, load):
     groups = _context_groups(rows)
     contexts = []
     for prefix, sel in groups:
-        by_arm: dict[str, dict[str, dict]] = {}
-        for r in sel:
-            by_arm.setdefault(r["arm"], {})[r["case"]] = r
-        ref = next((segs for segs in by_arm.values() if next(iter(segs.values()))["kind"] == "reference"), None)
+        by_arm, ref = _arms_of_context(sel)
         if ref is None:
             continue
         families: dict[str, list] = {}

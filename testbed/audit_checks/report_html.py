@@ -312,6 +312,14 @@ def _versus_reference(arm, by_case, ref):
             "delta_pct": 100.0 * math.expm1(math.fsum(r["nll"] - ref[s]["nll"] for r, s in zip(rs, ids)) / len(ids))}
 
 
+def _context_arms(rows, prefix):
+    """A context's arms in row order, their rows per case, and the reference arms among them."""
+    sel = [r for r in rows if _context_of(r) == prefix]
+    names = _ordered([r["arm"] for r in sel])
+    seg = {arm: {r["case"]: r for r in sel if r["arm"] == arm} for arm in names}
+    return names, seg, [a for a in names if next(iter(seg[a].values()))["kind"] == "reference"]
+
+
 def _equal_bytes_figure(rows):
     """Per context (in row order) and budget: the budget's arms (``mixNN_<rule>``, ``int2_hh*``, other
     than its compared arm) with Δ perplexity against the reference, 100 * (exp(mean over segments of
@@ -321,10 +329,7 @@ def _equal_bytes_figure(rows):
     prefixes = _ordered([_context_of(r) for r in rows])
     budgets = []
     for prefix in prefixes:
-        sel = [r for r in rows if _context_of(r) == prefix]
-        names = _ordered([r["arm"] for r in sel])
-        seg = {arm: {r["case"]: r for r in sel if r["arm"] == arm} for arm in names}
-        refs = [a for a in names if next(iter(seg[a].values()))["kind"] == "reference"]
+        names, seg, refs = _context_arms(rows, prefix)
         if not refs:
             continue
         ref = seg[refs[0]]
@@ -372,10 +377,7 @@ def _frontier_figure(rows):
     prefixes = _ordered([_context_of(r) for r in rows])
     contexts = []
     for prefix in prefixes:
-        sel = [r for r in rows if _context_of(r) == prefix]
-        names = _ordered([r["arm"] for r in sel])
-        seg = {arm: {r["case"]: r for r in sel if r["arm"] == arm} for arm in names}
-        refs = [a for a in names if next(iter(seg[a].values()))["kind"] == "reference"]
+        names, seg, refs = _context_arms(rows, prefix)
         if not refs:
             continue
         families: dict = {}
