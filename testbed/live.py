@@ -600,6 +600,19 @@ def _summary(lp: np.ndarray, kl: np.ndarray, agree: np.ndarray) -> dict:
             "top1_agreement": float(np.mean(agree.astype(np.float64)))}
 
 
+def _scorer_files(p: dict, base: Path | None) -> dict:
+    """``{"file.py:Class": {"file": relative path, "sha256": of its bytes}}`` for the study's user scorers."""
+    from .policies import scorers
+
+    out = {}
+    for pol in policies_of(p):
+        if pol.scored and scorers.is_user_scorer(pol.scorer):
+            file = pol.scorer.split(":")[0]
+            path = Path(file) if base is None else Path(base) / file
+            out[pol.scorer] = {"file": file, "sha256": scorers.user_file_sha256(path)}
+    return out
+
+
 def scored_needs(p: dict) -> tuple[int, bool]:
     """What the study's scored selections read of the shared prefill: the most last queries any of
     them reads (0: none), and whether one reads every query's accumulated attention (``h2o``-like)."""
@@ -673,6 +686,7 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
         "corpus": corpus_info, "corpus_tokens": int(stream.numel()),
         "segments": seg_starts,
         "arms": [a for a, _ in arms],
+        "scorer_files": _scorer_files(p, base),  # a user's scorer code, by the SHA-256 of its file
         "software": _software(), "hardware": _hardware(),
     }, indent=1) + "\n").encode("utf-8")
     return cases, batch_units(p, views, seg_tokens, base, dims)

@@ -474,3 +474,27 @@ def test_a_forged_prefill_query_fails(scored_run, tmp_path):
     ok, failures, _ = audit(run)
     assert not ok
     assert any("prefill queries, last 1 differs" in f and "tova_pre" in f for f in failures), failures[:5]
+
+
+@pytest.mark.slow
+def test_the_user_scorer_file_is_recorded_by_its_sha256(scored_run, tmp_path):
+    """The run records the user's scorer file by SHA-256 in the live manifest (the audit cannot run it,
+    but the run says which code chose the tokens); a manifest that drops the record FAILs."""
+    import hashlib
+
+    from testbed.audit import audit
+
+    rel = "scored_tiny/live_manifest.json"
+    m = json.loads((scored_run / rel).read_text())
+    assert m["scorer_files"] == {"my_scorers.py:LowNorm": {
+        "file": "my_scorers.py", "sha256": hashlib.sha256(USER_SCORER.encode()).hexdigest()}}
+    run = tmp_path / "copy"
+    shutil.copytree(scored_run, run)
+    m["scorer_files"] = {}
+    (run / rel).write_text(json.dumps(m, indent=1) + "\n")
+    man = json.loads((run / "manifest.json").read_text())
+    man["files"][rel] = hashlib.sha256((run / rel).read_bytes()).hexdigest()
+    (run / "manifest.json").write_text(json.dumps(man, indent=1))
+    ok, failures, _ = audit(run)
+    assert not ok
+    assert any("scorer_files" in f and "my_scorers.py:LowNorm" in f for f in failures), failures[:5]

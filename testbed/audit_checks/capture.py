@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 import numpy as np
 
@@ -99,11 +100,33 @@ def check_run(ctx) -> None:
             ctx.fail(f"{study} capture provenance", f"cannot be checked ({type(e).__name__}: {str(e)[:200]})")
 
 
+_USER_SCORER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_scorer_files(ctx, rel: str, proto: dict, m: dict) -> None:
+    """Every user scorer ("file.py:Class") a declared policy names has its file and SHA-256 recorded,
+    and nothing else is: the audit cannot run the code, but the run must say which code it was."""
+    want = sorted({e["selection"]["kind"] for e in proto.get("live", {}).get("policies", [])
+                   if isinstance(e, dict) and isinstance(e.get("selection"), dict)
+                   and _USER_SCORER.match(str(e["selection"].get("kind", "")))})
+    got = m.get("scorer_files", {})
+    if not isinstance(got, dict) or sorted(got) != want:
+        ctx.fail(rel, f"scorer_files names {sorted(got) if isinstance(got, dict) else got!r}, the protocol's user "
+                      f"scorers are {want}")
+        return
+    for name, entry in got.items():
+        if not (isinstance(entry, dict) and entry.get("file") == name.split(":")[0]
+                and _HEX64.match(str(entry.get("sha256", "")))):
+            ctx.fail(rel, f"scorer_files[{name!r}] must record its file and a SHA-256, got {entry!r}")
+
+
 def _check_live_identity(ctx, study: str, proto: dict) -> None:
     name = proto.get("live", {}).get("model")
     known = MODELS.get(name)
     rel = f"{study}/live_manifest.json"
     m = _json(ctx, rel)
+    _check_scorer_files(ctx, rel, proto, m)
     model, dims = m.get("model", {}), m.get("model_dims", {})
     if known is None:
         # a model given by path: nothing here knows it; its identity is what the run recorded (the

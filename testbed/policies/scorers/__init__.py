@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "MODES", "is_user_scorer"]
+__all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "MODES", "is_user_scorer", "user_file_sha256"]
 
 # when a scorer decides: once, on the prefill (kvpress's compression), or at every token as it arrives
 MODES = ("prefill", "online")
@@ -88,14 +88,28 @@ def get(name: str, seed: int = 0, base: Path | None = None) -> Scorer:
     path = Path(file) if base is None else Path(base) / file
     if not path.is_file():
         raise ValueError(f"scorer {name!r}: no file {path}")
-    spec = importlib.util.spec_from_file_location(f"testbed_user_scorer_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    digest = user_file_sha256(path)
+    module = _LOADED.get((str(path.resolve()), digest))  # one import per file content, not one per layer
+    if module is None:
+        spec = importlib.util.spec_from_file_location(f"testbed_user_scorer_{path.stem}_{digest[:12]}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LOADED[(str(path.resolve()), digest)] = module
     cls = getattr(module, cls_name, None)
     if cls is None or not callable(getattr(cls, "score", None)):
         raise ValueError(f"scorer {name!r}: {path} has no class {cls_name} with a score(keys, positions, layer) method")
     inst = cls(seed) if _takes_seed(cls) else cls()
     return inst
+
+
+_LOADED: dict[tuple[str, str], object] = {}
+
+
+def user_file_sha256(path: Path) -> str:
+    """SHA-256 of a user's scorer file (its bytes): what a run records of the code that chose its tokens."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _takes_seed(cls) -> bool:
