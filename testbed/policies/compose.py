@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, fields
 
 from . import scorers
-from .policy import PRESETS, SCORED_TOKEN_EXTRA, Policy, preset
+from .policy import HEADER_BYTES, PRESETS, SCORED_TOKEN_EXTRA, Policy, preset, scored_held
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
            "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill"]
@@ -246,8 +246,8 @@ def scored_bytes(keep: int, mode: str, prefill: int, steps: int, layers: int, kv
     """Whole-cache bytes of a scored selection at the end of a segment (``prefill + steps`` tokens):
     per layer the header and, per KV head and held token, float32 K and V and ``extra`` bytes (an
     int32 index and a float32 score; 0 for a sink_window selection, which stores neither)."""
-    held = min(prefill + steps, keep) if mode == "online" else min(prefill, keep) + steps
-    return layers * (16 + kv_heads * held * (2 * head_dim * 4 + extra))
+    held = scored_held(keep, mode, prefill + steps, prefill)
+    return layers * (HEADER_BYTES + kv_heads * held * (2 * head_dim * 4 + extra))
 
 
 def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
@@ -270,7 +270,7 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
         raise ValueError(f"{where}.{kind}: a budget in bytes is derived for a model of the study's known models "
                          "without sliding layers (their bytes are the audit's); give {\"tokens\": K} for this one")
     target = value * n if kind == "bytes_per_token" else value * n * layers * 2 * kv_heads * head_dim * 2
-    held = int((target / layers - 16) // (kv_heads * per_token))  # tokens per (layer, KV head) at the end
+    held = int((target / layers - HEADER_BYTES) // (kv_heads * per_token))  # tokens per (layer, KV head) at the end
     keep = held if mode == "online" else held - steps
     if held < 1 or keep < 1 or (mode == "prefill" and keep > prefill) or held > n:
         fp16 = layers * 2 * kv_heads * head_dim * 2

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, replace
 from ..quant import MX, IntGrouped, Quantizer
 from ..quant.constants import HEADER_BYTES
 
-__all__ = ["Policy", "PRESETS", "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
+__all__ = ["Policy", "PRESETS", "scored_held", "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
            "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
            "equal_bytes_versus"]
@@ -131,6 +131,15 @@ def heavy_count(window: int, group: int, head_dim: int = 64, key_axis: str = "ch
     head count; never more bytes than uniform int2 once the middle holds C tokens."""
     freed = group * (8 * head_dim - scheme_bytes_per_token("int2", 1, head_dim, group, 32, key_axis))
     return max(0, int((freed - 4 * (window - 1)) // (8 * head_dim + HEAVY_TOKEN_EXTRA)))
+
+
+def scored_held(keep: int, mode: str, n: int, prefill: int) -> int:
+    """Tokens a scored selection keeping ``keep`` holds per (layer, KV head) after ``n`` tokens
+    (``n >= prefill``): online, at most ``keep``; deciding at the prefill only, the prefill's top
+    ``keep`` and every later token."""
+    if mode == "online":
+        return min(n, keep)
+    return min(prefill, keep) + max(0, n - prefill)
 
 
 def sink_candidates(prefill: int, sink: int, window: int) -> int:
@@ -245,11 +254,8 @@ class Policy:
         return self.scorer is not None
 
     def scored_held(self, n: int, prefill: int) -> int:
-        """Tokens a scored selection holds per (layer, KV head) after ``n`` tokens (``n >= prefill``):
-        online, at most ``keep``; at the prefill only, the prefill's top ``keep`` and every later token."""
-        if self.scorer_mode == "online":
-            return min(n, self.keep)
-        return min(prefill, self.keep) + max(0, n - prefill)
+        """Tokens a scored selection holds per (layer, KV head) after ``n`` tokens (:func:`scored_held`)."""
+        return scored_held(self.keep, self.scorer_mode, n, prefill)
 
     @property
     def quantized(self) -> bool:

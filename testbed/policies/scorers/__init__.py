@@ -23,58 +23,22 @@ K/V and the bytes), not the choice itself.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-import re
+import inspect
 from pathlib import Path
-from typing import ClassVar
 
-import torch
+from . import h2o, knorm, random, snapkv, tova  # noqa: F401  (the built-in scorers register themselves)
+from .base import MODES, SCORERS, USER_SCORER, Scorer, keep_top, register
 
 __all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "MODES", "is_user_scorer", "user_file_sha256"]
 
-# when a scorer decides: once, on the prefill (kvpress's compression), or at every token as it arrives
-MODES = ("prefill", "online")
-SCORERS: dict[str, type] = {}
-_USER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class Scorer:
-    """The interface of a token scorer. ``MODES``: the modes of :data:`MODES` it supports.
-
-    A scorer of the token alone (``ATTENTION = False``): ``score(keys, positions, layer)``: ``keys
-    [B, H, T, D]`` float32 post-RoPE keys of ``T`` tokens at ``positions [T]`` (int64, their index in
-    the sequence), of layer ``layer``; returns ``[B, H, T]`` float32, larger kept first.
-
-    A scorer of attention (``ATTENTION = True``): ``attention_score(query, keys, scale, previous,
-    received)`` after each attention call it decides on: ``query [B, H_q, q, D]`` the call's last
-    ``QUERIES`` queries (all of them when ``QUERIES`` is 0), ``keys [B, H, n, D]`` every key they
-    attended (held ones first, the call's own last), ``previous [B, H, n]`` float32 the held keys'
-    stored scores (0 for the call's own), ``received [B, H, n]`` float64 the attention each key
-    received over all of the call's queries and the KV head's query heads; returns ``[B, H, n]``
-    float32."""
-
-    NAME: ClassVar[str] = ""
-    MODES: ClassVar[tuple[str, ...]] = MODES
-    ATTENTION: ClassVar[bool] = False
-    QUERIES: ClassVar[int] = 0
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-
-    def score(self, keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
-
-
-def register(cls: type) -> type:
-    """Register a built-in scorer class under its ``NAME``."""
-    if not cls.NAME or cls.NAME in SCORERS:
-        raise ValueError(f"scorer {cls.__name__}: NAME {cls.NAME!r} is empty or taken")
-    SCORERS[cls.NAME] = cls
-    return cls
+# a user's scorer module per (resolved path, SHA-256 of its bytes): imported once, not once per layer
+_LOADED: dict[tuple[str, str], object] = {}
 
 
 def is_user_scorer(name: str) -> bool:
-    return bool(_USER.match(name))
+    return bool(USER_SCORER.match(name))
 
 
 def get(name: str, seed: int = 0, base: Path | None = None) -> Scorer:
@@ -89,7 +53,7 @@ def get(name: str, seed: int = 0, base: Path | None = None) -> Scorer:
     if not path.is_file():
         raise ValueError(f"scorer {name!r}: no file {path}")
     digest = user_file_sha256(path)
-    module = _LOADED.get((str(path.resolve()), digest))  # one import per file content, not one per layer
+    module = _LOADED.get((str(path.resolve()), digest))
     if module is None:
         spec = importlib.util.spec_from_file_location(f"testbed_user_scorer_{path.stem}_{digest[:12]}", path)
         module = importlib.util.module_from_spec(spec)
@@ -102,32 +66,15 @@ def get(name: str, seed: int = 0, base: Path | None = None) -> Scorer:
     return inst
 
 
-_LOADED: dict[tuple[str, str], object] = {}
-
-
 def user_file_sha256(path: Path) -> str:
     """SHA-256 of a user's scorer file (its bytes): what a run records of the code that chose its tokens."""
-    import hashlib
-
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _takes_seed(cls) -> bool:
-    import inspect
-
     try:
         return len(inspect.signature(cls).parameters) >= 1
     except (TypeError, ValueError):
         return False
 
 
-def keep_top(score: torch.Tensor, keep: int) -> torch.Tensor:
-    """Positions along the last axis of the ``keep`` largest scores, ties to the earlier position,
-    in ascending order (the tokens must lie along that axis in the order they arrived)."""
-    if score.shape[-1] <= keep:
-        return torch.arange(score.shape[-1], device=score.device).expand(score.shape)
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :keep]
-    return torch.sort(order, dim=-1).values  # ascending position = ascending index
-
-
-from . import h2o, knorm, random, snapkv, tova  # noqa: E402,F401  (the built-in scorers register themselves)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Scorer, register
+from .base import Scorer, register
 
 
 @register

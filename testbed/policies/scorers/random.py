@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import Scorer, register
+from .base import Scorer, register
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

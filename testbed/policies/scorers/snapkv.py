@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..causal import last_queries_attention
-from . import Scorer, register
+from .base import Scorer, register
 
 
 @register

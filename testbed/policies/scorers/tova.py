@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..causal import last_queries_attention
-from . import Scorer, register
+from .base import Scorer, register
 
 
 @register

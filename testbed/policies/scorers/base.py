@@ -1,0 +1,60 @@
+"""The interface every token scorer implements, its registry and the kept-set rule
+(:func:`keep_top`): the leaf that the scorer modules and :mod:`testbed.policies.scorers` import."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import torch
+
+__all__ = ["Scorer", "SCORERS", "register", "keep_top", "MODES", "USER_SCORER"]
+
+# when a scorer decides: once, on the prefill (kvpress's compression), or at every token as it arrives
+MODES = ("prefill", "online")
+SCORERS: dict[str, type] = {}
+USER_SCORER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Scorer:
+    """The interface of a token scorer. ``MODES``: the modes of :data:`MODES` it supports.
+
+    A scorer of the token alone (``ATTENTION = False``): ``score(keys, positions, layer)``: ``keys
+    [B, H, T, D]`` float32 post-RoPE keys of ``T`` tokens at ``positions [T]`` (int64, their index in
+    the sequence), of layer ``layer``; returns ``[B, H, T]`` float32, larger kept first.
+
+    A scorer of attention (``ATTENTION = True``): ``attention_score(query, keys, scale, previous,
+    received)`` after each attention call it decides on: ``query [B, H_q, q, D]`` the call's last
+    ``QUERIES`` queries (all of them when ``QUERIES`` is 0), ``keys [B, H, n, D]`` every key they
+    attended (held ones first, the call's own last), ``previous [B, H, n]`` float32 the held keys'
+    stored scores (0 for the call's own), ``received [B, H, n]`` float64 the attention each key
+    received over all of the call's queries and the KV head's query heads; returns ``[B, H, n]``
+    float32."""
+
+    NAME: ClassVar[str] = ""
+    MODES: ClassVar[tuple[str, ...]] = MODES
+    ATTENTION: ClassVar[bool] = False
+    QUERIES: ClassVar[int] = 0
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def score(self, keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+def register(cls: type) -> type:
+    """Register a built-in scorer class under its ``NAME``."""
+    if not cls.NAME or cls.NAME in SCORERS:
+        raise ValueError(f"scorer {cls.__name__}: NAME {cls.NAME!r} is empty or taken")
+    SCORERS[cls.NAME] = cls
+    return cls
+
+
+def keep_top(score: torch.Tensor, keep: int) -> torch.Tensor:
+    """Positions along the last axis of the ``keep`` largest scores, ties to the earlier position,
+    in ascending order (the tokens must lie along that axis in the order they arrived)."""
+    if score.shape[-1] <= keep:
+        return torch.arange(score.shape[-1], device=score.device).expand(score.shape)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :keep]
+    return torch.sort(order, dim=-1).values  # ascending position = ascending index
