@@ -615,7 +615,8 @@ def _scorer_files(p: dict, base: Path | None) -> dict:
 
 def scored_needs(p: dict) -> tuple[int, bool]:
     """What the study's scored selections read of the shared prefill: the most last queries any of
-    them reads (0: none), and whether one reads every query's accumulated attention (``h2o``-like)."""
+    them reads (0: none; the whole prefill for one that reads every query), and whether one reads
+    every query's accumulated attention (``h2o``-like)."""
     from .policies import scorers
 
     tail, received = 0, False
@@ -627,8 +628,10 @@ def scored_needs(p: dict) -> tuple[int, bool]:
             continue
         if cls.QUERIES:
             tail = max(tail, cls.QUERIES)
-        else:
+        elif getattr(cls, "RECEIVED", True):
             tail, received = max(tail, 1), True
+        else:  # every query of the prefill (expected_attention's statistics)
+            tail = max(tail, 1 << 30)  # a tail longer than any prefill: query[..., -tail:, :] is all of it
     return tail, received
 
 

@@ -137,6 +137,7 @@ def test_a_scored_cache_chunked_equals_one_token_per_forward(scorer, mode):
 
 ATTN_CASES = [("snapkv", "prefill", 80, 70), ("tova", "prefill", 80, 70), ("tova", "online", 80, 70),
               ("h2o", "online", 80, 70), ("h2o", "prefill", 80, 70),
+              ("expected_attention", "prefill", 80, 70),
               # a prefill shorter than keep: the first decode chunk runs up to the first eviction
               ("tova", "online", 8, 20), ("h2o", "online", 8, 20), ("knorm", "online", 8, 20)]
 
@@ -169,7 +170,7 @@ def test_a_scorer_of_attention_chunked_equals_one_token_per_forward(scorer, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scorer, mode", [c[:2] for c in ATTN_CASES[:5]] + [("knorm", "online")])
+@pytest.mark.parametrize("scorer, mode", [c[:2] for c in ATTN_CASES[:6]] + [("knorm", "online")])
 def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     """The live study's shared float32 prefill (K/V, last queries, accumulated attention handed to the
     cache) leaves the cache the model's own prefill through it leaves: same kept sets, same log-probs."""
@@ -269,6 +270,7 @@ ARMS = [{"name": "knorm_k24", "selection": {"kind": "knorm", "keep": 24}},
         {"name": "mine_k24", "selection": {"kind": "my_scorers.py:LowNorm", "keep": 24}},
         {"name": "snapkv_k70", "selection": {"kind": "snapkv", "mode": "prefill", "keep": 70}},
         {"name": "tova_pre", "selection": {"kind": "tova", "mode": "prefill", "keep": 40}},
+        {"name": "ea_pre", "selection": {"kind": "expected_attention", "mode": "prefill", "keep": 40}},
         {"name": "tova_k60", "selection": {"kind": "tova", "keep": 60}},
         {"name": "h2o_k60", "selection": {"kind": "h2o", "keep": 60}},
         {"name": "knorm_w16", "selection": {"kind": "knorm", "keep": 40, "window": 16}},
@@ -315,6 +317,7 @@ def test_scored_arms_run_and_pass_the_audit(scored_run):
     # the audit says which choices it could not re-derive: the user's scorer and the online ones of attention
     assert "my_scorers.py:LowNorm" in summary and "h2o (online)" in summary and "tova (online)" in summary
     assert "self-consistently" in summary and "snapkv" not in summary and "knorm" not in summary
+    assert "expected_attention" not in summary  # re-derived from the recorded queries, keys, values and RoPE
     # report.html draws the frontier: one curve per family, each point an arm of this run
     html = (scored_run / "report.html").read_text()
     assert 'data-key="frontier/scored_tiny"' in html
@@ -354,7 +357,7 @@ def _forge(run: Path, rel: str, edit) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", ["knorm_k24", "random_pre", "snapkv_k70", "tova_pre", "knorm_w16"])
+@pytest.mark.parametrize("arm", ["knorm_k24", "random_pre", "snapkv_k70", "tova_pre", "knorm_w16", "ea_pre"])
 def test_a_consistently_forged_kept_set_fails(scored_run, tmp_path, arm):
     """Swap one kept token for the best-scored dropped one of head 0, with its K, V and score, all
     re-hashed: indices, K/V and bytes stay consistent, but the kept set is no longer the top keep."""
@@ -370,14 +373,25 @@ def test_a_consistently_forged_kept_set_fails(scored_run, tmp_path, arm):
         kp = torch.from_numpy(k[:, :80])[None]
         own = scorers.get(arm.split("_")[0]).attention_score(q, kp, 64 ** -0.5, torch.zeros(kp.shape[:3]), None)[0]
         own = own.numpy()
+    elif arm == "ea_pre":  # every prefill query, rotated back with the recorded RoPE frequencies
+        from testbed.policies.rope import Rotary
+
+        sc = scorers.get("expected_attention")
+        sc.bind_rope(Rotary(torch.from_numpy(_arrays.load(run, ev["rope.inv_freq"])), 1.0))
+        q = torch.from_numpy(_arrays.load(run, ev["prefill.q"]))[None]
+        kp, vp = torch.from_numpy(k[:, :80])[None], torch.from_numpy(v[:, :80])[None]
+        own = sc.attention_score(q, kp, 64 ** -0.5, torch.zeros(kp.shape[:3]), None, values=vp)[0].numpy()
     else:
         pol = {"knorm_k24": ("knorm", 0), "random_pre": ("random", 2), "knorm_w16": ("knorm", 0)}[arm]
         own = scorers.get(pol[0], seed=pol[1]).score(torch.from_numpy(k)[None], torch.arange(k.shape[1]), 0)[0]
         own = own.numpy()
     kept = set(idx[0].tolist())
     eligible = range(80) if arm.endswith("_pre") or arm.startswith("snapkv") else range(k.shape[1])
+    if arm == "ea_pre":
+        eligible = range(4, 80)  # its sink is kept first
     worst = max((t for t in eligible if t not in kept), key=lambda t: -own[0, t])  # the lowest-scored dropped
-    out = int(idx[0, -1] if arm == "knorm_k24" else idx[0, 0])  # knorm_w16: its oldest kept, outside the window
+    out = int(idx[0, -1] if arm == "knorm_k24" else idx[0, 4] if arm == "ea_pre" else idx[0, 0])
+    # knorm_w16: its oldest kept, outside the window; ea_pre: its first kept after the sink
     new = sorted((kept - {out}) | {worst})
     assert len(new) == idx.shape[1]
     _forge(run, ev["kept.index"], lambda x: x.__setitem__(0, np.array(new, dtype=np.int32)))
@@ -474,6 +488,28 @@ def test_a_forged_prefill_query_fails(scored_run, tmp_path):
     ok, failures, _ = audit(run)
     assert not ok
     assert any("prefill queries, last 1 differs" in f and "tova_pre" in f for f in failures), failures[:5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forgery", ["shuffled", "theta"])
+def test_a_forged_rotary_schedule_fails(scored_run, tmp_path, forgery):
+    """expected_attention's recorded RoPE frequencies: shuffled, they are no rotary schedule; another
+    base (theta 10,000 instead of the model's), the stored scores are no longer the audit's."""
+    from testbed.audit import audit
+
+    run = tmp_path / "copy"
+    shutil.copytree(scored_run, run)
+    ev = _rows(run)["ea_pre"]["evidence"]["arrays"]
+    if forgery == "shuffled":
+        _forge(run, ev["rope.inv_freq"], lambda x: x.__setitem__(slice(None), x[::-1].copy()))
+    else:
+        d = 64
+        _forge(run, ev["rope.inv_freq"], lambda x: x.__setitem__(
+            slice(None), (1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32)))
+    ok, failures, _ = audit(run)
+    assert not ok
+    want = "not a rotary schedule" if forgery == "shuffled" else "kept.score: not the expected_attention scores"
+    assert any("ea_pre" in f and want in f for f in failures), failures[:5]
 
 
 @pytest.mark.slow

@@ -39,6 +39,8 @@ TOLERANCES = {
     # a scorer's float32 attention score (a softmax share) against the audit's float64 one: measured within
     # 1.5e-7 relative on SmolLM2; relative, so a near tie at small boundary scores stays a rounding-level one
     "score_attention": {"rtol": 1e-5, "atol": 1e-12},
+    # a rotary schedule's log-frequencies a straight line: steps equal within float32 rounding of the log
+    "rope_schedule": {"rtol": 0.0, "atol": 1e-5},
     # the probabilities of one float32 log-softmax (exp of the stored log-probs) sum to 1 within
     # this: a float32 sum of a ~50k-token vocabulary, accumulated in a few lanes, drifts ~1e-4 at
     # worst (measured: under 2e-5 on random logits of 49,152 tokens). The live audit's bounds that

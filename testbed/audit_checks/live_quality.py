@@ -126,12 +126,15 @@ DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window"
                       "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0}
 # scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
 # definitions, _scores); a user's scorer ("file.py:Class") is checked self-consistently only
-AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o")
+AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o", "expected_attention")
 # scorers of attention whose prefill decision the audit re-derives from the recorded queries (the
-# last SNAPKV_WINDOW, or the last one); online, or h2o's (every query), it checks the kept set
-# self-consistently
-ATTENTION_SCORERS = {"snapkv": 64, "tova": 1, "h2o": 0}
+# last SNAPKV_WINDOW, the last one, or every one: None); online, or h2o's (every query), it checks
+# the kept set self-consistently
+ATTENTION_SCORERS = {"snapkv": 64, "tova": 1, "h2o": 0, "expected_attention": None}
 SNAPKV_WINDOW, SNAPKV_KERNEL = 64, 5
+# expected_attention: the first EA_SINK tokens left out of the query statistics and kept first; the
+# future queries modelled over the EA_FUTURE positions after the prefill (kvpress's defaults)
+EA_SINK, EA_FUTURE = 4, 512
 USER_SCORER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
 SCORED_EXTRA = 8  # per kept token and KV head: int32 index, float32 score
 
@@ -366,7 +369,7 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         if got is None or got.shape != want.shape or got.tobytes() != want.tobytes():
             ctx.fail(row, f"float.{name}: the kept K/V are not the recorded inputs at kept.index")
     extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "input.k", "input.v",
-                                             "prefill.q"))
+                                             "prefill.q", "rope.inv_freq"))
     if extra:
         ctx.fail(row, f"a scored selection stores float K/V, indices and scores only, found {extra}")
     total = sum(int(a[x].nbytes) for x in ("float.k", "float.v", "kept.index", "kept.score"))
@@ -381,13 +384,24 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         return
     if attention:  # a prefill decision from the recorded last queries over the prefill's keys
         q = a.get("prefill.q")
-        w = ATTENTION_SCORERS[pol["scorer"]]
         P = live["prefill"]
+        w = ATTENTION_SCORERS[pol["scorer"]] or P
         if q is None or q.ndim != 3 or q.shape[1] != w or q.shape[2] != k.shape[2] or q.shape[0] % k.shape[0]:
             raise ValueError(f"prefill.q: {pol['scorer']} decides from the prefill's last {w} queries [H_q, {w}, D], got "
                              f"{None if q is None else list(q.shape)}")
         own = np.zeros(k.shape[:2], dtype=np.float32)
-        own[:, :P] = _attention_scores(pol["scorer"], q, k[:, :P])
+        if pol["scorer"] == "expected_attention":
+            inv = a.get("rope.inv_freq")
+            if inv is None or inv.shape != (k.shape[2] // 2,) or inv.dtype != np.float32:
+                raise ValueError(f"rope.inv_freq: expected_attention's evidence needs the float32 [{k.shape[2] // 2}] "
+                                 "rotary frequencies its queries were rotated back with")
+            if not _rope_schedule(inv):
+                ctx.fail(row, "rope.inv_freq: not a rotary schedule (positive, each a constant ratio below the one "
+                              "before: theta^(-2i/D), optionally divided by a linear factor)")
+                return
+            own[:, :P] = _expected_attention(q, k[:, :P], v[:, :P], inv)
+        else:
+            own[:, :P] = _attention_scores(pol["scorer"], q, k[:, :P])
         tol = TOLERANCES["score_attention"]["rtol"]
     else:
         own = _scores(pol, k, int(layer))
@@ -422,6 +436,61 @@ def _attention_scores(scorer: str, q: np.ndarray, k: np.ndarray) -> np.ndarray:
     pooled = sum(padded[:, i:i + P - w] for i in range(SNAPKV_KERNEL)) / SNAPKV_KERNEL
     per_kv = pooled.reshape(hkv, g, P - w).mean(axis=1)
     return np.concatenate([per_kv, np.repeat(per_kv.max(axis=-1, keepdims=True) + 1, w, axis=1)], axis=1)
+
+
+def _rope_schedule(inv: np.ndarray) -> bool:
+    """``inv`` is a default RoPE schedule theta^(-2i/D) (or one divided by a linear factor): positive,
+    and its log a straight line in i, within float32 rounding."""
+    if inv.size < 2 or not np.all(np.isfinite(inv)) or np.any(inv <= 0):
+        return False
+    lg = np.log(inv.astype(np.float64))
+    step = np.diff(lg)
+    return bool(np.all(step < 0) and np.allclose(step, step.mean(), rtol=0, atol=TOLERANCES["rope_schedule"]["atol"]))
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def _angles(pos: np.ndarray, inv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [T, D] float64 of float32 angles (positions times frequencies in float32, as the
+    model forms them), over both halves."""
+    ang = pos.astype(np.float32)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang).astype(np.float64), np.sin(ang).astype(np.float64)
+
+
+def _expected_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """[H_kv, P] the audit's own float64 expected attention (Devoto et al., 2025, kvpress's
+    ExpectedAttentionPress defaults): the prefill's queries ``q [H_q, P, D]`` rotated back to before
+    RoPE with ``inv``; their mean and covariance from position EA_SINK on; both carried by the mean
+    rotation over the EA_FUTURE positions after the prefill; per query head the softmax over the keys
+    after the sink of s k.mu + s^2/2 k^T S k (s = D^-1/2), averaged over the KV head's query heads,
+    times each value's norm; the sink the head's largest plus one."""
+    hq, P, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    cos, sin = _angles(np.arange(P), inv)
+    x = q.astype(np.float64)
+    pre = (x * cos - _rotate_half(x) * sin)[:, EA_SINK:]
+    mu = pre.mean(axis=1)
+    c = pre - mu[:, None]
+    cov = np.einsum("hti,htj->hij", c, c) / pre.shape[1]
+    fc, fs = _angles(np.arange(P, P + EA_FUTURE), inv)
+    turn = np.zeros((d, d))
+    turn[: d // 2, d // 2:] = -np.eye(d // 2)
+    turn[d // 2:, : d // 2] = np.eye(d // 2)
+    rot = np.diag(fc.mean(axis=0)) + fs.mean(axis=0)[:, None] * turn
+    mu = mu @ rot.T
+    cov = rot @ cov @ rot.T
+    s = 1.0 / math.sqrt(d)
+    kk = np.repeat(k[:, EA_SINK:].astype(np.float64), g, axis=0)
+    logit = s * np.einsum("hkd,hd->hk", kk, mu) + 0.5 * s * s * np.einsum("hkd,hde,hke->hk", kk, cov, kk)
+    p = np.exp(logit - logit.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    per_kv = p.reshape(hkv, g, P - EA_SINK).mean(axis=1) * np.linalg.norm(v[:, EA_SINK:].astype(np.float64), axis=-1)
+    return np.concatenate([np.repeat(per_kv.max(axis=-1, keepdims=True) + 1, EA_SINK, axis=1), per_kv], axis=1)
 
 
 def _check_kept(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarray, score: np.ndarray, tol: float,
@@ -1039,12 +1108,14 @@ def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
             groups["input.q"][arm] = ctx.load(a["input.q"]).tobytes()
         # a scored arm's prefill.q (the last queries its prefill decision read) is the tail of those same
         # queries: equal across arms, and to a recorded input.q's last rows
-        for w in (1, 64):
+        for w in (1, 64, P):
             for name in ("input.q", "prefill.q"):
                 if name in a:
                     q = ctx.load(a[name])
                     if q.ndim == 3 and q.shape[1] >= w:
-                        groups[f"prefill queries, last {w}"][f"{arm} ({name})"] = q[:, -w:].tobytes()
+                        groups.setdefault(f"prefill queries, last {w}", {})[f"{arm} ({name})"] = q[:, -w:].tobytes()
+        if "rope.inv_freq" in a:  # one model, one rotary schedule
+            groups.setdefault("rope.inv_freq", {})[arm] = ctx.load(a["rope.inv_freq"]).tobytes()
         pol = _policy(arm, live) if arm in policy_names(live) else {}
         if pol.get("low") and pol.get("alloc") in ("concentrated", "diffuse") and pol.get("alloc_from") == "prefill":
             groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("alloc_score")).tobytes()

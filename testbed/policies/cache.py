@@ -55,6 +55,7 @@ from . import packed_attention as pa
 from . import scorers
 from .causal import _causal_softmax_blocks, accumulated_attention
 from .policy import HEADER_BYTES, Policy, sink_candidates
+from .rope import rotary
 from .scored import ScoredLayer
 
 __all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
@@ -1023,6 +1024,15 @@ class PolicyCache(Cache):
         layers = [_full_layer(policy, i == record_layer, i, direct, scorer_base)
                   if kind == "full_attention" else SlidingLayer(window, layer_idx=i)
                   for i, (kind, window) in enumerate(kinds)]
+        needs_rope = [x for x in layers if isinstance(x, ScoredLayer) and getattr(x.scorer, "ROPE", False)]
+        if needs_rope:  # a scorer that models future queries reads the layer's rotary embedding
+            try:
+                rope = rotary(config, "full_attention")
+            except ValueError as e:
+                raise ValueError(f"layer {needs_rope[0].layer_idx}: scorer {policy.scorer} needs the layer's rotary "
+                                 f"embedding: {e}") from None
+            for x in needs_rope:
+                x.scorer.bind_rope(rope)
         return cls(policy, n, record_layer, direct, layers=layers, kinds=[k for k, _ in kinds], scores=scores,
                    received=received)
 

@@ -147,11 +147,14 @@ class ScoredLayer(DynamicLayer):
             raise ValueError(f"layer {self.layer_idx}: scorer {self.policy.scorer} reads the last {want} queries, "
                              f"got {query.shape[2]}")
         q = query if not want else query[:, :, -want:]
-        if received is None and not want:
+        reads_received = not want and getattr(self.scorer, "RECEIVED", True)
+        if received is None and reads_received:
             received = accumulated_attention(query, key, scale)
         if self.record and self.recorded_q is None:  # the prefill decision's queries, for the audit
             self.recorded_q = q[0].detach().float().clone()
-        score = self.scorer.attention_score(q.float(), key.float(), scale, previous, received)
+        extra = {"values": values.float()} if getattr(self.scorer, "VALUES", False) else {}
+        score = self.scorer.attention_score(q.float(), key.float(), scale, previous,
+                                            received if reads_received else None, **extra)
         self._keep(keys, values, index, self._checked(score, tuple(previous.shape)))
 
     def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor | None = None,
@@ -168,11 +171,12 @@ class ScoredLayer(DynamicLayer):
         finally:
             self._loading = False
         if self._waiting is not None:
-            if query is None or scale is None or (not self.scorer.QUERIES and received is None):
+            reads_received = not self.scorer.QUERIES and getattr(self.scorer, "RECEIVED", True)
+            if query is None or scale is None or (reads_received and received is None):
                 self._waiting = None
                 raise ValueError(f"layer {self.layer_idx}: scorer {self.policy.scorer} decides from the prefill's "
                                  "attention; load_prefill needs its last queries, the scale"
-                                 + (" and the accumulated attention" if not self.scorer.QUERIES else ""))
+                                 + (" and the accumulated attention" if reads_received else ""))
             self.observe_prefill(query, self._waiting[0].to(query.dtype), scale, received)
 
     def get_seq_length(self) -> int:
@@ -217,7 +221,9 @@ class ScoredLayer(DynamicLayer):
 
     def evidence(self) -> dict[str, torch.Tensor]:
         """Batch row 0's stored arrays (``float.k``, ``float.v``, ``kept.index`` int32, ``kept.score``)
-        and, when recording, ``input.k`` / ``input.v``: the float32 K/V of every token appended."""
+        and, when recording, ``input.k`` / ``input.v``: the float32 K/V of every token appended; the
+        queries a prefill decision read (``prefill.q``) and, for a scorer that reads the rotary
+        embedding, its ``rope.inv_freq`` (float32)."""
         out = {"float.k": self.kept_k[0], "float.v": self.kept_v[0], "kept.index": self.kept_index[0].to(torch.int32),
                "kept.score": self.kept_score[0]}
         if self.record:
@@ -225,4 +231,7 @@ class ScoredLayer(DynamicLayer):
             out["input.v"] = torch.cat(self.recorded_v, dim=-2)
             if self.recorded_q is not None:
                 out["prefill.q"] = self.recorded_q  # the last queries the prefill decision read
+            rope = getattr(self.scorer, "rope", None)
+            if getattr(self.scorer, "ROPE", False) and rope is not None:
+                out["rope.inv_freq"] = rope.inv_freq  # the angles the decision rotated the queries back with
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}

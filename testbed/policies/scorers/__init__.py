@@ -28,7 +28,7 @@ import importlib.util
 import inspect
 from pathlib import Path
 
-from . import h2o, knorm, random, snapkv, tova  # noqa: F401  (the built-in scorers register themselves)
+from . import expected_attention, h2o, knorm, random, snapkv, tova  # noqa: F401  (the built-in scorers register themselves)
 from .base import MODES, SCORERS, USER_SCORER, Scorer, keep_top, register
 
 __all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "MODES", "is_user_scorer", "user_file_sha256"]

@@ -28,13 +28,18 @@ class Scorer:
     ``QUERIES`` queries (all of them when ``QUERIES`` is 0), ``keys [B, H, n, D]`` every key they
     attended (held ones first, the call's own last), ``previous [B, H, n]`` float32 the held keys'
     stored scores (0 for the call's own), ``received [B, H, n]`` float64 the attention each key
-    received over all of the call's queries and the KV head's query heads; returns ``[B, H, n]``
-    float32."""
+    received over all of the call's queries and the KV head's query heads (``RECEIVED = False``: not
+    read, None); with ``VALUES = True`` also ``values=`` ``[B, H, n, D]`` the keys' values; returns
+    ``[B, H, n]`` float32. ``ROPE = True``: the scorer reads the layer's rotary embedding, handed by
+    :meth:`bind_rope` (a :class:`~testbed.policies.rope.Rotary`) when the cache is built for a model."""
 
     NAME: ClassVar[str] = ""
     MODES: ClassVar[tuple[str, ...]] = MODES
     ATTENTION: ClassVar[bool] = False
     QUERIES: ClassVar[int] = 0
+    RECEIVED: ClassVar[bool] = True
+    VALUES: ClassVar[bool] = False
+    ROPE: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0):
         self.seed = seed
