@@ -126,7 +126,7 @@ class Audit:
         self.protocol_copies: dict[str, dict] = {}  # study -> its frozen protocol copy, once it passed its checks
         self.numbers = 0
         self.rows_checked = 0
-        self._cache: dict = {}
+        self.cache: dict = {}  # loaded cases and derived values by key (`cached`); a check may evict what it is done with
 
     # -- reporting -------------------------------------------------------------------------
     def fail(self, where, reason: str) -> None:
@@ -161,7 +161,7 @@ class Audit:
 
     def case(self, row: dict) -> dict:
         key = ("case", row.get("study"), row.get("case"))
-        if key not in self._cache:
+        if key not in self.cache:
             rec = self.case_record(row.get("study"), row.get("case"))
             where = f"case {row.get('study')}/{row.get('case')}"
             case = {name: self.load(path) for name, path in rec["arrays"].items()}
@@ -180,8 +180,8 @@ class Audit:
             meta = rec.get("meta", {})
             case.update({"causal": bool(rec["causal"]), "layout": rec["layout"], "meta": meta if isinstance(meta, dict) else {},
                          "tokens_per_frame": rec.get("tokens_per_frame"), "head_map": rec.get("head_map")})
-            self._cache[key] = case
-        case = self._cache[key]
+            self.cache[key] = case
+        case = self.cache[key]
         if "archive" in case and row.get("analysis") not in (None, "ablation"):
             raise AuditError(f"case {row.get('study')}/{row.get('case')} keeps only part of its Q/K/V (archive): "
                              f"only ablation rows can be re-derived, from its per-row statistics, not {row.get('analysis')} rows")
@@ -192,9 +192,9 @@ class Audit:
         return safe_relpath(self.root, rel).read_bytes()
 
     def cached(self, key, fn):
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
+        if key not in self.cache:
+            self.cache[key] = fn()
+        return self.cache[key]
 
     def _tol(self, row):
         return self.tolerances.get(row.get("study"), DEFAULT_TOLERANCE)

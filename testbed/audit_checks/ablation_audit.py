@@ -401,8 +401,8 @@ def _arm_cached(ctx, key, fn):
     """``ctx.cached`` for one arm's value (``key = (kind, study, case, arm)``), holding one arm's at a
     time: the results list an arm's rows together, so the previous arm's decoded K/V are dropped when
     the next arm's are built (a row of an arm met again later re-derives them, with the same numbers)."""
-    for other in [c for c in ctx._cache if isinstance(c, tuple) and len(c) == 4 and c[:3] == key[:3] and c != key]:
-        del ctx._cache[other]
+    for other in [c for c in ctx.cache if isinstance(c, tuple) and len(c) == 4 and c[:3] == key[:3] and c != key]:
+        del ctx.cache[other]
     return ctx.cached(key, fn)
 
 
@@ -508,9 +508,9 @@ def check(row: dict, ctx) -> None:
         rows = [i for i, r in enumerate(ctx.results["rows"]) if isinstance(r, dict) and r.get("analysis") == "ablation"
                 and r.get("study") == row.get("study") and r.get("case") == row.get("case")]
         if rows and row.get("_index") == rows[-1]:
-            for key in [c for c in ctx._cache if isinstance(c, tuple) and len(c) >= 3 and c[0] in _CASE_CACHES
+            for key in [c for c in ctx.cache if isinstance(c, tuple) and len(c) >= 3 and c[0] in _CASE_CACHES
                         and c[1:3] == (row.get("study"), row.get("case"))]:
-                del ctx._cache[key]
+                del ctx.cache[key]
 
 
 def _check_row(row: dict, ctx) -> None:
@@ -554,7 +554,7 @@ def _check_row(row: dict, ctx) -> None:
             return _derive(case, k, v, names, ref)[:2]
         # the float32 arm's outputs are the quantized arms' reference: kept once per case, not per arm
         derived, masses, full_out = _derive(case, k, v, names, None, want_out=True)
-        ctx._cache.setdefault(ref_key, full_out)
+        ctx.cache.setdefault(ref_key, full_out)
         return derived, masses
 
     derived, masses = _arm_cached(ctx, ("ablation-arm", row["study"], row["case"], row["arm"]), derive_arm)
@@ -802,9 +802,9 @@ def _own_stats(case, case_id, names, regions, seed) -> dict:
 def _check_archived_heads(ctx, row, case, st, seed) -> None:
     """Once per case: the archived heads' statistics equal the audit's own from their Q/K/V."""
     key = ("ablation-stats-heads", row["study"], row["case"], row["arm"])
-    if key in ctx._cache:
+    if key in ctx.cache:
         return
-    ctx._cache[key] = True
+    ctx.cache[key] = True
     qh = case["archive"]["q_heads"]
     if not qh:
         return

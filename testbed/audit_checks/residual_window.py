@@ -70,7 +70,7 @@ def _check_labels(row: dict, ctx, n: int) -> None:
     if cfg is None:
         arm, scheme, sink = "float32", "float32", None
     else:
-        scheme = _scheme(cfg["key"], cfg["value"])
+        scheme = scheme_label(cfg["key"], cfg["value"])
         sink = cfg["sink"]
         arm = f"first{sink}" if sink and not cfg["recent"] else f"R={cfg['recent']}"
         if sink and cfg["recent"]:
@@ -82,7 +82,7 @@ def _check_labels(row: dict, ctx, n: int) -> None:
         ctx.fail(row, f"recent_mass_window {row['recent_mass_window']!r} is outside [1, {n}]")
 
 
-def _scheme(key: dict, value: dict) -> str:
+def scheme_label(key: dict, value: dict) -> str:
     """The documented scheme label: the K scheme, and the V scheme in parentheses where it differs
     (for grouped integers: its bits and group size; the axis is the layout's). Each part is the
     audit's label for its kind (``common.quantizer_label``); an unknown kind raises, never a bare kind."""

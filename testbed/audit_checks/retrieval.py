@@ -53,8 +53,8 @@ import re
 import numpy as np
 
 from . import report_format as fmt
-from .capture import MODELS, _check_software, _compare, _json
-from .live_quality import _policy, check_grid, policy_names
+from .capture import MODELS, check_software, compare_fields, read_json
+from .live_quality import check_grid, policy_names, policy_of
 from .stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
@@ -352,13 +352,13 @@ def _check_manifest(ctx, study: str, p: dict, trials: int) -> None:
     (name, GGUF file, SHA-256) against the audit's table, the software against the run's
     environment, the arms and trials against the frozen protocol and the rows."""
     rel = f"{study}/retrieval_manifest.json"
-    m = _json(ctx, rel)
+    m = read_json(ctx, rel)
     if not isinstance(m, dict):
         raise ValueError("not a JSON object")
     model = m.get("model") if isinstance(m.get("model"), dict) else {}
     known = MODELS[MODEL]
     rows = [r for r in ctx.results.get("rows", []) if isinstance(r, dict) and r.get("study") == study]
-    _compare(ctx, rel, {"schema_version": (m.get("schema_version"), 1), "model.model": (model.get("model"), MODEL),
+    compare_fields(ctx, rel, {"schema_version": (m.get("schema_version"), 1), "model.model": (model.get("model"), MODEL),
                         "model.gguf": (model.get("gguf"), known["gguf"]),
                         "model.gguf_sha256": (model.get("gguf_sha256"), known["gguf_sha256"]),
                         "arms": (m.get("arms"), arms_of(p)), "trials": (m.get("trials"), trials)})
@@ -366,7 +366,7 @@ def _check_manifest(ctx, study: str, p: dict, trials: int) -> None:
             m.get("arms") or []):
         ctx.fail(rel, f"trials {m.get('trials')!r} and arms {m.get('arms')!r} are not the rows': "
                       f"{len({r.get('case') for r in rows})} trials, arms {sorted({str(r.get('arm')) for r in rows})}")
-    _check_software(ctx, rel, m.get("software"))
+    check_software(ctx, rel, m.get("software"))
 
 
 def _ids(ctx, row, arrays, name, n):
@@ -443,7 +443,7 @@ def check(row: dict, ctx) -> None:
     _cross_checks(row, ctx, lp, argmax, generated, answer)
     if kind == "policy":
         got = row.get("policy") if isinstance(row.get("policy"), dict) else {}
-        for key, val in _policy(arm, p).items():
+        for key, val in policy_of(arm, p).items():
             if key.startswith("_"):  # the audit's own working values (a live segment's prefill), not a field
                 continue
             ctx.equal(row, f"policy.{key}", got.get(key), val)
