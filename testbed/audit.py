@@ -44,25 +44,21 @@ problem and exits 1 (exit 2 for a missing folder or bad arguments).
 from __future__ import annotations
 
 import argparse
-import collections
 import csv
 import hashlib
 import io
 import json
 import math
 import os
-import re
-import stat
-import struct
 import sys
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from .audit_checks import CHECKS, RUN_CHECKS
 from .audit_checks.common import TOLERANCES, strict_json
+from .audit_checks.safe_io import (CONTROL_CHARS, MEMBER_NAME, AuditError, BadInput, Containers, container_of,
+                                    load_json, present_files, safe_relpath, sha256_file)
 from ._cli import entry as cli_entry
 from .progress import Progress, stderr_emit
 
@@ -73,40 +69,13 @@ SOURCE_GLOBS = ("testbed/**/*.py", "protocols/*.json", "pyproject.toml")
 # since the audit may not import testbed.context, which imports torch).
 CASE_FIELDS = ("source", "distribution", "seed", "n", "model", "prompt", "layer", "chunk", "step", "layout_kind")
 DEFAULT_TOLERANCE = TOLERANCES["derived"]
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 __all__ = ["audit", "compare", "main", "load_json", "BadInput"]
-
-
-class AuditError(Exception):
-    """A problem that stops the audit of one file or row."""
-
-
-class BadInput(Exception):
-    """A folder a command cannot read as a run (``testbed.compare``, ``testbed.replay``: exit 2)."""
 
 
 class Consequence(AuditError):
     """A row that cannot be re-derived because an array it uses already failed its own checks: the
     cause has its FAIL line; the rows it takes down are summarized in one line, not one each."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def load_json(path: Path):
-    """Parse JSON strictly: UTF-8, no duplicate keys (two readers could see two different values).
-
-    Raises ``AuditError`` for anything that is not such a document (including absurd nesting)."""
-    try:
-        return strict_json(path.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise AuditError(f"not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def repository_path(path: str, repo: Path = REPO_ROOT) -> str:
@@ -125,201 +94,6 @@ def repository_path(path: str, repo: Path = REPO_ROOT) -> str:
         return path
     norm = Path(norm).as_posix()
     return path if norm == ".." or norm.startswith("../") else norm
-
-
-def _safe_relpath(root: Path, rel: str) -> Path:
-    """Resolve ``rel`` inside ``root`` without following any symlink; refuse anything else.
-
-    Only ``os.lstat`` is called on the components below ``root``, and only after the text of
-    ``rel`` has been checked, so nothing outside the run is ever touched."""
-    if not isinstance(rel, str) or not rel:
-        raise AuditError(f"path {rel!r} is not a non-empty string")
-    if rel.startswith(("/", "\\", "~")) or (len(rel) > 1 and rel[1] == ":"):
-        raise AuditError(f"path {rel!r} is absolute; refused")
-    if _CONTROL.search(rel):
-        raise AuditError(f"path {rel!r} contains control characters; refused")
-    parts = rel.split("/")
-    if any(p in ("..", ".", "") for p in parts) or "\\" in rel:
-        raise AuditError(f"path {rel!r} leaves the run folder (or is not normalized); refused")
-    cur = root
-    for part in parts:
-        cur = cur / part
-        try:
-            st = os.lstat(cur)
-        except (FileNotFoundError, NotADirectoryError):
-            raise AuditError(f"{rel}: missing") from None
-        except (OSError, ValueError) as e:
-            raise AuditError(f"{rel}: cannot be examined ({e})") from None
-        if stat.S_ISLNK(st.st_mode):
-            raise AuditError(f"{rel}: is a symlink; refused")
-    if not stat.S_ISREG(st.st_mode):
-        raise AuditError(f"{rel}: not a regular file")
-    return cur
-
-
-def _present_files(root: Path) -> tuple[set[str], list[str]]:
-    files, links = set(), []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in list(dirnames) + filenames:
-            p = Path(dirpath) / name
-            rel = p.relative_to(root).as_posix()
-            if p.is_symlink():
-                links.append(rel)
-            elif name in filenames:
-                files.add(rel)
-    return files, links
-
-
-def container_of(rel: str) -> tuple[str, str]:
-    """``(container, member)``: array ``arrays/S/C/NAME.npy`` is member ``NAME.npy`` of ``arrays/S/C.npz``."""
-    head, _, member = rel.rpartition("/")
-    return head + ".npz", member
-
-
-_MEMBER = re.compile(r"[^/\\\x00-\x1f]+\.npy")
-_NPY_HEADER_MAX = 1 << 17  # a .npy header is at most 65,535 bytes + its preamble (format 1.0) or ~4 GB (2.0): bounded here
-
-
-class Containers:
-    """The per-case array containers of one run, each opened once, read with the stdlib's zipfile.
-
-    ``members(container)`` lists its member names (a container that is not a zip, names a member
-    twice or holds an encrypted member is an `AuditError`); ``load(rel, entry)`` reads one member,
-    bounded by the manifest's nbytes before anything is decompressed, checks its SHA-256 and loads
-    it with `_load_npy`."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self._open: dict[str, zipfile.ZipFile | AuditError] = {}
-
-    def _zip(self, container: str) -> zipfile.ZipFile:
-        got = self._open.get(container)
-        if got is None:
-            try:
-                path = _safe_relpath(self.root, container)
-                try:
-                    zf = zipfile.ZipFile(path)
-                except Exception as e:  # noqa: BLE001 - any malformed zip is a FAIL line (NotImplementedError too)
-                    raise AuditError(f"{container}: not a readable zip ({type(e).__name__}: {str(e)[:200]})") from None
-                names = [i.filename for i in zf.infolist()]
-                dup = sorted(n for n, c in collections.Counter(names).items() if c > 1)
-                if dup:
-                    raise AuditError(f"{container}: member {dup[0]!r} stored twice (which one is the array?)")
-                bad = [i.filename for i in zf.infolist() if i.flag_bits & 0x1 or i.compress_type not in
-                       (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)]
-                if bad:
-                    raise AuditError(f"{container}: member {bad[0]!r} is encrypted or not stored/deflated; refused")
-                _check_zip_layout(path, zf, container)
-                got = zf
-            except AuditError as e:
-                got = e
-            self._open[container] = got
-        if isinstance(got, AuditError):
-            raise got
-        return got
-
-    def members(self, container: str) -> list[str]:
-        return [i.filename for i in self._zip(container).infolist()]
-
-    def read(self, rel: str, entry: dict) -> bytes:
-        container, member = container_of(rel)
-        zf = self._zip(container)
-        try:
-            info = zf.getinfo(member)
-        except KeyError:
-            raise AuditError(f"{rel}: missing (no member {member} in {container})") from None
-        nbytes = entry.get("nbytes") if isinstance(entry, dict) else None
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise AuditError(f"{rel}: manifest records nbytes {nbytes!r}; not read")
-        limit = nbytes + _NPY_HEADER_MAX
-        if info.file_size > limit:
-            raise AuditError(f"{rel}: member declares {info.file_size} bytes, more than an .npy of {nbytes} data "
-                             "bytes can hold; not decompressed")
-        try:
-            with zf.open(info) as f:
-                data = f.read(limit + 1)
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError) as e:
-            raise AuditError(f"{rel}: member cannot be read from {container} ({str(e)[:200]})") from None
-        if len(data) > limit:
-            raise AuditError(f"{rel}: member holds more than an .npy of {nbytes} data bytes can; not loaded")
-        return data
-
-    def load(self, rel: str, entry: dict, *, check_sha: bool = True) -> np.ndarray:
-        """The array, its bytes checked against the manifest's sha256 (``check_sha=False``: only its
-        header, size and nbytes, for `compare`, which reports what differs, not whether a run is intact)."""
-        data = self.read(rel, entry)
-        if not isinstance(entry, dict):
-            raise AuditError("manifest entry is not an object")
-        if check_sha and hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-            raise AuditError("sha256 differs from the manifest")
-        return _load_npy(data, rel, entry)
-
-    def close(self) -> None:
-        for zf in self._open.values():
-            if isinstance(zf, zipfile.ZipFile):
-                zf.close()
-        self._open.clear()
-
-
-def _check_zip_layout(path: Path, zf: zipfile.ZipFile, container: str) -> None:
-    """The zip holds its members and nothing else: local entries back to back from byte 0, the
-    central directory right after them, no comment, no data descriptors and no zip64 (what
-    `ArrayStore` writes). Its bytes are not hashed (they depend on the zlib that deflated them), so
-    this is what keeps bytes no member accounts for out of a run."""
-    infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
-    if zf.comment:
-        raise AuditError(f"{container}: the zip carries a comment ({len(zf.comment)} bytes); refused")
-    at, central = 0, 0
-    with open(path, "rb") as f:
-        for info in infos:
-            if info.flag_bits & 0x08 or max(info.file_size, info.compress_size, info.header_offset) >= 0xFFFFFFFF:
-                raise AuditError(f"{container}: member {info.filename!r} uses a data descriptor or zip64; refused")
-            f.seek(info.header_offset)
-            head = f.read(30)
-            if info.header_offset != at or len(head) < 30 or head[:4] != b"PK\x03\x04":
-                raise AuditError(f"{container}: bytes before member {info.filename!r} that no member accounts for")
-            n, m = struct.unpack("<HH", head[26:30])
-            at += 30 + n + m + info.compress_size
-            central += 46 + len(info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")) + \
-                len(info.extra) + len(info.comment)
-        size = os.fstat(f.fileno()).st_size
-    if size != at + central + 22:
-        raise AuditError(f"{container}: {size - at - central - 22} bytes that no member accounts for")
-
-
-def _load_npy(data: bytes, rel: str, entry: dict) -> np.ndarray:
-    """Check the .npy header before reading; refuse object dtypes and pickles.
-
-    The header is parsed by numpy's header reader (a literal parser, no code), the member's size
-    must be exactly header + data, and only then is it loaded with ``allow_pickle=False``."""
-    f = io.BytesIO(data)
-    try:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise AuditError(f"{rel}: unsupported .npy version {version}")
-    except (ValueError, TypeError, SyntaxError, OverflowError) as e:
-        raise AuditError(f"{rel}: not a valid .npy file ({str(e)[:200]})") from None
-    data_start = f.tell()
-    size = len(data)
-    if dtype.hasobject:
-        raise AuditError(f"{rel}: object dtype {dtype} refused (would need pickle); not loaded")
-    if math.prod(shape) * dtype.itemsize != size - data_start:
-        raise AuditError(f"{rel}: member holds {size - data_start} data bytes, its header {dtype.str} {list(shape)} "
-                         f"needs {math.prod(shape) * dtype.itemsize} (truncated or padded); not loaded")
-    if dtype.str != entry.get("dtype") or list(shape) != entry.get("shape"):
-        raise AuditError(f"{rel}: header says {dtype.str} {list(shape)}, manifest says {entry.get('dtype')} {entry.get('shape')}")
-    try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise AuditError(f"{rel}: cannot load without pickle ({e})") from None
-    if int(arr.nbytes) != entry.get("nbytes"):
-        raise AuditError(f"{rel}: nbytes {arr.nbytes} != manifest {entry.get('nbytes')}")
-    arr.setflags(write=False)
-    return arr
 
 
 def source_hashes(root: Path = REPO_ROOT) -> dict[str, str]:
@@ -352,7 +126,7 @@ class Audit:
         self.protocol_copies: dict[str, dict] = {}  # study -> its frozen protocol copy, once it passed its checks
         self.numbers = 0
         self.rows_checked = 0
-        self._cache: dict = {}
+        self.cache: dict = {}  # loaded cases and derived values by key (`cached`); a check may evict what it is done with
 
     # -- reporting -------------------------------------------------------------------------
     def fail(self, where, reason: str) -> None:
@@ -387,7 +161,7 @@ class Audit:
 
     def case(self, row: dict) -> dict:
         key = ("case", row.get("study"), row.get("case"))
-        if key not in self._cache:
+        if key not in self.cache:
             rec = self.case_record(row.get("study"), row.get("case"))
             where = f"case {row.get('study')}/{row.get('case')}"
             case = {name: self.load(path) for name, path in rec["arrays"].items()}
@@ -406,8 +180,8 @@ class Audit:
             meta = rec.get("meta", {})
             case.update({"causal": bool(rec["causal"]), "layout": rec["layout"], "meta": meta if isinstance(meta, dict) else {},
                          "tokens_per_frame": rec.get("tokens_per_frame"), "head_map": rec.get("head_map")})
-            self._cache[key] = case
-        case = self._cache[key]
+            self.cache[key] = case
+        case = self.cache[key]
         if "archive" in case and row.get("analysis") not in (None, "ablation"):
             raise AuditError(f"case {row.get('study')}/{row.get('case')} keeps only part of its Q/K/V (archive): "
                              f"only ablation rows can be re-derived, from its per-row statistics, not {row.get('analysis')} rows")
@@ -415,12 +189,12 @@ class Audit:
 
     def read_bytes(self, rel: str) -> bytes:
         """The bytes of a file of the run (inside it, no symlink followed)."""
-        return _safe_relpath(self.root, rel).read_bytes()
+        return safe_relpath(self.root, rel).read_bytes()
 
     def cached(self, key, fn):
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
+        if key not in self.cache:
+            self.cache[key] = fn()
+        return self.cache[key]
 
     def _tol(self, row):
         return self.tolerances.get(row.get("study"), DEFAULT_TOLERANCE)
@@ -466,7 +240,7 @@ class Audit:
     def run(self, check_sources: bool) -> None:
         root = self.root
         try:
-            manifest = load_json(_safe_relpath(root, "manifest.json"))
+            manifest = load_json(safe_relpath(root, "manifest.json"))
         except AuditError as e:
             self.fail("manifest.json", str(e).removeprefix("manifest.json: "))
             return
@@ -490,14 +264,14 @@ class Audit:
             else:
                 loose.add(rel)
         expected = loose | set(files) | set(cases) | {"manifest.json"}
-        present, links = _present_files(root)
+        present, links = present_files(root)
         for rel in sorted(links):
             self.fail(rel, "symlink inside the run; refused (not followed)")
         for rel in sorted(present - expected):
             self.fail(rel, "file not named in the manifest (added or renamed)")
         absent = {rel for rel in expected - present if rel not in links}
         for rel in sorted(absent):
-            self.fail(rel if isinstance(rel, str) and not _CONTROL.search(rel) else repr(rel),
+            self.fail(rel if isinstance(rel, str) and not CONTROL_CHARS.search(rel) else repr(rel),
                       "named in the manifest but not a file of the run (deleted, renamed, or a path outside it)")
 
         def fail_once(rel, e):  # an absent file already has its line above; "missing" again adds nothing
@@ -508,10 +282,10 @@ class Audit:
         for rel, digest in sorted(files.items()):
             bar.step()
             try:
-                path = _safe_relpath(root, rel)
+                path = safe_relpath(root, rel)
                 if not isinstance(digest, str):
                     raise AuditError(f"manifest records {digest!r} instead of a sha256")
-                if _sha256(path) != digest:
+                if sha256_file(path) != digest:
                     raise AuditError("sha256 differs from the manifest")
             except AuditError as e:
                 fail_once(rel, e)
@@ -529,20 +303,20 @@ class Audit:
             try:
                 if not (isinstance(rel, str) and rel.startswith("arrays/") and rel.endswith(".npy")
                         and rel.count("/") == 3):
-                    _safe_relpath(root, rel)  # a path outside the run is named as such
+                    safe_relpath(root, rel)  # a path outside the run is named as such
                     raise AuditError("arrays must be .npy members arrays/STUDY/CASE/NAME.npy of arrays/STUDY/CASE.npz")
                 container, member = container_of(rel)
                 if container in absent:
                     raise AuditError(f"missing (its container {container} is not a file of the run)")
-                _safe_relpath(root, container)
+                safe_relpath(root, container)
                 if any(part in ("..", ".", "") for part in rel.split("/")):
                     raise AuditError(f"path {rel!r} has an empty, '.' or '..' component; refused")
-                if not _MEMBER.fullmatch(member):
+                if not MEMBER_NAME.fullmatch(member):
                     raise AuditError(f"member name {member!r} refused")
                 self.arrays[rel] = store.load(rel, entry)
             except AuditError as e:
                 self.bad_arrays.add(rel)
-                self.fail(rel if not _CONTROL.search(str(rel)) else repr(rel), str(e).removeprefix(f"{rel}: "))
+                self.fail(rel if not CONTROL_CHARS.search(str(rel)) else repr(rel), str(e).removeprefix(f"{rel}: "))
         store.close()
         self._check_gates()
         self._check_protocols()
@@ -589,7 +363,7 @@ class Audit:
             if rel not in self.manifest["files"]:
                 self.fail(rel, "protocol copy is not listed in the manifest's files")
             try:
-                raw = _safe_relpath(self.root, rel).read_bytes()
+                raw = safe_relpath(self.root, rel).read_bytes()
                 if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
                     raise AuditError("protocol copy does not match its recorded sha256")
                 path = entry.get("path")
@@ -607,7 +381,7 @@ class Audit:
                     # Nothing outside the run vouches for it: its rows are re-derived from it, so the
                     # run is consistent with that protocol, not shown to be the one its author ran.
                     self.outside_protocols[name] = path
-                proto = load_json(_safe_relpath(self.root, rel))
+                proto = load_json(safe_relpath(self.root, rel))
                 if not isinstance(proto, dict) or proto.get("name") != name:
                     raise AuditError(f"protocol copy is not the protocol named {name!r}")
                 self.tolerances[name] = _tolerances(proto)
@@ -635,7 +409,7 @@ class Audit:
             self.fail("results.json", "not named in the manifest")
             return
         try:
-            self.results = load_json(_safe_relpath(self.root, "results.json"))
+            self.results = load_json(safe_relpath(self.root, "results.json"))
         except AuditError as e:
             self.fail("results.json", str(e).removeprefix("results.json: "))
             return
@@ -706,7 +480,7 @@ class Audit:
             self.fail("results.csv", "not named in the manifest (every run writes one beside results.json)")
             return
         try:
-            text = _safe_relpath(self.root, "results.csv").read_bytes().decode("utf-8")
+            text = safe_relpath(self.root, "results.csv").read_bytes().decode("utf-8")
             table = list(csv.reader(io.StringIO(text, newline="")))
         except (AuditError, UnicodeDecodeError, csv.Error) as e:
             self.fail("results.csv", f"cannot be read as UTF-8 CSV ({str(e)[:200]})")
@@ -917,7 +691,7 @@ def compare(root: str | Path, other: str | Path) -> list[str]:
     manifests = []
     for r in (root, other):
         try:
-            m = load_json(_safe_relpath(Path(r), "manifest.json"))
+            m = load_json(safe_relpath(Path(r), "manifest.json"))
             if not isinstance(m, dict) or not isinstance(m.get("arrays"), dict) or not isinstance(m.get("files"), dict):
                 raise AuditError("arrays and files must be objects")
         except AuditError as e:

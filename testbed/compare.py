@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cli import entry
-from .audit import AuditError, BadInput, Containers, _safe_relpath, load_json
+from .audit_checks.safe_io import AuditError, BadInput, Containers, load_json, safe_relpath
 
 __all__ = ["TOLERANCES", "IDENTITY", "compare_runs", "main"]
 
@@ -197,8 +197,8 @@ def _run(root: Path) -> tuple[dict, dict]:
     if not root.is_dir():
         raise BadInput(f"{root} is not a folder")
     try:
-        manifest = load_json(_safe_relpath(root, "manifest.json"))
-        results = load_json(_safe_relpath(root, "results.json"))
+        manifest = load_json(safe_relpath(root, "manifest.json"))
+        results = load_json(safe_relpath(root, "results.json"))
     except AuditError as e:
         raise BadInput(f"{root}: not a run folder ({e})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("arrays"), dict) \

@@ -218,7 +218,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -239,7 +239,7 @@ def _cpu_capability() -> str | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

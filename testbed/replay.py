@@ -58,8 +58,8 @@ import numpy as np
 
 from . import live, retrieval_study
 from ._cli import entry
+from .audit_checks.safe_io import AuditError, BadInput, Containers, load_json, safe_relpath
 from .context import RunContext
-from .audit import AuditError, BadInput, Containers, _safe_relpath, load_json
 from .compare import TOLERANCES as CMP_TOL, float_ratio, integers_allowed
 from .evidence import REPO_ROOT, RecordingStore, array_rel, environment, source_hashes
 from .progress import Progress
@@ -108,7 +108,7 @@ class Study:
 
 def _read_json(root: Path, rel: str):
     try:
-        return load_json(_safe_relpath(root, rel))
+        return load_json(safe_relpath(root, rel))
     except AuditError as e:
         raise BadInput(f"{root}: not a run folder ({rel}: {e})") from None
 
@@ -164,7 +164,7 @@ def _studies(root: Path, manifest: dict, all_cases: dict, arrays: Containers) ->
     for e in manifest["protocols"]:
         copy = e.get("copy") if isinstance(e, dict) else None
         try:
-            path = _safe_relpath(root, copy)
+            path = safe_relpath(root, copy)
             raw = path.read_bytes()
         except (AuditError, OSError) as err:
             raise BadInput(f"{root}: manifest.json protocols: the frozen copy {copy!r} cannot be read inside the run "

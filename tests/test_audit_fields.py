@@ -150,7 +150,7 @@ class Probe:
     def failures(self, rows: list, index: int) -> list[str]:
         a = self.audit
         a.failures = []
-        a._cache = {k: v for k, v in a._cache.items() if k[0] == "case"}  # the cases' arrays: not forged here
+        a.cache = {k: v for k, v in a.cache.items() if k[0] == "case"}  # the cases' arrays: not forged here
         a.results = dict(self.results, rows=rows)
         target = rows[index]
         try:

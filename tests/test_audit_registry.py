@@ -110,7 +110,7 @@ def test_residual_window_scheme_labels_agree_on_both_sides():
              (quant.IntGrouped(8, 32, "channel"), quant.MX("e4m3", 32))]
     for k, v in pairs:
         run = rw_analysis.scheme_label(k.config(), v.config())
-        assert run == rw_check._scheme(k.config(), v.config())
+        assert run == rw_check.scheme_label(k.config(), v.config())
         assert run.startswith(k.label + "+residual")
 
 
@@ -119,7 +119,7 @@ def test_an_unknown_kind_is_an_error_naming_it():
     x = np.zeros((4, 32), np.float32)
     for call in (lambda: common.scheme(UNKNOWN), lambda: common.quantizer_label(UNKNOWN),
                  lambda: common.decode_tensor({}, UNKNOWN, (4, 32)), lambda: common.encode_tensor(x, UNKNOWN),
-                 lambda: rw_check._scheme(UNKNOWN, UNKNOWN), lambda: quant.from_config(UNKNOWN),
+                 lambda: rw_check.scheme_label(UNKNOWN, UNKNOWN), lambda: quant.from_config(UNKNOWN),
                  lambda: rw_analysis.scheme_label(UNKNOWN, UNKNOWN)):
         with pytest.raises(ValueError, match="int_symmetric"):
             call()

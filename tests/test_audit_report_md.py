@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from testbed.audit import Audit, audit, load_json
-from testbed.audit_checks import report_md
+from testbed.audit_checks import report_format, report_md, report_parse
+from testbed.audit_checks import stats as audit_stats
 from tests._helpers import REPO
 
 EVIDENCE = REPO / "evidence"
@@ -119,11 +120,11 @@ def test_every_table_is_checked_cell_by_cell(small):
     a.results = load_json(small / "results.json")
     original = (small / "report.md").read_text(encoding="utf-8")
     lines = original.split("\n")
-    tables = [b for b in report_md.parse_blocks(original) if b["kind"] == "table"]
+    tables = [b for b in report_parse.parse_blocks(original) if b["kind"] == "table"]
     assert len(tables) == sum(1 for ln in lines if ln.startswith("|--")) > 30  # every |---| line is a table
     tried = 0
     for n, b in enumerate(tables):
-        header, body = report_md.parse_table(b["lines"])
+        header, body = report_parse.parse_table(b["lines"])
         # a body row (the header is at b["line"], then |---|), the n-th or the next that holds a number in the
         # right half of the table, which holds values only (row keys are its first one to three columns)
         for k in range(len(body)):
@@ -405,15 +406,15 @@ def test_wilcoxon_p_equals_scipy():
                 x[0] = 0.0
             cases.append((x, y))
     for x, y in cases:
-        p, _ = report_md.wilcoxon_p(x, y)
+        p, _ = audit_stats.wilcoxon_p(x, y)
         nz = sum(1 for a, b in zip(x, y) if a != b)
         if nz < 2:
             assert p is None
             continue
         want = float(stats.wilcoxon(x, y, alternative="two-sided", zero_method="wilcox").pvalue)
         assert p == pytest.approx(want, rel=1e-9, abs=1e-12), (x, y)
-    assert report_md.wilcoxon_p([1, 2, 3, 4, 5, 6], [0] * 6) == (2 / 64, True)
-    assert report_md.wilcoxon_p([1, 0], [0, 0]) == (None, True)
+    assert audit_stats.wilcoxon_p([1, 2, 3, 4, 5, 6], [0] * 6) == (2 / 64, True)
+    assert audit_stats.wilcoxon_p([1, 0], [0, 0]) == (None, True)
 
 
 def test_live_bootstrap_interval_matches_the_run_side():
@@ -423,8 +424,8 @@ def test_live_bootstrap_interval_matches_the_run_side():
     rng = np.random.default_rng(3)
     for n in (5, 8, 13):
         x = rng.normal(0.01, 0.02, n)
-        assert report_md._bootstrap(x) == live._bootstrap(x)
-    assert report_md._bootstrap(rng.normal(size=4)) is None and np.isnan(live._bootstrap(rng.normal(size=4))[0])
+        assert audit_stats.bootstrap(x) == live._bootstrap(x)
+    assert audit_stats.bootstrap(rng.normal(size=4)) is None and np.isnan(live._bootstrap(rng.normal(size=4))[0])
 
 
 class _Ctx:
@@ -453,7 +454,7 @@ def test_live_table_with_intervals_matches_the_builder():
         timings.append({"study": "q", "arm": arm, "op": "decode", "seconds": 1.5, "scored_tokens": 12 * 96})
     built = live.report(rows, params, timings)
     assert "[" in built  # intervals printed
-    blocks = report_md.parse_blocks(built)
+    blocks = report_parse.parse_blocks(built)
     expected = report_md._live(rows, params, timings, "q")
     ctx = _Ctx()
     report_md._check_section(ctx, "live", blocks, expected, report_md.TOLERANCES["report"])
@@ -462,7 +463,7 @@ def test_live_table_with_intervals_matches_the_builder():
     lo = int4.split("|")[5].strip()[1:].split(",")[0]
     forged = built.replace(int4, int4.replace(lo, f"{float(lo) - 0.01:+.2f}", 1), 1)
     ctx = _Ctx()
-    report_md._check_section(ctx, "live", report_md.parse_blocks(forged), expected, report_md.TOLERANCES["report"])
+    report_md._check_section(ctx, "live", report_parse.parse_blocks(forged), expected, report_md.TOLERANCES["report"])
     assert len(ctx.failures) == 1 and "row (int4) column '95 % CI (segments)'" in ctx.failures[0]
 
 
@@ -498,7 +499,7 @@ def test_equal_bytes_table_matches_the_builder_and_a_forged_cell_fails():
     assert listed == ["mix24_diffuse", "mix28_concentrated", "mix28_oracle_diffuse"]
     expected = report_md._live(rows, params, [], "q")
     ctx = _Ctx()
-    report_md._check_section(ctx, "live", report_md.parse_blocks(built), expected, report_md.TOLERANCES["report"])
+    report_md._check_section(ctx, "live", report_parse.parse_blocks(built), expected, report_md.TOLERANCES["report"])
     assert ctx.failures == []
     for col, cell_of in ((5, lambda c: c.replace(c.strip(), f"{int(c.strip().split('/')[0]) + 1}/12")),
                          (3, lambda c: c.replace(c.strip()[:-2], f"{float(c.strip()[:-2]) + 0.01:+.2f}"))):
@@ -507,7 +508,7 @@ def test_equal_bytes_table_matches_the_builder_and_a_forged_cell_fails():
         cells[col] = cell_of(cells[col])
         forged = built.replace(line, "|".join(cells), 1)
         ctx = _Ctx()
-        report_md._check_section(ctx, "live", report_md.parse_blocks(forged), expected, report_md.TOLERANCES["report"])
+        report_md._check_section(ctx, "live", report_parse.parse_blocks(forged), expected, report_md.TOLERANCES["report"])
         assert len(ctx.failures) == 1 and "table 'equal bytes'" in ctx.failures[0], ctx.failures
         assert "row (mix28_concentrated)" in ctx.failures[0], ctx.failures
 
@@ -525,7 +526,7 @@ def test_with_uniform_int3_the_3_bit_arms_pair_with_it_and_the_hh_oracle_with_in
     assert pairs == {"mix24_random": "int3", "mix24_diffuse": "int3", "int2_hh_oracle": "int2"}
     built = live.report(rows, params, [])
     ctx = _Ctx()
-    report_md._check_section(ctx, "live", report_md.parse_blocks(built), report_md._live(rows, params, [], "q"),
+    report_md._check_section(ctx, "live", report_parse.parse_blocks(built), report_md._live(rows, params, [], "q"),
                              report_md.TOLERANCES["report"])
     assert ctx.failures == []
 
@@ -541,24 +542,25 @@ def test_a_study_of_one_listed_context_is_derived_with_that_contexts_prefill():
     built = live.report(rows, params, [])
     assert "after a 64-token prefill" in built and "**Context" not in built
     ctx = _Ctx()
-    report_md._check_section(ctx, "live", report_md.parse_blocks(built), report_md._live(rows, params, [], "q"),
+    report_md._check_section(ctx, "live", report_parse.parse_blocks(built), report_md._live(rows, params, [], "q"),
                              report_md.TOLERANCES["report"])
     assert ctx.failures == []
 
 
 def test_cell_comparison_is_at_the_printed_precision():
     tol = report_md.TOLERANCES["report"]
-    f5 = report_md.fixed(0.9739, 5)
-    assert report_md.cell_ok("0.97390", f5, tol) and report_md.cell_ok("0.9739", f5, tol)  # tabulate's numeric column
-    assert not report_md.cell_ok("0.97391", f5, tol) and not report_md.cell_ok("0.974", f5, tol)
-    assert not report_md.cell_ok("1", report_md.fixed(0.99999, 5), tol)
-    assert report_md.cell_ok("1", report_md.fixed(0.999999, 5), tol)  # prints 1.00000
-    half = report_md.pct(0.000125, 2)  # 0.0125 %: a rounding boundary; any side within 1e-12
-    assert report_md.cell_ok("0.01%", half, tol) or report_md.cell_ok("0.02%", half, tol)
-    assert not report_md.cell_ok("0.03%", half, tol)
-    exact = report_md.fixed(0.03125, 4, exact=True)
-    assert report_md.cell_ok("0.0312", exact, tol) and not report_md.cell_ok("0.0313", exact, tol)
-    assert report_md.cell_ok("n/a", report_md.pct(None), tol) and not report_md.cell_ok("0.00%", report_md.pct(None), tol)
+    f5 = report_format.fixed(0.9739, 5)
+    assert report_format.cell_ok("0.97390", f5, tol) and report_format.cell_ok("0.9739", f5, tol)  # tabulate's numeric column
+    assert not report_format.cell_ok("0.97391", f5, tol) and not report_format.cell_ok("0.974", f5, tol)
+    assert not report_format.cell_ok("1", report_format.fixed(0.99999, 5), tol)
+    assert report_format.cell_ok("1", report_format.fixed(0.999999, 5), tol)  # prints 1.00000
+    half = report_format.pct(0.000125, 2)  # 0.0125 %: a rounding boundary; any side within 1e-12
+    assert report_format.cell_ok("0.01%", half, tol) or report_format.cell_ok("0.02%", half, tol)
+    assert not report_format.cell_ok("0.03%", half, tol)
+    exact = report_format.fixed(0.03125, 4, exact=True)
+    assert report_format.cell_ok("0.0312", exact, tol) and not report_format.cell_ok("0.0313", exact, tol)
+    none = report_format.pct(None)
+    assert report_format.cell_ok("n/a", none, tol) and not report_format.cell_ok("0.00%", none, tol)
 
 
 def test_live_delta_column_names_its_reference_on_both_sides():

@@ -240,7 +240,7 @@ def test_the_ablation_holds_one_arms_kv_and_releases_a_case_after_its_last_row(t
 
     def spy(row, ctx):
         real(row, ctx)
-        held.append((row["case"], row["arm"], sorted(k[3] for k in ctx._cache
+        held.append((row["case"], row["arm"], sorted(k[3] for k in ctx.cache
                                                       if isinstance(k, tuple) and k[0] == "ablation-kv")))
 
     monkeypatch.setattr(ablation_audit, "_check_row", spy)
@@ -250,4 +250,4 @@ def test_the_ablation_holds_one_arms_kv_and_releases_a_case_after_its_last_row(t
     quantized = [(arm, kv) for _, arm, kv in held if arm != "float32"]
     assert len({c for c, _, _ in held}) == 2 and quantized
     assert all(kv == [arm] for arm, kv in quantized), quantized       # never two arms', never two cases'
-    assert not [k for k in a._cache if isinstance(k, tuple) and k[0] in ablation_audit._CASE_CACHES]
+    assert not [k for k in a.cache if isinstance(k, tuple) and k[0] in ablation_audit._CASE_CACHES]

@@ -185,8 +185,8 @@ def test_bytes_match_uniform_int2_on_smollm2s_shape(n):
     assert hh <= u and (u - hh) / u < 0.01, (n, hh, u)
     dims = lq.MODELS["SmolLM2-135M-Instruct.Q4_1"]
     live = {"window": 128, "group": 32}
-    assert lq.policy_bytes(lq._policy("int2_hh", live), n, dims) == hh
-    assert lq.policy_bytes(lq._policy("int2", live), n, dims) == u
+    assert lq.policy_bytes(lq.policy_of("int2_hh", live), n, dims) == hh
+    assert lq.policy_bytes(lq.policy_of("int2", live), n, dims) == u
     assert preset("int2_hh").heavy == 27  # what those bytes buy at R=128, G=32
 
 

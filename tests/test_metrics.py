@@ -315,7 +315,7 @@ def _holm_rejects(ps, alpha):
 @given(st.lists(st.floats(min_value=1e-6, max_value=1.0), min_size=1, max_size=12),
        st.sampled_from([0.01, 0.05, 0.1]))
 def test_holm_adjusted_p_rejects_what_the_sequential_procedure_rejects(ps, alpha):
-    from testbed.audit_checks.report_md import holm as audit_holm
+    from testbed.audit_checks.stats import holm as audit_holm
 
     adj = M.holm(ps)
     assert all(a >= p and a <= 1.0 for a, p in zip(adj, ps))

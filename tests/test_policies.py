@@ -129,7 +129,7 @@ def test_the_audits_policy_table_states_every_preset():
     live = {"window": 16, "group": 16, "evict_window": 24, "sink": 4}
     dims = {"layers": 1, "kv_heads": H, "head_dim": D, "sliding_window": None, "full_layers": None}
     for pol in POLICIES:
-        mine = lq._policy(pol.name, {**live, "window": pol.window + pol.group} if pol.heavy else live)
+        mine = lq.policy_of(pol.name, {**live, "window": pol.window + pol.group} if pol.heavy else live)
         assert mine == {k: pol.config()[k] for k in mine}, pol.name
         for n in range(120):
             assert lq.policy_bytes(mine, n, dims) == pol.layer_bytes(n, H, D), (pol.name, n)

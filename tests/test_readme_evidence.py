@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from testbed.audit import Audit, load_json
-from testbed.audit_checks import report_md
+from testbed.audit_checks import report_format, report_md
 
 REPO = Path(__file__).resolve().parent.parent
 EVIDENCE = REPO / "evidence"
@@ -143,7 +143,7 @@ def ev():
 
 
 def value(ev, study, analysis, table, key, column, i=0) -> float:
-    return report_md.cell_values(ev["tables"][(study, analysis, table)][tuple(key)][column])[i]
+    return report_format.cell_values(ev["tables"][(study, analysis, table)][tuple(key)][column])[i]
 
 
 def cell_text(ev, study, analysis, table, key, column) -> str:

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from testbed import retrieval
-from testbed.audit_checks import retrieval_stats as audit_stats
+from testbed.audit_checks import retrieval as audit_retrieval
+from testbed.audit_checks import stats as audit_stats
 from testbed.schema import ProtocolError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def test_trial_is_exactly_its_length_with_the_needle_at_its_positions_and_nowher
         # the answer's digits occur in the prefill only inside the asked needle (passkey says it twice)
         value = t["meta"]["answer"]
         assert tok.decode(ids).count(value) == t["meta"]["needle_text"].count(value) >= 1
-        assert audit_stats.trial_problems(t) == []
+        assert audit_retrieval.trial_problems(t) == []
         assert json.loads(json.dumps(t)) == t  # plain JSON-able data
 
 
@@ -369,26 +370,27 @@ def test_run_side_and_audit_statistics_agree_on_a_sweep():
 
 def test_audit_trial_check_catches_a_moved_or_altered_needle_and_bad_answers():
     t = retrieval.make_trial(ByteTokenizer(), "kv_needle", 500, 0.5, 1)
-    assert audit_stats.trial_problems(t) == []
+    assert audit_retrieval.trial_problems(t) == []
     stored = {**t, "prefill_ids": np.asarray(t["prefill_ids"], dtype=np.int32)}  # as a .npy array would be
-    assert audit_stats.trial_problems(stored) == []
+    assert audit_retrieval.trial_problems(stored) == []
 
     moved = {**t, "needle_start": t["needle_start"] + 1, "needle_end": t["needle_end"] + 1}
-    assert any(p.startswith("prefill_ids[") for p in audit_stats.trial_problems(moved))
+    assert any(p.startswith("prefill_ids[") for p in audit_retrieval.trial_problems(moved))
     altered = dict(t, prefill_ids=list(t["prefill_ids"]))
     altered["prefill_ids"][t["needle_start"] + 5] += 1
-    assert audit_stats.trial_problems(altered) == [
+    assert audit_retrieval.trial_problems(altered) == [
         f"prefill_ids[{t['needle_start'] + 5}] = {altered['prefill_ids'][t['needle_start'] + 5]}, the needle's token 5 "
         f"is {t['needle_ids'][5]}"]
     outside = {**t, "needle_end": len(t["prefill_ids"]) + 1}
-    assert any("not inside the prefill" in p for p in audit_stats.trial_problems(outside))
-    assert audit_stats.trial_problems({**t, "answer_ids": []}) == ["answer_ids: empty"]
-    assert any(p.startswith("answer_ids: expected") for p in audit_stats.trial_problems({**t, "answer_ids": [1.5, 2.0]}))
-    assert any(p.startswith("prefill_ids: 499") for p in audit_stats.trial_problems({**t, "prefill_ids": t["prefill_ids"][:-1]}))
+    assert any("not inside the prefill" in p for p in audit_retrieval.trial_problems(outside))
+    assert audit_retrieval.trial_problems({**t, "answer_ids": []}) == ["answer_ids: empty"]
+    assert any(p.startswith("answer_ids: expected") for p in audit_retrieval.trial_problems({**t, "answer_ids": [1.5, 2.0]}))
+    short = {**t, "prefill_ids": t["prefill_ids"][:-1]}
+    assert any(p.startswith("prefill_ids: 499") for p in audit_retrieval.trial_problems(short))
 
 
 def test_audit_side_imports_only_numpy_and_stdlib():
-    module = REPO / "testbed/audit_checks/retrieval_stats.py"
+    module = REPO / "testbed/audit_checks/stats.py"
     for node in ast.walk(ast.parse(module.read_text())):
         if isinstance(node, ast.Import):
             names = [a.name.split(".")[0] for a in node.names]
@@ -398,7 +400,7 @@ def test_audit_side_imports_only_numpy_and_stdlib():
         else:
             continue
         assert set(names) <= set(sys.stdlib_module_names) | {"numpy"}, names
-    code = ("import sys, testbed.audit_checks.retrieval_stats as m; m.mcnemar_p(1, 6); "
+    code = ("import sys, testbed.audit_checks.stats as m; m.mcnemar_p(1, 6); "
             "print(sorted(x for x in sys.modules if x.split('.')[0] in ('torch', 'scipy', 'numba', 'transformers') "
             "or (x.startswith('testbed.') and not x.startswith('testbed.audit_checks'))))")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -279,7 +279,7 @@ def evaluate(case, params, ctx) -> list[dict]:
             rotation = mx.rotation_for(case.q.shape[-1])
             if rotation is not None:
                 arrays["signs"] = ctx.store.save(f"{prefix}/{tag}/signs", rotation.signs)
-            sat = _saturation(mx, [(mx._rotated(case.q), pq), (mx._rotated(case.k), pk)])
+            sat = _saturation(mx, [(mx.rotated(case.q), pq), (mx.rotated(case.k), pk)])
             rows.append({**base, "scheme": mx.name, "rotation": rot, "scale_rule": rule, "path": "qk",
                          **acc.stats(sat),
                          "payload_bytes": pq.nbytes + pk.nbytes, "float32_bytes": float32_qk,

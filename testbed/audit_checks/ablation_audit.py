@@ -25,6 +25,8 @@ import numpy as np
 
 from .common import decode_residual_window, encode_residual_window, row_tiles
 from .residual_window import check_reencoded
+from .report_format import P, T, fixed, holm_cells, label, ordered, pct, pvalue, spread, text
+from .stats import median, per_unit, wilcoxon_p
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")
 MASS_TOLERANCE = 0.01  # the documented band: |achieved - tau| <= 1 % of tau
@@ -399,8 +401,8 @@ def _arm_cached(ctx, key, fn):
     """``ctx.cached`` for one arm's value (``key = (kind, study, case, arm)``), holding one arm's at a
     time: the results list an arm's rows together, so the previous arm's decoded K/V are dropped when
     the next arm's are built (a row of an arm met again later re-derives them, with the same numbers)."""
-    for other in [c for c in ctx._cache if isinstance(c, tuple) and len(c) == 4 and c[:3] == key[:3] and c != key]:
-        del ctx._cache[other]
+    for other in [c for c in ctx.cache if isinstance(c, tuple) and len(c) == 4 and c[:3] == key[:3] and c != key]:
+        del ctx.cache[other]
     return ctx.cached(key, fn)
 
 
@@ -506,9 +508,9 @@ def check(row: dict, ctx) -> None:
         rows = [i for i, r in enumerate(ctx.results["rows"]) if isinstance(r, dict) and r.get("analysis") == "ablation"
                 and r.get("study") == row.get("study") and r.get("case") == row.get("case")]
         if rows and row.get("_index") == rows[-1]:
-            for key in [c for c in ctx._cache if isinstance(c, tuple) and len(c) >= 3 and c[0] in _CASE_CACHES
+            for key in [c for c in ctx.cache if isinstance(c, tuple) and len(c) >= 3 and c[0] in _CASE_CACHES
                         and c[1:3] == (row.get("study"), row.get("case"))]:
-                del ctx._cache[key]
+                del ctx.cache[key]
 
 
 def _check_row(row: dict, ctx) -> None:
@@ -552,7 +554,7 @@ def _check_row(row: dict, ctx) -> None:
             return _derive(case, k, v, names, ref)[:2]
         # the float32 arm's outputs are the quantized arms' reference: kept once per case, not per arm
         derived, masses, full_out = _derive(case, k, v, names, None, want_out=True)
-        ctx._cache.setdefault(ref_key, full_out)
+        ctx.cache.setdefault(ref_key, full_out)
         return derived, masses
 
     derived, masses = _arm_cached(ctx, ("ablation-arm", row["study"], row["case"], row["arm"]), derive_arm)
@@ -800,9 +802,9 @@ def _own_stats(case, case_id, names, regions, seed) -> dict:
 def _check_archived_heads(ctx, row, case, st, seed) -> None:
     """Once per case: the archived heads' statistics equal the audit's own from their Q/K/V."""
     key = ("ablation-stats-heads", row["study"], row["case"], row["arm"])
-    if key in ctx._cache:
+    if key in ctx.cache:
         return
-    ctx._cache[key] = True
+    ctx.cache[key] = True
     qh = case["archive"]["q_heads"]
     if not qh:
         return
@@ -837,3 +839,122 @@ def _check_from_stats(row, ctx, case, spans, applicable, seed) -> None:
     ctx.equal(row, "stats tau_rows", int(round(float(hd[:, _F["tau_rows"]].sum()))), int(ok.sum()))
     ctx.close(row, "stats tau_sum", float(hd[:, _F["tau_sum"]].sum()), float(tau[ok].sum()) if ok.any() else 0.0)
     _check_numbers(row, ctx, case, spans, seed, tau, hd)
+
+# ---------------------------------------------------------------------------------------------
+# report.md: the expected blocks of this analysis's section (audit_checks/report_md.py compares them)
+# ---------------------------------------------------------------------------------------------
+
+def report_tables(rows, params) -> list:
+    arms = ordered(r["arm"] for r in rows)
+    names = ordered(r["ablation"] for r in rows)
+    dists = ordered(label(r) for r in rows)
+    first = arms[0]
+    trs = []
+    for dist in dists:
+        sel = [r for r in rows if label(r) == dist and r["arm"] == first]
+        for name in names:
+            rs = [r for r in sel if r["ablation"] == name]
+            app = [r for r in rs if r["applicable"]]
+            if not app:
+                trs.append([text(dist), text(name), text(f"0/{len(rs)}"), ("n/a",), ("n/a",), ("n/a",), ("n/a",), ("-",)])
+                continue
+            cos = list(per_unit(app, "cosine").values())
+            trs.append([text(dist), text(name), text(f"{len(app)}/{len(rs)}"),
+                        spread(list(per_unit(app, "dropped_mass").values())), spread(list(per_unit(app, "tv").values())),
+                        spread(list(per_unit(app, "rel_l2").values())), fixed(median(cos), 5) if cos else ("n/a",),
+                        text(f"{sum(r['undefined_rows'] for r in app)}/{sum(r['rows'] for r in app)}")])
+    out = [P("damage", "Output damage of each ablation on the float32 cache"),
+           T("ablation damage", ["distribution", "ablation", "applicable", "tau (dropped mass)", "TV(P,P')", "rel-L2",
+                                 "cosine (median)", "undefined rows"], 2, trs)]
+    pairs = []
+    for dist in dists:
+        sel = [r for r in rows if label(r) == dist and r["arm"] == first and r["applicable"]]
+        for ctrl in [n for n in names if n.startswith("control_")]:
+            target = "drop_" + ctrl[len("control_"):]
+            tgt = [r for r in sel if r["ablation"] == target]
+            con = [r for r in sel if r["ablation"] == ctrl]
+            a, b = per_unit(tgt, "rel_l2"), per_unit(con, "rel_l2")
+            units = sorted(set(a) & set(b))
+            if not units:
+                if a:  # the ablation ran, no valid control: the run says so in a row of its own
+                    pairs.append([text(dist), text(target), pct(median(list(a.values())), 3), text(ctrl), ("n/a",),
+                                  ("n/a",), ("n/a",), ("n/a",), ("n/a",), text("0/0"), ("n/a",), (None, True),
+                                  text("none valid")])
+                continue
+            ta, tb = per_unit(tgt, "dropped_mass"), per_unit(con, "dropped_mass")
+            pa, pb = per_unit(tgt, "rel_l2_per_mass"), per_unit(con, "rel_l2_per_mass")
+            kinds = sorted({r["control_kind"] for r in con})
+            p, exact = wilcoxon_p([a[u] for u in units], [b[u] for u in units])
+            pairs.append([text(dist), text(target), pct(median([a[u] for u in units]), 3), text(ctrl),
+                          pct(median([b[u] for u in units]), 3), pct(median([ta.get(u) for u in units])),
+                          pct(median([tb.get(u) for u in units])), fixed(median([pa.get(u) for u in units]), 3),
+                          fixed(median([pb.get(u) for u in units]), 3),
+                          text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), pvalue(p, exact=exact),
+                          (p, exact), text(", ".join(kinds))])
+    holm_cells(pairs, 11)
+    if pairs:
+        out += [P("controls", "Each ablation next to its same-size control"),
+                T("ablation vs control", ["distribution", "ablation", "rel-L2", "control", "control rel-L2", "tau",
+                                          "control tau", "rel-L2 / tau", "control rel-L2 / tau", "ablation worse",
+                                          "Wilcoxon p", "Holm p", "control keys"], 2, pairs)]
+    mass = []
+    for dist in dists:
+        sel = [r for r in rows if label(r) == dist and r["arm"] == first and r["applicable"]]
+        for mc in [n for n in names if n.startswith("mass_control_")]:
+            region = mc[len("mass_control_"):]
+            tgt = [r for r in sel if r["ablation"] == "drop_" + region]
+            con = [r for r in sel if r["ablation"] == mc]
+            if not tgt or not con:
+                continue
+            size = per_unit([r for r in sel if r["ablation"] == "control_" + region], "rel_l2")
+            whole = per_unit(tgt, "rel_l2")
+            a, b = per_unit(con, "target_rel_l2_matched"), per_unit(con, "rel_l2")
+            units = sorted(set(a) & set(b))
+            n_match = sum(r["matched_rows"] for r in con)
+            n_rows = sum(r["rows"] for r in con)
+            with_rows = [r for r in con if r["matched_rows"]]
+            mean = (sum(r["mass_mismatch_mean"] * r["matched_rows"] for r in with_rows) / n_match) if n_match else None
+            worst = max((r["mass_mismatch_max"] for r in with_rows), default=None)
+            line = [text(dist), text("drop_" + region), pct(median(list(whole.values())), 3),
+                    pct(median(list(size.values())), 3) if size else ("n/a",)]
+            if units:
+                ta, tb = per_unit(con, "target_mass"), per_unit(con, "dropped_mass")
+                p, exact = wilcoxon_p([a[u] for u in units], [b[u] for u in units])
+                line += [pct(median([a[u] for u in units]), 3), pct(median([b[u] for u in units]), 3),
+                         pct(median([ta.get(u) for u in units])), pct(median([tb.get(u) for u in units]))]
+            else:
+                p, exact = None, True
+                line += [("n/a",), ("n/a",), ("n/a",), ("n/a",)]
+            line += [text(f"{n_match}/{n_rows}"), pct(mean, 3) + (" / ",) + pct(worst, 3),
+                     text(f"{sum(1 for u in units if a[u] > b[u])}/{len(units)}"), pvalue(p, exact=exact), (p, exact)]
+            mass.append(line)
+    holm_cells(mass, 12)
+    if mass:
+        out += [P("mass controls", "Each ablation next to its size-matched and its mass-matched control"),
+                T("ablation vs mass-matched control", ["distribution", "ablation", "rel-L2", "size-matched rel-L2",
+                                                       "rel-L2 (matched rows)", "mass-matched rel-L2",
+                                                       "tau (matched rows)", "mass-matched tau", "matched rows",
+                                                       "mass mismatch mean / max", "ablation worse", "Wilcoxon p",
+                                                       "Holm p"], 2, mass)]
+    if len(arms) > 1:
+        out.append(P("quantization", "Quantization meets ablation"))
+        for dist in dists:
+            trs = []
+            for name in names:
+                line = [text(dist), text(name)]
+                for arm in arms:
+                    app = [r for r in rows if label(r) == dist and r["arm"] == arm and r["ablation"] == name
+                           and r["applicable"]]
+                    line.append(pct(median(list(per_unit(app, "rel_l2").values())), 3) if app else ("n/a",))
+                trs.append(line)
+            line = [text(dist), text("cache payload / float32")]
+            half = [text(dist), text("cache payload / float16 or bfloat16")]
+            for arm in arms:
+                rs = [r for r in rows if label(r) == dist and r["arm"] == arm]
+                ratio = sum(r["payload_bytes"] for r in rs) / max(1, sum(r["baseline_bytes"] for r in rs))
+                line.append(fixed(ratio, 3, exact=True))  # integers and one division, as the run
+                half.append(fixed(2 * ratio, 3, exact=True))  # a 16-bit cache holds half the float32 bytes
+            trs.append(line)
+            trs.append(half)
+            out.append(T(f"quantization {dist}", ["distribution", "ablation"] + arms, 2, trs))
+    return out

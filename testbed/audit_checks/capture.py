@@ -40,7 +40,7 @@ import numpy as np
 
 from .common import strict_json
 
-__all__ = ["check_run", "MODELS", "query_index", "llm_layout"]
+__all__ = ["check_run", "MODELS", "query_index", "llm_layout", "read_json", "compare_fields", "check_software"]
 
 # The models the audit knows: what the name in a protocol denotes (the file and its dimensions).
 MODELS = {
@@ -83,7 +83,7 @@ def llm_layout(keys: int, current: int, recent: int, sink: int) -> list[dict]:
             {"name": "recent", "start": b, "stop": c}, {"name": "current", "start": c, "stop": keys}]
 
 
-def _json(ctx, rel: str):
+def read_json(ctx, rel: str):
     if rel not in ctx.manifest.get("files", {}):
         raise ValueError(f"{rel} is not among the run's files")
     return strict_json(ctx.read_bytes(rel).decode("utf-8"))
@@ -125,7 +125,7 @@ def _check_live_identity(ctx, study: str, proto: dict) -> None:
     name = proto.get("live", {}).get("model")
     known = MODELS.get(name)
     rel = f"{study}/live_manifest.json"
-    m = _json(ctx, rel)
+    m = read_json(ctx, rel)
     _check_scorer_files(ctx, rel, proto, m)
     model, dims = m.get("model", {}), m.get("model_dims", {})
     if known is None:
@@ -134,11 +134,11 @@ def _check_live_identity(ctx, study: str, proto: dict) -> None:
         outside = getattr(ctx, "outside_models", None)
         if isinstance(outside, dict):
             outside[study] = f"{name} (sha256 {str(model.get('gguf_sha256'))[:12]}...)"
-        _compare(ctx, rel, {"model.model": (model.get("model"), name)})
+        compare_fields(ctx, rel, {"model.model": (model.get("model"), name)})
         for row in ctx.results.get("rows", []):
             if isinstance(row, dict) and row.get("study") == study and row.get("model_dims") != dims:
                 ctx.fail(row, "model_dims are not the live manifest's")
-        _check_software(ctx, rel, m.get("software"))
+        check_software(ctx, rel, m.get("software"))
         return
     want = {"model.model": (model.get("model"), name), "model.gguf": (model.get("gguf"), known["gguf"]),
             "model.gguf_sha256": (model.get("gguf_sha256"), known["gguf_sha256"]),
@@ -148,8 +148,8 @@ def _check_live_identity(ctx, study: str, proto: dict) -> None:
             "model_dims.vocab": (dims.get("vocab"), known["vocab"]),
             "model_dims.sliding_window": (dims.get("sliding_window"), known["sliding_window"]),
             "model_dims.full_layers": (dims.get("full_layers"), known["full_layers"])}
-    _compare(ctx, rel, want)
-    _check_software(ctx, rel, m.get("software"))
+    compare_fields(ctx, rel, want)
+    check_software(ctx, rel, m.get("software"))
 
 
 def _outside_model(ctx, study: str, name: str, cfg: dict, mc: dict, load: dict) -> dict:
@@ -191,14 +191,14 @@ def _scales(mc: dict, head_dim) -> dict:
     return {"scaling": scaling, "q_prescale": 1.0 if abs(prescale - 1.0) < 1e-6 else prescale}
 
 
-def _compare(ctx, where: str, want: dict) -> None:
+def compare_fields(ctx, where: str, want: dict) -> None:
     for field, (got, expected) in want.items():
         ctx.numbers += 1
         if got != expected or type(got) is not type(expected):
             ctx.fail(where, f"{field} is {got!r}, expected {expected!r}")
 
 
-def _check_software(ctx, where: str, software) -> None:
+def check_software(ctx, where: str, software) -> None:
     env = ctx.manifest.get("environment", {})
     if not isinstance(software, dict):
         ctx.fail(where, "software must be an object")
@@ -210,7 +210,7 @@ def _check_software(ctx, where: str, software) -> None:
 
 def _check_capture(ctx, study: str, p: dict) -> None:
     rel = f"{study}/capture_manifest.json"
-    m = _json(ctx, rel)
+    m = read_json(ctx, rel)
     excluded = {e.get("id") for e in ctx.manifest.get("excluded", []) if isinstance(e, dict)}
     whole = f"{study}/{p['model']}" in excluded
     known = MODELS.get(p["model"])
@@ -223,8 +223,8 @@ def _check_capture(ctx, study: str, p: dict) -> None:
                  "config.chunk_schedule": (cfg.get("chunk_schedule"), [p["chunk"]] * n_chunks),
                  "config.causal": (cfg.get("causal"), True),
                  "config.key_region_order": (cfg.get("key_region_order"), ["sink", "middle", "recent", "current"])})
-    _compare(ctx, rel, want)
-    _check_software(ctx, rel, m.get("software"))
+    compare_fields(ctx, rel, want)
+    check_software(ctx, rel, m.get("software"))
     if whole:
         if m.get("runs"):
             ctx.fail(rel, "the model did not load (excluded), yet the manifest lists prompt runs")
@@ -235,7 +235,7 @@ def _check_capture(ctx, study: str, p: dict) -> None:
     mc, load = cfg.get("model_config", {}), m["load"]
     if known is None:
         known = _outside_model(ctx, study, p["model"], cfg, mc, load)
-    _compare(ctx, rel, {
+    compare_fields(ctx, rel, {
         "config.transformer_layers": (cfg.get("transformer_layers"), known["layers"]),
         "config.query_heads": (cfg.get("query_heads"), known["heads"]),
         "config.kv_heads_in_model": (cfg.get("kv_heads_in_model"), known["kv_heads"]),
@@ -274,7 +274,7 @@ def _check_capture(ctx, study: str, p: dict) -> None:
     n_records = len(record_chunks) * len(p["layers"])
     for prompt, run in zip(prompts, runs):
         pid, where = prompt["id"], f"{rel} runs.{prompt['id']}"
-        _compare(ctx, where, {
+        compare_fields(ctx, where, {
             "text": (run.get("text"), prompt["text"]), "kind": (run.get("kind"), prompt["kind"]),
             "prompt_tokens": (run.get("prompt_tokens"), p["tokens"]),
             "expected_top_level_forwards": (run.get("expected_top_level_forwards"), n_chunks),
@@ -357,7 +357,7 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         "layout": (rec.get("layout"), llm_layout(keys, p["chunk"], p["recent_tokens"], p["sink_tokens"])),
         "head_map": (rec.get("head_map"), [i // group for i in range(len(q_heads))]),
     }
-    _compare(ctx, where, want)
+    compare_fields(ctx, where, want)
     full = {"q": [len(q_heads), len(qi), known["head_dim"]], "k": [len(kv), keys, known["head_dim"]],
             "v": [len(kv), keys, known["head_dim"]]}
     kept = full
@@ -368,7 +368,7 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         sel = sorted(kv.index(h) for h in archive.get("kv_heads", []) if h in kv) if meta.get("prompt") in archive.get(
             "prompts", []) else []
         sel_q = [i for i in range(len(q_heads)) if i // group in sel]
-        _compare(ctx, where, {"archive": (rec.get("archive"), {"kv_heads": sel, "q_heads": sel_q, "shapes": full})})
+        compare_fields(ctx, where, {"archive": (rec.get("archive"), {"kv_heads": sel, "q_heads": sel_q, "shapes": full})})
         kept = {} if not sel else {"q": [len(sel_q), len(qi), known["head_dim"]], "k": [len(sel), keys, known["head_dim"]],
                                    "v": [len(sel), keys, known["head_dim"]]}
         stored = sorted(n for n in ("q", "k", "v") if n in arrays)
@@ -382,7 +382,7 @@ def _check_case(ctx, study, cid, rec, p, known, digest, ids_bytes):
         got = {n: ctx.load(arrays.get(n)) for n in kept}
     except Exception:  # noqa: BLE001 - the case's own checks report a missing array
         return ids_bytes
-    _compare(ctx, where + " shape", {n: (list(x.shape), kept[n]) for n, x in got.items()})
+    compare_fields(ctx, where + " shape", {n: (list(x.shape), kept[n]) for n, x in got.items()})
     ctx.numbers += 1
     if qp.tolist() != [keys - p["chunk"] + i for i in qi]:
         ctx.fail(where, "query_positions are not the selected queries' positions in the recorded chunk")

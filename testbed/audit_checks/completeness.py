@@ -252,7 +252,7 @@ def _residual_window_rows(p: dict, n: int) -> dict:
     def quant(recent, sink):
         return {"kind": "residual_window", "key": kc, "value": vc, "recent": recent, "sink": sink}
 
-    scheme = residual_window_check._scheme(kc, vc)
+    scheme = residual_window_check.scheme_label(kc, vc)
     out = {}
     if p["float32_arm"]:
         out[("float32",)] = {"scheme": "float32", "residual": None, "sink_window": None, "recent_mass_window": n,
@@ -478,7 +478,7 @@ def _check_live(ctx, study: str, proto: dict, rows: list, accepted: set) -> None
         return
     # The (segment, arm) grid and the segments: the live check's own study-level check (cached, so
     # it runs once whether a row triggered it or not).
-    ctx.cached(("live_study", study), lambda: live_quality._check_study(ctx, study, live))
+    ctx.cached(("live_study", study), lambda: live_quality.check_study(ctx, study, live))
     peers = {f"quanto_int{p['bits']}": p for p in live.get("peers", [])}
     for row in rows:
         peer = peers.get(row.get("arm"))

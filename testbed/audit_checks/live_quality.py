@@ -61,7 +61,7 @@ import numpy as np
 from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
 from .common import HEADER_BYTES, MX_BLOCK_SIZE, TOLERANCES, encode_tensor, payload_differences
 
-__all__ = ["check", "MODELS", "POLICY_TABLE", "declared_policy", "policy_names"]
+__all__ = ["check", "MODELS", "POLICY_TABLE", "declared_policy", "policy_names", "policy_of", "check_study"]
 
 # Known models' cache dimensions (the audit's own table; a live row of any other model fails).
 # the audit's own table of the models it knows; a model given by path carries its dimensions in
@@ -164,7 +164,7 @@ def policy_names(live: dict) -> list:
 
 
 def declared_policy(entry: dict, live: dict) -> dict:
-    """The fields of a declared policy (the protocol's object), in the form of :func:`_policy`'s."""
+    """The fields of a declared policy (the protocol's object), in the form of :func:`policy_of`'s."""
     sel, sto = entry.get("selection", {}), entry.get("storage", {})
     if not isinstance(sel, dict) or not isinstance(sto, dict):
         raise ValueError(f"declared policy {entry.get('name')!r}: selection and storage must be objects")
@@ -205,7 +205,7 @@ def declared_policy(entry: dict, live: dict) -> dict:
     return out
 
 
-def _policy(name: str, live: dict) -> dict:
+def policy_of(name: str, live: dict) -> dict:
     for entry in live.get("policies", []):
         if isinstance(entry, dict) and entry.get("name") == name:
             return declared_policy(entry, live)
@@ -700,7 +700,7 @@ def next_change(pol: dict, n: int):
 
 def schedule(kind: str, name: str, live: dict) -> list[int]:
     P, T = live["prefill"], live["steps"]
-    pol = _policy(name, live) if kind == "policy" else None
+    pol = policy_of(name, live) if kind == "policy" else None
     out, n = [P], P
     while n < P + T:
         cap = live.get("reference_chunk", 256)
@@ -934,7 +934,7 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
     return bits[layer]
 
 
-def _check_study(ctx, study: str, live: dict) -> bool:
+def check_study(ctx, study: str, live: dict) -> bool:
     """Once per study: exactly one row per (segment, arm) the protocol implies, segments as the
     protocol lays them out, token ids that match their recorded hash."""
     arms = ["dynamic_cache"] + policy_names(live) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
@@ -994,7 +994,7 @@ def _check_segments(ctx, where: str, cases: dict, segs: list, length: int) -> No
 def check(row: dict, ctx) -> None:
     study = row.get("study")
     whole = _live_params(ctx, study)
-    ctx.cached(("live_study", study), lambda: _check_study(ctx, study, whole))
+    ctx.cached(("live_study", study), lambda: check_study(ctx, study, whole))
     live = view_of(whole, row.get("case"))
     dims = model_dims(live, row)
     arm, kind = row.get("arm"), row.get("kind")
@@ -1019,7 +1019,7 @@ def check(row: dict, ctx) -> None:
     ctx.equal(row, "scored_tokens", row.get("scored_tokens"), T)
     ctx.equal(row, "context_final", row.get("context_final"), want_ctx[-1])
     if kind == "policy":
-        pol = _policy(arm, live)
+        pol = policy_of(arm, live)
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
@@ -1067,7 +1067,7 @@ def check(row: dict, ctx) -> None:
     ctx.close(row, "top1_agreement", row.get("top1_agreement"), float(np.mean(am == ref_am)))
     if kl.shape == (T,) and np.all(np.isfinite(kl)):
         _check_kl_bound(row, ctx, kl, ref_lp, lp)
-        if kind == "policy" and _policy(arm, live)["middle"] == "float32":
+        if kind == "policy" and policy_of(arm, live)["middle"] == "float32":
             same = TOLERANCES["float32_same_cache"]["atol"]
             ctx.numbers += T
             if np.any(kl > same):
@@ -1078,8 +1078,8 @@ def check(row: dict, ctx) -> None:
     if "evidence_layer" in live and live["evidence_layer"] is None:  # the protocol stores none
         if row.get("evidence") is not None:
             ctx.fail(row, "evidence arrays, though the protocol's evidence_layer is null")
-    elif kind == "policy" and _policy(arm, live)["middle"] != "float32" and row.get("case") == first:
-        _check_evidence(row, ctx, _policy(arm, live), live)
+    elif kind == "policy" and policy_of(arm, live)["middle"] != "float32" and row.get("case") == first:
+        _check_evidence(row, ctx, policy_of(arm, live), live)
         if whole.get("shared_prefill", True):
             ctx.cached(("live_shared_prefill", study, row.get("case")),
                        lambda: _check_shared_prefill(ctx, study, row.get("case"), live))
@@ -1116,7 +1116,7 @@ def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
                         groups.setdefault(f"prefill queries, last {w}", {})[f"{arm} ({name})"] = q[:, -w:].tobytes()
         if "rope.inv_freq" in a:  # one model, one rotary schedule
             groups.setdefault("rope.inv_freq", {})[arm] = ctx.load(a["rope.inv_freq"]).tobytes()
-        pol = _policy(arm, live) if arm in policy_names(live) else {}
+        pol = policy_of(arm, live) if arm in policy_names(live) else {}
         if pol.get("low") and pol.get("alloc") in ("concentrated", "diffuse") and pol.get("alloc_from") == "prefill":
             groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("alloc_score")).tobytes()
     for what, by_arm in groups.items():

@@ -24,9 +24,13 @@ what cannot be checked is a byte-for-byte match with codes that were never writt
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .common import E8M0_BIAS, HEADER_BYTES, MX_ELEMENTS, decode_mx_raw, encode_mx, pack_bits, unpack_bits, visible
+from .report_format import P, T, fixed, ordered, pct, text
+from .stats import mean
 
 TV_HIGH = 0.05
 ROTATION_BLOCK_MAX = 128
@@ -284,3 +288,67 @@ def check(row: dict, audit) -> None:
                 sum(c for c, _ in clamped) / sum(n for _, n in clamped))
     num, den = float(np.sqrt(err2)), float(np.sqrt(ref2))
     audit.close(row, "rel_l2", row["rel_l2"], (0.0 if num == 0 else float("inf")) if den == 0 else num / den)
+
+# ---------------------------------------------------------------------------------------------
+# report.md: the expected blocks of this analysis's section (audit_checks/report_md.py compares them)
+# ---------------------------------------------------------------------------------------------
+
+# The seed study's published figures that the MX section quotes (a real video DiT, one prompt and
+# seed): the audit's own copy, so that a changed quotation fails.
+SEED_STUDY = {"qk_tv_median": 0.0152, "qk_argmax": 0.9433, "p_tv_median": 0.0106, "p_zero_median": 0.0,
+              "p_zero_mean": 0.0245, "p_rows_with_zero": 0.3663, "p_row_sum_median": 0.999392}
+
+
+def report_tables(rows, params) -> list:
+    def pooled(sel, key):
+        parts = [r["per_row"][key] for r in sel if r["per_row"].get(key) is not None]
+        return np.asarray([x for part in parts for x in part], dtype=np.float64) if parts else None
+
+    def p(x, digits=2):
+        return pct(x, digits, none="-")
+
+    def key(r):
+        return r["path"], r["rotation"], r["scale_rule"], r["scheme"]
+
+    arms = ordered(key(r) for r in rows)
+    trs = []
+    for arm in arms:
+        sel = [r for r in rows if key(r) == arm]
+        tv = pooled(sel, "tv")
+        n = sum(r["rows"] for r in sel)
+        z = pooled(sel, "numerical_zero_rate")
+        s = pooled(sel, "row_sum")
+        trs.append([text(arm[0]), text(arm[1]), text(arm[2]), text(arm[3]), text(len(sel)), text(n),
+                    p(float(np.median(tv))), p(float(np.mean(tv))), p(float(np.quantile(tv, 0.95))),
+                    p(float(np.mean(tv > TV_HIGH))),
+                    p(math.fsum(r["argmax_agreement"] * r["rows"] for r in sel) / n),
+                    p(math.fsum(r["argmax_tie"] * r["rows"] for r in sel) / n),
+                    ("-",) if z is None else p(float(np.median(z))), ("-",) if z is None else p(float(np.mean(z))),
+                    ("-",) if z is None else p(float(np.mean(z > 0))),
+                    ("-",) if s is None else fixed(float(np.median(s)), 6),
+                    p(mean([r["block_saturation"] for r in sel])),
+                    p(mean([r["rel_l2"] for r in sel]), 3)])
+    dtrs = []
+    for dist in ordered(r.get("distribution", "-") for r in rows):
+        line = [text(dist)]
+        for arm in arms:
+            tv = pooled([r for r in rows if r.get("distribution", "-") == dist and key(r) == arm], "tv")
+            line.append(("-",) if tv is None else p(float(np.median(tv))))
+        dtrs.append(line)
+    several = len({a[2] for a in arms}) > 1
+    seed = SEED_STUDY
+    facts = [("seed study's Q/K median TV", r"Q/K median TV (\S+),", pct(seed["qk_tv_median"])),
+             ("seed study's argmax agreement", r"argmax agreement (\S+) \(", pct(seed["qk_argmax"])),
+             ("seed study's P path median TV", r"P path median TV (\S+),", pct(seed["p_tv_median"])),
+             ("seed study's zero-rate median", r"numerical-zero rate median (\S+) and", pct(seed["p_zero_median"])),
+             ("seed study's zero-rate mean", r"numerical-zero rate median \S+ and mean (\S+),", pct(seed["p_zero_mean"])),
+             ("seed study's rows with a zero", r", (\S+) rows with a zero", pct(seed["p_rows_with_zero"])),
+             ("seed study's row-sum median", r"row-sum median (\S+?)\.(?:\s|$)", text(seed["p_row_sum_median"]))]
+    return [P("pooled", "Pooled over every (query head, query) row of every input"),
+            T("MX paths", ["path", "rotation", "scale rule", "scheme", "inputs", "rows", "median TV", "mean TV",
+                           "p95 TV", "rows TV>5%", "argmax agree", "argmax tie", "zero-rate median", "zero-rate mean",
+                           "rows with a zero", "row-sum median", "blocks clamped", "mean rel-L2"], 4, trs),
+            P("per distribution", "Median TV per distribution."),
+            T("median TV per distribution", ["distribution"] + [f"{a} {b}" + (f" {c}" if several else "")
+                                                                for a, b, c, _ in arms], 1, dtrs),
+            P("seed study", "Seed study for comparison", facts)]

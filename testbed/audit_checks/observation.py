@@ -23,6 +23,8 @@ import random
 import numpy as np
 
 from .common import TOLERANCES, row_tiles
+from .report_format import P, T, Num, fixed, label, ordered, pct, spread, text
+from .stats import median, pooled
 
 REGIONS = ("sink", "middle", "recent", "current", "history")
 PERCENTS = (1, 5, 10)
@@ -326,3 +328,115 @@ def check(row: dict, ctx) -> None:
     vk = rows["visible_keys"][sel]
     ctx.equal(row, "visible_keys_min", row["visible_keys_min"], int(vk.min()))
     ctx.equal(row, "visible_keys_max", row["visible_keys_max"], int(vk.max()))
+
+# ---------------------------------------------------------------------------------------------
+# report.md: the expected blocks of this analysis's section (audit_checks/report_md.py compares them)
+# ---------------------------------------------------------------------------------------------
+
+def report_tables(rows, params) -> list:
+    cases = [r for r in rows if r.get("scope") == "case"]
+    dists = ordered(label(r) for r in cases)
+    summ = []
+    for dist in dists:
+        sel = [r for r in cases if label(r) == dist]
+        d = {"distribution": dist, "cases": len(sel), "rows": sum(r["rows"] for r in sel)}
+        for key in ("support_le_10", "support_le_25", "support_ge_75", "top10_ge_80", "zero_rate_mean", "history_lt_10",
+                    "history_gt_50", "uniform_history", "jaccard_query", "jaccard_block", "sink_mass", "middle_mass",
+                    "recent_mass", "current_mass", "history_mass", "jaccard_query_null_pair",
+                    "jaccard_query_null_shuffled", "head_set_jaccard", "head_set_jaccard_null", "head_set_mass",
+                    "head_set_mass_null", "head_set_size"):
+            d[key] = pooled(sel, key)
+        paired = [r for r in sel if r.get("jaccard_query") is not None and r.get("jaccard_query_null_pair") is not None]
+        d["over"] = (sum(r["jaccard_query"] > r["jaccard_query_null_pair"] for r in paired), len(paired))
+        fit = [r for r in sel if r.get("head_set_jaccard") is not None and r.get("head_set_jaccard_null") is not None]
+        d["fit_over"] = (sum(r["head_set_jaccard"] > r["head_set_jaccard_null"] for r in fit), len(fit))
+        d["block"] = ", ".join(str(b) for b in ordered(r.get("block") for r in sel))
+        for key in ("support_q10", "support_q25", "support_median", "support_q75", "support_q90", "history_q10",
+                    "history_median", "history_q90", "top1_median", "top5_median", "top10_median"):
+            d[key] = median([r.get(key) for r in sel])
+        summ.append(d)
+    out = [P("summary", "Sparsity and concentration of the float64 reference attention."),
+           T("sparsity", ["distribution", "cases", "rows", "support q10", "q25", "median", "q75", "q90", "<=10%", "<=25%",
+                          ">=75%", "top1% mass", "top5%", "top10%", "top10%>=80%", "fp32 strict zeros"], 1,
+             [[text(d["distribution"]), text(d["cases"]), text(d["rows"])]
+              + [pct(d[k]) for k in ("support_q10", "support_q25", "support_median", "support_q75", "support_q90",
+                                     "support_le_10", "support_le_25", "support_ge_75", "top1_median", "top5_median",
+                                     "top10_median", "top10_ge_80")] + [pct(d["zero_rate_mean"], 3)] for d in summ]),
+           P("region", "Region mass (pooled mean) against the uniform expectation"),
+           T("region mass", ["distribution", "sink", "middle", "recent", "current", "history", "uniform history",
+                             "history q10", "median", "q90", "history <10%", "history >50%"], 1,
+             [[text(d["distribution"])] + [pct(d[k]) for k in ("sink_mass", "middle_mass", "recent_mass", "current_mass",
+                                                               "history_mass", "uniform_history", "history_q10",
+                                                               "history_median", "history_q90", "history_lt_10",
+                                                               "history_gt_50")] for d in summ]),
+           P("block predictability", "Block predictability: mean Jaccard overlap", [
+               ("coverage", r"fewest blocks carrying (\S+) of a row's mass", pct(params["coverage"], 0)),
+               ("block tokens", r"a block is a latent frame, or (\S+) tokens\)", text(params["block_tokens"]))]),
+           T("block predictability", ["distribution", "Jaccard neighbouring queries", "random pair (null)",
+                                      "position-shuffled (null)", "excess over random pair", "cases above",
+                                      "Jaccard neighbouring query blocks"], 1,
+             [[text(d["distribution"]), pct(d["jaccard_query"], 1), pct(d["jaccard_query_null_pair"], 1),
+               pct(d["jaccard_query_null_shuffled"], 1),
+               ("n/a",) if d["jaccard_query"] is None or d["jaccard_query_null_pair"] is None else
+               (Num(d["jaccard_query"] - d["jaccard_query_null_pair"], lambda v: f"{100 * v:+.1f} pts"),),
+               text(f"{d['over'][0]}/{d['over'][1]}"), pct(d["jaccard_block"], 1)] for d in summ]),
+           P("head set", "Head-level block predictability: can a head's key blocks be fixed ahead of its queries?", [
+               ("block tokens", r"else (\S+) tokens; cases above", text(params["block_tokens"]))]),
+           T("head set", ["distribution", "key block", "head set (blocks)", "Jaccard with head set", "random set (null)",
+                          "mass kept by head set", "random set mass (null)", "cases above"], 1,
+             [[text(d["distribution"]), text(d["block"]), fixed(d["head_set_size"], 1), pct(d["head_set_jaccard"], 1),
+               pct(d["head_set_jaccard_null"], 1), pct(d["head_set_mass"], 1), pct(d["head_set_mass_null"], 1),
+               text(f"{d['fit_over'][0]}/{d['fit_over'][1]}")] for d in summ])]
+    heads = [r for r in rows if r.get("scope") == "head"]
+    if heads:
+        acc: dict = {}
+        for r in heads:
+            acc.setdefault((label(r), r["head"]), []).append(r)
+        trs = []
+        for (dist, hh), rs in acc.items():
+            conc = rs[0].get("concentration")
+            trs.append([text(dist), text(hh), text(None if conc is None else format(float(conc), "g")), text(len(rs)),
+                        spread([r.get("support_median") for r in rs]), pct(pooled(rs, "top10_mean")),
+                        pct(pooled(rs, "sink_mass")), pct(pooled(rs, "current_mass")), pct(pooled(rs, "history_mass")),
+                        pct(pooled(rs, "jaccard_query"), 1)])
+        out += [P("by head", "By head (median over cases"),
+                T("by head", ["distribution", "head", "concentration", "cases", "median support [range over cases]",
+                              "mean top10%", "sink", "current", "history", "Jaccard queries"], 2, trs)]
+    layers = [r for r in cases if r.get("layer") is not None]
+    if layers:
+        acc = {}
+        for r in layers:
+            acc.setdefault((label(r), r["layer"]), []).append(r)
+        trs = [[text(dist), text(layer), text(len(rs)), pct(pooled(rs, "sink_mass")), pct(pooled(rs, "recent_mass")),
+                pct(pooled(rs, "current_mass")), pct(pooled(rs, "history_mass")),
+                pct(median([r["support_median"] for r in rs]))]
+               for (dist, layer), rs in sorted(acc.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
+        out += [P("by layer", "By layer (pooled over the layer's cases)."),
+                T("by layer", ["distribution", "layer", "cases", "sink", "recent", "current", "history", "median support"],
+                  2, trs)]
+    trs = []
+    for dist in dists:
+        sel = [r for r in cases if label(r) == dist]
+        blocks = [r["by_query_block"] for r in sel]
+        for i in range(min(len(b["block"]) for b in blocks)):
+            n = sum(b["rows"][i] for b in blocks)
+            hist = [b["history_mass"][i] for b in blocks]
+            hm = None if any(h is None for h in hist) else math.fsum(h * b["rows"][i] for h, b in zip(hist, blocks)) / n
+            trs.append([text(dist), text(i), text(n), pct(hm), pct(median([b["support_median"][i] for b in blocks]))])
+    out += [P("by position", "By position: query block (frame) of the chunk"),
+            T("by position", ["distribution", "query block", "rows", "history mass", "median support (median over cases)"],
+              2, trs)]
+    for dist in dists:
+        sel = [r for r in cases if label(r) == dist]
+        maps = [r.get("heatmap") for r in sel]
+        if any(m is None for m in maps) or len({(len(m), len(m[0])) for m in maps}) != 1:
+            continue
+        stack = np.asarray(maps, dtype=np.float64)
+        mean = stack.sum(axis=0) / len(maps)
+        fmt = lambda v: f"{100 * v:.1f}"  # noqa: E731
+        out += [P(f"heatmap {dist}", "Temporal heatmap of `", [
+                    ("distribution", r"^Temporal heatmap of `([^`]*)`", text(dist)),
+                    ("block tokens", r"query block x key block \((\S+) tokens each\)", text(sel[0]["frame"]))]),
+                T(f"heatmap {dist}", ["query \\ key"] + [f"k{j}" for j in range(mean.shape[1])], 1,
+                  [[text(f"q{i}")] + [(Num(x, fmt),) for x in row] for i, row in enumerate(mean.tolist())])]
+    return out

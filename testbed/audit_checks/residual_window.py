@@ -8,6 +8,8 @@ import numpy as np
 
 from .common import (cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences,
                      quantizer_label, rel_l2, softmax_attention)
+from .report_format import P, T, Num, label, ordered, pct, text
+from .stats import mean
 
 
 def check(row: dict, ctx) -> None:
@@ -68,7 +70,7 @@ def _check_labels(row: dict, ctx, n: int) -> None:
     if cfg is None:
         arm, scheme, sink = "float32", "float32", None
     else:
-        scheme = _scheme(cfg["key"], cfg["value"])
+        scheme = scheme_label(cfg["key"], cfg["value"])
         sink = cfg["sink"]
         arm = f"first{sink}" if sink and not cfg["recent"] else f"R={cfg['recent']}"
         if sink and cfg["recent"]:
@@ -80,7 +82,7 @@ def _check_labels(row: dict, ctx, n: int) -> None:
         ctx.fail(row, f"recent_mass_window {row['recent_mass_window']!r} is outside [1, {n}]")
 
 
-def _scheme(key: dict, value: dict) -> str:
+def scheme_label(key: dict, value: dict) -> str:
     """The documented scheme label: the K scheme, and the V scheme in parentheses where it differs
     (for grouped integers: its bits and group size; the axis is the layout's). Each part is the
     audit's label for its kind (``common.quantizer_label``); an unknown kind raises, never a bare kind."""
@@ -90,3 +92,38 @@ def _scheme(key: dict, value: dict) -> str:
             return f"{k}+residual"
         return f"{k}+residual(value {value.get('bits')}-bit g{value.get('group_size')})"
     return f"{k}+residual" if k == v else f"{k}+residual(value {v})"
+
+# ---------------------------------------------------------------------------------------------
+# report.md: the expected blocks of this analysis's section (audit_checks/report_md.py compares them)
+# ---------------------------------------------------------------------------------------------
+
+def report_tables(rows, params) -> list:
+    arms = ordered(r["arm"] for r in rows)
+    kept = [a for a in arms if a.startswith("R=") and a != "R=0"] + [a for a in arms if a.startswith("first")]
+    trs = []
+    for dist in ordered(label(r) for r in rows):
+        sel = [r for r in rows if label(r) == dist]
+        line = [text(dist), text(len({r["case"] for r in sel}))]
+        line += [pct(mean([r["rel_l2"] for r in sel if r["arm"] == a]), 3, none="nan%") for a in arms]
+        line += [pct(mean([r["protected_mass"] for r in sel if r["arm"] == a]), 2, none="nan%") for a in kept]
+        line.append(pct(mean([r["focus_mass"] for r in sel if r["arm"] == arms[0]]), 2, none="-"))
+        trs.append(line)
+    out = [P("rel-L2", "Mean attention-output relative L2 per input"),
+           T("rel-L2 per distribution", ["distribution", "inputs"] + [f"rel-L2 {a}" for a in arms]
+             + [f"mass kept fp32 {a}" for a in kept] + ["focus mass"], 1, trs)]
+    sizes = sorted({r["n"] for r in rows if "n" in r})
+    if sizes:
+        btrs = []
+        for n in sizes:
+            for a in arms:
+                sel = [r for r in rows if r.get("n") == n and r["arm"] == a]
+                if sel:
+                    pay, base = sel[0]["payload_bytes"], sel[0]["baseline_bytes"]
+                    half = base // 2
+                    btrs.append([text(n), text(a), text(f"{pay:,}"), text(f"{base:,}"),
+                                 (Num(1.0 - pay / base, lambda v: f"{100 * v:.1f}%", exact=True),), text(f"{half:,}"),
+                                 (Num(1.0 - pay / half, lambda v: f"{100 * v:.1f}%", exact=True),)])
+        out += [P("payload", "Payload bytes of K+V"),
+                T("payload bytes", ["N", "arm", "payload B", "float32 K+V B", "reduction", "16-bit K+V B",
+                                    "reduction vs 16-bit"], 2, btrs)]
+    return out

@@ -4,7 +4,7 @@ For every (trial, arm) row, from the stored arrays and the frozen protocol:
 
 - the trial: its stored ``token_ids`` are the prefill (exactly ``length`` tokens), the question
   and the answer (the case's recorded counts), and the stored ``needle_ids`` sit at
-  ``[needle_start, needle_end)`` of the prefill (:func:`retrieval_stats.trial_problems`); the
+  ``[needle_start, needle_end)`` of the prefill (:func:`trial_problems`); the
   answer ids a row is scored against are the last ``answer_tokens`` of ``token_ids``;
 - the row's numbers: ``answer_tokens``, ``answer_logprob`` (the float64 sum of the stored per-token
   log-probabilities), ``tf_tokens_correct`` and ``tf_em`` (stored argmax against the answer ids),
@@ -40,7 +40,7 @@ tokenizer: that the needle, question and haystack ids encode the recorded texts 
 audit has no tokenizer); the binding above makes a trial's ids its own grid slot's only as far as
 the answer's ids, the needle's place and the per-character ids go.
 The report's accuracies, Wilson intervals and McNemar p-values are re-derived from these rows in
-``report_md.py`` with :mod:`retrieval_stats`.
+``report_tables`` below with :mod:`stats`.
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ import re
 
 import numpy as np
 
-from . import retrieval_stats
-from .capture import MODELS, _check_software, _compare, _json
-from .live_quality import _policy, check_grid, policy_names
+from . import report_format as fmt
+from .capture import MODELS, check_software, compare_fields, read_json
+from .live_quality import check_grid, policy_names, policy_of
+from .stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
-           "DEFAULTS", "MODEL"]
+           "DEFAULTS", "MODEL", "trial_problems", "report_tables"]
 
 REFERENCE = "dynamic_cache"
 # the run side's schema defaults, the audit's own statement of them (a frozen copy is as written)
@@ -201,7 +202,7 @@ def _trial(ctx, study: str, cid: str) -> dict:
                  "needle_end": meta.get("needle_end"), "question_ids": ids[P:P + nq], "answer_ids": ids[P + nq:],
                  "meta": {"length": P}}
         ctx.numbers += 1
-        for problem in retrieval_stats.trial_problems(trial):
+        for problem in trial_problems(trial):
             ctx.fail(where, problem)
         return {"meta": meta, "answer": ids[P + nq:].astype(np.int64), "answer_tokens": na}
     return ctx.cached(("retrieval_trial", study, cid), build)
@@ -351,13 +352,13 @@ def _check_manifest(ctx, study: str, p: dict, trials: int) -> None:
     (name, GGUF file, SHA-256) against the audit's table, the software against the run's
     environment, the arms and trials against the frozen protocol and the rows."""
     rel = f"{study}/retrieval_manifest.json"
-    m = _json(ctx, rel)
+    m = read_json(ctx, rel)
     if not isinstance(m, dict):
         raise ValueError("not a JSON object")
     model = m.get("model") if isinstance(m.get("model"), dict) else {}
     known = MODELS[MODEL]
     rows = [r for r in ctx.results.get("rows", []) if isinstance(r, dict) and r.get("study") == study]
-    _compare(ctx, rel, {"schema_version": (m.get("schema_version"), 1), "model.model": (model.get("model"), MODEL),
+    compare_fields(ctx, rel, {"schema_version": (m.get("schema_version"), 1), "model.model": (model.get("model"), MODEL),
                         "model.gguf": (model.get("gguf"), known["gguf"]),
                         "model.gguf_sha256": (model.get("gguf_sha256"), known["gguf_sha256"]),
                         "arms": (m.get("arms"), arms_of(p)), "trials": (m.get("trials"), trials)})
@@ -365,7 +366,7 @@ def _check_manifest(ctx, study: str, p: dict, trials: int) -> None:
             m.get("arms") or []):
         ctx.fail(rel, f"trials {m.get('trials')!r} and arms {m.get('arms')!r} are not the rows': "
                       f"{len({r.get('case') for r in rows})} trials, arms {sorted({str(r.get('arm')) for r in rows})}")
-    _check_software(ctx, rel, m.get("software"))
+    check_software(ctx, rel, m.get("software"))
 
 
 def _ids(ctx, row, arrays, name, n):
@@ -442,7 +443,7 @@ def check(row: dict, ctx) -> None:
     _cross_checks(row, ctx, lp, argmax, generated, answer)
     if kind == "policy":
         got = row.get("policy") if isinstance(row.get("policy"), dict) else {}
-        for key, val in _policy(arm, p).items():
+        for key, val in policy_of(arm, p).items():
             if key.startswith("_"):  # the audit's own working values (a live segment's prefill), not a field
                 continue
             ctx.equal(row, f"policy.{key}", got.get(key), val)
@@ -455,3 +456,91 @@ def check(row: dict, ctx) -> None:
             ctx.equal(row, f"peer.{key}", got.get(key), val)
     elif "policy" in row or "peer" in row:
         raise ValueError("the reference row carries a policy or peer config")
+
+
+def _trial_ids(value, name: str, problems: list[str]) -> np.ndarray | None:
+    arr = np.asarray(value)
+    if arr.dtype == object or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        problems.append(f"{name}: expected a 1-D list of integer token ids, got dtype {arr.dtype}, shape {arr.shape}")
+        return None
+    if arr.size and arr.min() < 0:
+        problems.append(f"{name}: negative token id {int(arr.min())}")
+        return None
+    return arr.astype(np.int64)
+
+
+def trial_problems(trial: dict) -> list[str]:
+    """What is wrong with one stored trial (an empty list when nothing is): ``prefill_ids``,
+    ``needle_ids``, ``needle_start``, ``needle_end``, ``question_ids``, ``answer_ids`` and, when
+    ``meta.length`` is given, the prefill's length."""
+    problems: list[str] = []
+    arrays = {name: _trial_ids(trial.get(name, []), name, problems)
+              for name in ("prefill_ids", "needle_ids", "question_ids", "answer_ids")}
+    for name in ("needle_ids", "question_ids", "answer_ids"):
+        if arrays[name] is not None and arrays[name].size == 0:
+            problems.append(f"{name}: empty")
+    start, end = trial.get("needle_start"), trial.get("needle_end")
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (start, end)):
+        problems.append(f"needle_start, needle_end: expected integers, got {start!r}, {end!r}")
+        return problems
+    prefill, needle = arrays["prefill_ids"], arrays["needle_ids"]
+    if prefill is None or needle is None:
+        return problems
+    if not 0 <= start < end <= prefill.size:
+        problems.append(f"needle span [{start}, {end}) is not inside the prefill of {prefill.size} tokens")
+    elif end - start != needle.size:
+        problems.append(f"needle span [{start}, {end}) holds {end - start} tokens, the stored needle {needle.size}")
+    elif not np.array_equal(prefill[start:end], needle):
+        first = int(np.flatnonzero(prefill[start:end] != needle)[0])
+        problems.append(f"prefill_ids[{start + first}] = {int(prefill[start + first])}, the needle's token {first} "
+                        f"is {int(needle[first])}")
+    length = (trial.get("meta") or {}).get("length")
+    if length is not None and prefill.size != length:
+        problems.append(f"prefill_ids: {prefill.size} tokens, meta.length {length}")
+    return problems
+
+# ---------------------------------------------------------------------------------------------
+# report.md: the expected blocks of this analysis's section (audit_checks/report_md.py compares them)
+# ---------------------------------------------------------------------------------------------
+
+RETRIEVAL_HEADERS = ["arm", "length", "trials", "TF exact match", "Wilson 95 %", "greedy exact match",
+                     "mean answer log-prob", "McNemar p vs reference (b/c)"]
+
+
+def report_tables(rows, p: dict) -> list:
+    """Per task a table of (arm, length) over trials: teacher-forced EM with its Wilson interval,
+    greedy EM, the mean answer log-prob and the exact McNemar p of the arm against the reference
+    on the same trials; then the notes' trial counts."""
+    if not rows:
+        return [fmt.P("no rows", "(no rows: the retrieval study was excluded")]
+    one = lambda v: f"{100 * v:.1f}"  # noqa: E731
+    out = []
+    for task in fmt.ordered(r["task"] for r in rows):
+        trs = []
+        for arm in arms_of(p):
+            for length in sorted({r["length"] for r in rows if r["task"] == task and r["arm"] == arm}):
+                cell = {r["case"]: r for r in rows if r["task"] == task and r["arm"] == arm and r["length"] == length}
+                ref = {r["case"]: r for r in rows if r["task"] == task and r["arm"] == REFERENCE
+                       and r["length"] == length}
+                n = len(cell)
+                k = sum(1 for r in cell.values() if r["tf_em"] == 1)
+                g = sum(1 for r in cell.values() if r["greedy_em"] == 1)
+                lo, hi = wilson_bounds(k, n)
+                if arm == REFERENCE or not set(cell) <= set(ref):
+                    test = ("—",)
+                else:
+                    b = sum(1 for c, r in cell.items() if ref[c]["tf_em"] == 1 and r["tf_em"] != 1)
+                    c_ = sum(1 for c, r in cell.items() if ref[c]["tf_em"] != 1 and r["tf_em"] == 1)
+                    test = (fmt.Num(mcnemar_p(b, c_), fmt.p_text), f" ({b}/{c_})")
+                trs.append([fmt.text(arm), fmt.text(length), fmt.text(n), (fmt.Num(k / n, one, exact=True), " %"),
+                            ("[", fmt.Num(lo, one), ", ", fmt.Num(hi, one), "] %"),
+                            (fmt.Num(g / n, one, exact=True), " %"),
+                            fmt.fixed(math.fsum(r["answer_logprob"] for r in cell.values()) / n, 3), test])
+        out += [fmt.P(f"task {task}", f"Task {task}:"), fmt.T(f"retrieval {task}", RETRIEVAL_HEADERS, 2, trs)]
+    depths = [float(d) for d in p["depths"]]
+    out.append(fmt.P("notes", "", [("trials", r"^(\S+) trials \(", fmt.text(len({r["case"] for r in rows}))),
+                                   ("trials per cell", r"\((\S+) per task, length and depth", fmt.text(p["trials"])),
+                                   ("depths", r"; (\S+) depths from", fmt.text(len(depths))),
+                                   ("first depth", r"depths from (\S+) to", fmt.text(min(depths))),
+                                   ("last depth", r" to (\S+)\), each its own", fmt.text(max(depths)))]))
+    return out

@@ -268,7 +268,7 @@ class MX(Quantizer):
         """The rotation applied to a last axis of size ``dim`` (None without rotation)."""
         return None if self.rotation is None else _rotation(dim, self.seed)
 
-    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+    def rotated(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as float32, rotated along its last axis when the scheme has a rotation."""
         xf = x.detach().to(torch.float32)
         rot = self.rotation_for(x.shape[-1])
@@ -277,7 +277,7 @@ class MX(Quantizer):
     def _quantize_fast(self, x: torch.Tensor, name: str) -> Packed:
         check_input(x, name, finite=False)
         *lead, n, d = x.shape
-        xf = self._rotated(x)
+        xf = self.rotated(x)
         f = self.fmt
         kernels.set_threads(torch.get_num_threads())
         codes, scales, bad = kernels.mx_quantize(xf.reshape(-1, d).numpy(), self.block_size, f.ebits, f.mbits,
@@ -295,7 +295,7 @@ class MX(Quantizer):
         """The torch implementation: the definition the fused kernel must match bit for bit."""
         check_input(x, name)
         n, d = x.shape[-2], x.shape[-1]
-        codes, scales = quantize_blocks(self._rotated(x), self.fmt, self.block_size, self.scale_rule)
+        codes, scales = quantize_blocks(self.rotated(x), self.fmt, self.block_size, self.scale_rule)
         tensors = {
             "codes": pack_codes(codes, self.fmt.bits) if self.fmt.bits < 8 else codes,
             "scales": scales,

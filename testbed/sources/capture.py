@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..evidence import _cpu_name, sha256_file
+from ..evidence import cpu_name, sha256_file
 from ..case import Case, Region
 from ..progress import Progress
 from ..resources import attention_chain_bytes
@@ -804,7 +804,7 @@ def _software() -> dict:
 
 
 def _hardware() -> dict:
-    hw = {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_name(),
+    hw = {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_name(),
           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu", "accelerators": []}
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
