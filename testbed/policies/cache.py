@@ -541,7 +541,23 @@ class _MixedMiddle:
 
 class PolicyLayer(DynamicLayer):
     """One layer's cache under ``policy``. ``record=True`` keeps a float32 copy of every K/V
-    appended for batch row 0 (evidence: the audit re-encodes the packed middle from it)."""
+    appended for batch row 0 (evidence: the audit re-encodes the packed middle from it).
+
+    Pre-RoPE keys (``policy.key_rope == "pre"``): ``update`` receives post-RoPE keys (transformers
+    hands a cache no cos / sin), so :func:`policy_attention` hooks each decoder layer's attention
+    module (Llama-style ``LlamaAttention``, ``Gemma3Attention``: :func:`attention_modules`) and
+    records the ``position_embeddings = (cos, sin)`` the model calls it with -- the layer's own
+    rotary embedding (Gemma-3: global on full layers, local on sliding ones) at the new tokens'
+    positions. The layer un-rotates the new keys with them (:func:`rope_unrotate`: the exact inverse
+    of the orthogonal pair rotation, up to float32 rounding), stores those in every region, keeps
+    the cos / sin rows by arrival index, and at every read rotates the held keys with the rows of
+    their original positions (:func:`rope_rotate`, ``apply_rotary_pos_emb``'s formula; after an
+    eviction, the first S and the newest W arrival indices); the new tokens attend as given. This
+    was chosen over hooking before ``apply_rotary_pos_emb`` (a patch of each modeling file, or a
+    recomputation of ``k_proj`` and Gemma-3's ``k_norm``): it reuses the very cos / sin the model
+    used and needs nothing model-specific. A model whose layer cannot give them is refused naming
+    the layer and its class (:func:`check_pre_rope`, at the first forward; :meth:`_rope_of`, per
+    call: no (cos, sin) pair, a partial or interleaved rotary embedding)."""
 
     is_croppable = False
 
