@@ -263,3 +263,58 @@ def test_the_audit_rotation_matches_the_runs():
     pair = lambda x: x[..., :4] ** 2 + x[..., 4:] ** 2  # noqa: E731
     assert torch.allclose(pair(post), pair(k), atol=1e-5)
     assert abs(audit_rotate(k[0].numpy(), cos[0].numpy(), sin[0].numpy()) - post[0].numpy()).max() < 1e-5
+
+
+# -- a live run with declared pre-RoPE arms, and its audit ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pre_run(tmp_path_factory):
+    import json
+    from pathlib import Path
+
+    from testbed.run import main as run_main
+    from testbed.sources import capture
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+    tmp = tmp_path_factory.mktemp("prerope")
+    proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
+    proto["name"], proto["default"] = "live_prerope", False
+    proto["live"].update({"evidence_layer": 2, "segments": 1, "prefill": 32, "steps": 40, "batch": 1, "window": 16,
+                          "group": 16, "evict_window": 16, "peers": [], "policies": [
+                              "int4",
+                              {"name": "int4_pre", "storage": {"middle": "int4", "key_rope": "pre"}},
+                              {"name": "stream_pre", "selection": {"kind": "sink_window", "sink": 4},
+                               "storage": {"key_rope": "pre"}}]})
+    (tmp / "p.json").write_text(json.dumps(proto))
+    assert run_main(["--quiet", "--out", str(tmp / "run"), "--protocol", str(tmp / "p.json")]) == 0
+    return tmp / "run"
+
+
+@pytest.mark.slow
+def test_a_live_run_with_pre_rope_arms_passes_its_audit_and_a_forged_rotation_fails(pre_run, tmp_path):
+    import json
+    import shutil
+
+    from testbed.audit import audit
+    from tests import _arrays
+    from tests.test_live import _rehash
+
+    ok, failures, _ = audit(pre_run)
+    assert ok, failures
+    rows = {r["arm"]: r for r in json.loads((pre_run / "results.json").read_text())["rows"] if r.get("kind") == "policy"}
+    assert rows["int4_pre"]["policy"]["key_rope"] == "pre" and "key_rope" not in rows["int4"]["policy"]
+    assert rows["int4_pre"]["bytes_final"] == rows["int4"]["bytes_final"]  # the same bytes
+    assert rows["int4_pre"]["nll"] != rows["int4"]["nll"]  # and an effect
+    # forged: the stored keys claimed to be the post-RoPE inputs themselves (input.k_pre := input.k)
+    run = tmp_path / "copy"
+    shutil.copytree(pre_run, run)
+    arrays = rows["int4_pre"]["evidence"]["arrays"]
+    post = _arrays.load(run, arrays["input.k"])
+    _arrays.save(run, arrays["input.k_pre"], post.copy())
+    _rehash(run, arrays["input.k_pre"])
+    ok, failures, _ = audit(run)
+    assert not ok
+    assert any("int4_pre" in f and "input.k_pre rotated by the recorded cos / sin is not input.k" in f for f in failures)
