@@ -31,6 +31,7 @@ ids are stored and hashed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -346,13 +347,14 @@ class SharedPrefill:
     last ``query_tail`` queries ``[B, H_q, w, D]`` and attention scale."""
 
     def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0, concentration=None,
-                 received=None, tails=None, scales=None):
+                 received=None, tails=None, scales=None, rope=None):
         self.keys, self.values, self.scores = keys, values, scores
         self.query0, self.record_layer = query0, record_layer
         self.seconds = seconds
         self.concentration = concentration
         self.received = received
         self.tails, self.scales = tails, scales
+        self.rope = rope  # per layer the rotary (cos, sin) of the prefill, when an arm stores pre-RoPE keys
 
     def _map(self, f) -> "SharedPrefill":
         return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
@@ -360,7 +362,8 @@ class SharedPrefill:
                              None if self.query0 is None else f(self.query0), self.record_layer, self.seconds,
                              None if self.concentration is None else [f(c) for c in self.concentration],
                              None if self.received is None else [f(r) for r in self.received],
-                             None if self.tails is None else [f(q) for q in self.tails], self.scales)
+                             None if self.tails is None else [f(q) for q in self.tails], self.scales,
+                             None if self.rope is None else [r if r is None else (f(r[0]), f(r[1])) for r in self.rope])
 
     def as_numpy(self) -> "SharedPrefill":
         """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
@@ -405,26 +408,27 @@ class SharedPrefill:
                     layer.load_prefill(k, v, self.scores[i] if mass else None,
                                        self.query0 if (mass or measured) and layer.record else None,
                                        self.concentration[i] if measured else None,
-                                       self.received[i] if layer.policy.heavy else None)
+                                       self.received[i] if layer.policy.heavy else None,
+                                       self.rope[i] if layer.pre_rope and self.rope is not None else None)
                 else:
                     cache.update(k, v, i)
 
 
 def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
                    record_layer: int | None = None, concentration: bool = False,
-                   heavy: bool = False, query_tail: int = 0) -> tuple[SharedPrefill, object]:
+                   heavy: bool = False, query_tail: int = 0, rope: bool = False) -> tuple[SharedPrefill, object]:
     """Run the prefill ``ids [B, P]`` once through a float32 ``DynamicCache`` with logits of the
     last position only; returns the :class:`SharedPrefill` and the DynamicCache (the reference
     continues from it). With ``candidates``, the attention function also computes every layer's
     sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys;
     with ``concentration``, every layer's head concentration likewise; with ``heavy``, every layer's
     accumulated attention per key; with ``query_tail``, every layer's last ``query_tail`` queries and
-    its attention scale."""
+    its attention scale; with ``rope``, every layer's rotary ``(cos, sin)`` (for pre-RoPE keys)."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from .policies.cache import accumulated_attention
+    from .policies.cache import accumulated_attention, capture_rope
     from .policies.cache import concentration as head_concentration
     from .policies.cache import sink_scores
 
@@ -468,14 +472,16 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
         AttentionMaskInterface.register("testbed_prefill", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         model.set_attn_implementation("testbed_prefill")
         try:
-            _forward(model, ids, cache, kw, last_only=True)
+            with capture_rope(model) if rope else contextlib.nullcontext({}) as got:
+                _forward(model, ids, cache, kw, last_only=True)
         finally:
             model.set_attn_implementation(previous)
     if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
         raise RuntimeError("the shared prefill did not see every layer's K/V of the whole prefill")
     shared = SharedPrefill(keys, values, None if candidates is None else scores, query0[0], record_layer,
                            time.perf_counter() - t0, conc if concentration else None, received if heavy else None,
-                           tails if query_tail else None, scales if query_tail else None)
+                           tails if query_tail else None, scales if query_tail else None,
+                           [got.get(i) for i in range(n_layers)] if rope else None)
     return shared, cache
 
 
@@ -742,7 +748,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         tail, received = scored_needs(p)  # what the scored selections read of the prefill
         shared, cache = shared_prefill(model, kw, ids[:, :p["prefill"]], _mass_candidates(p), evidence_layer,
                                        _measures_concentration(p), any(pol.heavy for pol in policies_of(p))
-                                       or received, tail)
+                                       or received, tail, any(pol.key_rope == "pre" for pol in policies_of(p)))
         ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
                             "seconds": shared.seconds, "segments": len(batch), "tokens": len(batch) * p["prefill"],
                             "forwards": 1, "context": p["prefill"] + p["steps"]})

@@ -31,6 +31,10 @@ TOLERANCES = {
     # a float32 softmax statistic of the run (a chosen sink's attention shares) against the
     # audit's float64 recomputation from the stored float32 queries and keys
     "float32_softmax": {"rtol": 1e-4, "atol": 1e-6},
+    # a pre-RoPE cache's recorded keys as stored (un-rotated in float32), rotated again by the audit in
+    # float64 with the recorded cos / sin, against the recorded post-RoPE float32 keys: float32 rounding
+    # of an orthogonal 2 x 2 rotation and its inverse, a few ulps of the key's scale
+    "rope_roundtrip": {"rtol": 1e-5, "atol": 1e-5},
     # KL of two float32 softmaxes summed in float64 may dip this far below zero
     "kl_floor": {"rtol": 0.0, "atol": 1e-6},
     # a scorer's float32 score against the audit's own (a float64 norm of the same float32 key may round

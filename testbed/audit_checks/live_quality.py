@@ -155,7 +155,7 @@ def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA) -> in
     held = int((target / layers - HEADER) // (h * (8 * d + extra)))
     return held if mode == "online" else held - live["steps"]
 DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature_group": 32, "key_axis": "channel",
-                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill"}
+                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill", "key_rope": "post"}
 
 
 def policy_names(live: dict) -> list:
@@ -202,6 +202,11 @@ def declared_policy(entry: dict, live: dict) -> dict:
                     "alloc_from": t["alloc_from"]})
     if s["heavy"]:
         out.update({"heavy": s["heavy"], "heavy_rule": s["heavy_rule"]})
+    if t["key_rope"] != "post":  # keys stored before the rotary embedding (a row's config has it only then)
+        if t["key_rope"] != "pre":
+            raise ValueError(f"declared policy {entry.get('name')!r}: key_rope {t['key_rope']!r} is not one the audit "
+                             "knows")
+        out["key_rope"] = "pre"
     return out
 
 
@@ -765,6 +770,8 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
         _scored_evidence(row, ctx, pol, live, a, ev.get("layer"))
         return
     s, p, f = _spans(pol, n)
+    if pol.get("key_rope") == "pre":  # the stored keys are input.k_pre, which the recorded rotation makes input.k
+        a["input.k"] = _pre_rope_keys(row, ctx, a, n)
     if pol["middle"] == "drop":  # what an evicting cache kept: the first S and the newest W inputs
         for name in ("k", "v"):
             x = a[f"input.{name}"]
@@ -823,6 +830,43 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     low_here = None if layer_bits is None else int((layer_bits == int(pol["low"][3:])).sum())
     held = held if pol.get("heavy") else None
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, one, low_here, held))
+
+
+def rope_rotate(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``k [H, n, D]`` rotated by the rotary embedding ``cos``, ``sin`` ``[n, D]`` in float64: each channel
+    pair (i, i + D/2) by the angle whose cosine and sine are ``cos[:, i]``, ``sin[:, i]`` (RoPE's
+    rotate-half layout: ``k cos + rotate_half(k) sin``, with ``rotate_half(x) = (-x2, x1)``)."""
+    k = k.astype(np.float64)
+    h = k.shape[-1] // 2
+    half = np.concatenate([-k[..., h:], k[..., :h]], axis=-1)
+    return k * cos.astype(np.float64)[None] + half * sin.astype(np.float64)[None]
+
+
+def _pre_rope_keys(row, ctx, a: dict, n: int) -> np.ndarray:
+    """A pre-RoPE cache's evidence: ``input.k_pre`` (the keys as the layer stores them, ``[H, n, D]``)
+    rotated by the recorded ``input.rope_cos`` / ``input.rope_sin`` (``[n, D]``, rotate-half layout:
+    both halves equal) gives the recorded post-RoPE ``input.k`` within ``rope_roundtrip``. Returns
+    ``input.k_pre``, which every stored key is then checked against."""
+    pre, cos, sin, post = (a.get(k) for k in ("input.k_pre", "input.rope_cos", "input.rope_sin", "input.k"))
+    if pre is None or cos is None or sin is None:
+        raise ValueError("a pre-RoPE policy's evidence needs input.k_pre, input.rope_cos and input.rope_sin")
+    if pre.dtype != np.float32 or post is None or pre.shape != post.shape or pre.shape[1] != n:
+        raise ValueError(f"input.k_pre is {pre.dtype} {list(pre.shape)}, expected float32 like input.k "
+                         f"{None if post is None else list(post.shape)}")
+    d = pre.shape[-1]
+    if cos.shape != (n, d) or sin.shape != (n, d) or d % 2:
+        raise ValueError(f"input.rope_cos / input.rope_sin are {list(cos.shape)} / {list(sin.shape)}, expected [{n}, {d}]")
+    h = d // 2
+    ctx.numbers += 2
+    if not (np.array_equal(cos[:, :h], cos[:, h:]) and np.array_equal(sin[:, :h], sin[:, h:])):
+        ctx.fail(row, "input.rope_cos / input.rope_sin are not a rotate-half rotary embedding (halves differ)")
+    tol = TOLERANCES["rope_roundtrip"]
+    got = rope_rotate(pre, cos, sin)
+    if not np.allclose(got, post.astype(np.float64), rtol=tol["rtol"], atol=tol["atol"]):
+        worst = float(np.max(np.abs(got - post.astype(np.float64))))
+        ctx.fail(row, f"input.k_pre rotated by the recorded cos / sin is not input.k (max |diff| {worst:.3g}): the "
+                      "stored keys are not the pre-RoPE keys of the inputs")
+    return pre
 
 
 def _heavy_evidence(row, ctx, pol: dict, live: dict, a: dict, layer, p: int) -> dict:
@@ -1023,7 +1067,7 @@ def check(row: dict, ctx) -> None:
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
-                    "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed"):
+                    "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

@@ -60,6 +60,7 @@ from .scored import ScoredLayer
 
 __all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
            "policy_attention", "sink_scores", "choose_sink", "concentration", "allocation_keys", "allocate",
+           "capture_rope", "attention_modules", "check_pre_rope", "rope_rotate", "rope_unrotate",
            "observe_concentration", "Observed", "OBSERVE_SECONDS", "accumulated_attention", "choose_heavy"]
 
 ATTN_NAME = "testbed_policy"
@@ -78,6 +79,10 @@ OBSERVE_SECONDS = [0.0]
 # how many policy_attention blocks are open: an update that needs the mask or the direct path
 # outside one is refused before attention can run with transformers' own (wrong) mask
 _ACTIVE = [0]
+# layer index -> (position_embeddings, the attention module's class name): what each decoder layer's
+# attention module was called with in the current forward, captured by policy_attention's forward
+# pre-hooks (the rotary cos / sin of the new tokens) for a layer that stores pre-RoPE keys
+_ROPE: dict[int, tuple] = {}
 
 
 def _require_active(what: str, layer_idx) -> None:
@@ -112,6 +117,101 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
                                           **kwargs)
 
 
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """Layer index -> the module of ``model`` that computes that decoder layer's attention: the
+    innermost module carrying an integer ``layer_idx`` (Llama's ``LlamaAttention``, Gemma-3's
+    ``Gemma3Attention``: its decoder layer, where it carries the index too, holds it)."""
+    out: dict[int, torch.nn.Module] = {}
+    for mod in model.modules():
+        idx = getattr(mod, "layer_idx", None)
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            out[idx] = mod  # modules() goes parent first: an inner module of the same index replaces it
+    return out
+
+
+def _takes_rope(mod) -> bool:
+    """The module is called with its rotary embedding (a ``position_embeddings`` argument) and its
+    modeling file rotates by transformers' ``rotate_half`` / ``apply_rotary_pos_emb``."""
+    import inspect
+    import sys
+
+    where = sys.modules.get(type(mod).__module__)
+    return ("position_embeddings" in inspect.signature(mod.forward).parameters
+            and callable(getattr(where, "rotate_half", None)) and callable(getattr(where, "apply_rotary_pos_emb", None)))
+
+
+def check_pre_rope(cache, model) -> None:
+    """Refuse (``ValueError`` naming the layer index and its attention module's class) a cache that
+    stores pre-RoPE keys on a model where a policy layer's pre-RoPE key cannot be obtained: no
+    attention module of that index, or one not called with a standard rotary embedding (no
+    ``position_embeddings`` argument, or a modeling file without ``rotate_half`` /
+    ``apply_rotary_pos_emb``: absolute or learned positions, ALiBi, interleaved rotations)."""
+    mods = attention_modules(model)
+    for i, layer in enumerate(cache.layers):
+        if not (isinstance(layer, PolicyLayer) and layer.pre_rope):
+            continue
+        mod = mods.get(i)
+        if mod is None:
+            raise ValueError(f"layer {i}: no attention module of layer_idx {i} was found in {type(model).__name__}; "
+                             "key_rope 'pre' needs each layer's rotary embedding")
+        if not _takes_rope(mod):
+            raise ValueError(f"layer {i} ({type(mod).__name__}): its attention is not called with a standard rotary "
+                             "embedding (a position_embeddings (cos, sin) argument applied by rotate_half), so its "
+                             "pre-RoPE key cannot be obtained; key_rope 'pre' is refused for this model")
+
+
+def _rope_hook(idx: int, mod, into: dict):
+    """A forward pre-hook that leaves in ``into[idx]`` what layer ``idx``'s attention module is called
+    with as ``position_embeddings`` (by keyword, or by its place in the signature), and its class name."""
+    import inspect
+
+    at = list(inspect.signature(mod.forward).parameters).index("position_embeddings")
+    name = type(mod).__name__
+
+    def hook(_mod, args, kwargs):
+        into[idx] = (kwargs.get("position_embeddings", args[at] if len(args) > at else None), name)
+    return hook
+
+
+@contextlib.contextmanager
+def capture_rope(model):
+    """Yield a dict that every forward inside the block fills: layer index -> the ``(cos, sin)``
+    its attention module was last called with (layers with a standard rotary embedding only,
+    :func:`check_pre_rope`): what a prefill computed elsewhere hands a pre-RoPE layer's
+    :meth:`PolicyLayer.load_prefill`."""
+    seen: dict = {}
+    got: dict = {}
+    hooks = [mod.register_forward_pre_hook(_rope_hook(i, mod, seen), with_kwargs=True)
+             for i, mod in attention_modules(model).items() if _takes_rope(mod)]
+    try:
+        yield got
+    finally:
+        for h in hooks:
+            h.remove()
+        got.update({i: pe for i, (pe, _) in seen.items()})
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def rope_rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``k [B, H, t, D]`` rotated by the rotary embedding ``cos``, ``sin`` ``[B, t, D]`` as
+    transformers' ``apply_rotary_pos_emb`` rotates it (``k cos + rotate_half(k) sin``), in float32."""
+    c, s = cos.to(torch.float32)[:, None], sin.to(torch.float32)[:, None]
+    return k * c + _rotate_half(k) * s
+
+
+def rope_unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rope_rotate` with the same ``cos``, ``sin``: each channel pair (i, i + D/2)
+    was multiplied by ``[[c, -s], [s, c]]``, whose inverse is ``[[c, s], [-s, c]] / (c² + s²)``
+    (c² + s² is 1 for RoPE up to rounding, a rope type's attention scaling squared otherwise), so the
+    pre-RoPE key comes back exactly up to float32 rounding."""
+    c, s = cos.to(torch.float32)[:, None], sin.to(torch.float32)[:, None]
+    return (k * c - _rotate_half(k) * s) / (c * c + s * s)
+
+
 @contextlib.contextmanager
 def policy_attention(model):
     """Run ``model`` with SDPA behind :data:`ATTN_NAME` (which applies a policy layer's eviction
@@ -129,11 +229,17 @@ def policy_attention(model):
     _PENDING.clear()
     _DIRECT.clear()
     _SELECT.clear()
+    _ROPE.clear()
     _ACTIVE[0] += 1
     hook = model.register_forward_pre_hook(_refuse_mismatched_cache, with_kwargs=True)
+    rope_hooks = [mod.register_forward_pre_hook(_rope_hook(i, mod, _ROPE), with_kwargs=True)
+                  for i, mod in attention_modules(model).items() if _takes_rope(mod)]
     try:
         yield model
     finally:
+        for h in rope_hooks:
+            h.remove()
+        _ROPE.clear()
         hook.remove()
         _ACTIVE[0] -= 1
         _PENDING.clear()
@@ -148,6 +254,7 @@ def _refuse_mismatched_cache(model, args, kwargs):
     for value in (*args, *kwargs.values()):
         if isinstance(value, PolicyCache) and not getattr(value, "_kinds_checked", False):
             check_cache_kinds(value, model.config)
+            check_pre_rope(value, model)
             value._kinds_checked = True
 
 
@@ -435,7 +542,23 @@ class _MixedMiddle:
 
 class PolicyLayer(DynamicLayer):
     """One layer's cache under ``policy``. ``record=True`` keeps a float32 copy of every K/V
-    appended for batch row 0 (evidence: the audit re-encodes the packed middle from it)."""
+    appended for batch row 0 (evidence: the audit re-encodes the packed middle from it).
+
+    Pre-RoPE keys (``policy.key_rope == "pre"``): ``update`` receives post-RoPE keys (transformers
+    hands a cache no cos / sin), so :func:`policy_attention` hooks each decoder layer's attention
+    module (Llama-style ``LlamaAttention``, ``Gemma3Attention``: :func:`attention_modules`) and
+    records the ``position_embeddings = (cos, sin)`` the model calls it with -- the layer's own
+    rotary embedding (Gemma-3: global on full layers, local on sliding ones) at the new tokens'
+    positions. The layer un-rotates the new keys with them (:func:`rope_unrotate`: the exact inverse
+    of the orthogonal pair rotation, up to float32 rounding), stores those in every region, keeps
+    the cos / sin rows by arrival index, and at every read rotates the held keys with the rows of
+    their original positions (:func:`rope_rotate`, ``apply_rotary_pos_emb``'s formula; after an
+    eviction, the first S and the newest W arrival indices); the new tokens attend as given. This
+    was chosen over hooking before ``apply_rotary_pos_emb`` (a patch of each modeling file, or a
+    recomputation of ``k_proj`` and Gemma-3's ``k_norm``): it reuses the very cos / sin the model
+    used and needs nothing model-specific. A model whose layer cannot give them is refused naming
+    the layer and its class (:func:`check_pre_rope`, at the first forward; :meth:`_rope_of`, per
+    call: no (cos, sin) pair, a partial or interleaved rotary embedding)."""
 
     is_croppable = False
 
@@ -450,9 +573,16 @@ class PolicyLayer(DynamicLayer):
             if layer_idx is None:
                 raise ValueError("direct attention needs the layer's index")
         self.direct = direct
+        self.pre_rope = policy.key_rope == "pre"
+        if self.pre_rope and (direct or layer_idx is None):
+            raise ValueError(f"policy {policy.name}: pre-RoPE keys need the layer's index (its rotary embedding) and "
+                             "are rotated after decoding (direct attention over codes reads post-RoPE codes)")
+        self.rope_cos = self.rope_sin = None  # pre-RoPE keys: [B, tokens seen, D] float32, by arrival order
+        self._given_rope = None  # (cos, sin) of a prefill handed to load_prefill
         self.record = record
         self.recorded_k: list[torch.Tensor] = []
         self.recorded_v: list[torch.Tensor] = []
+        self.recorded_pre: list[tuple] = []  # pre-RoPE keys: (key as stored, cos, sin) of batch row 0
         self.seen = 0
         self.sink_k = self.sink_v = None
         self.tail_k = self.tail_v = None
@@ -479,6 +609,8 @@ class PolicyLayer(DynamicLayer):
         empty = key_states[..., :0, :].to(torch.float32)
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = empty
         self.keys = self.values = empty  # transformers reads these for dtype/device only
+        if self.pre_rope:
+            self.rope_cos = self.rope_sin = empty[:1, 0]
         if self.policy.heavy:
             self.hh_k = self.hh_v = empty
             self.hh_score = self.tail_score = empty[..., 0]
@@ -510,9 +642,15 @@ class PolicyLayer(DynamicLayer):
             self._leave_mask(t)                               # every policy; the policy applies after it
         k_new = key_states.to(torch.float32)
         v_new = value_states.to(torch.float32)
+        k_store = k_new  # the keys as the layer stores them
+        if self.pre_rope:
+            cos, sin = self._rope_of(t, k_new)
+            k_store = rope_unrotate(k_new, cos, sin)
         if self.record:
             self.recorded_k.append(k_new[0].detach().clone())
             self.recorded_v.append(v_new[0].detach().clone())
+            if self.pre_rope:
+                self.recorded_pre.append((k_store[0].detach().clone(), cos[0].clone(), sin[0].clone()))
         parts_k, parts_v = [self.sink_k], [self.sink_v]
         if self.direct and self.mid_k.tokens:
             _require_active("direct attention over codes", self.layer_idx)
@@ -531,24 +669,74 @@ class PolicyLayer(DynamicLayer):
             mk, mv = self.mixed.decode(self.tail_k)
             parts_k.append(mk)
             parts_v.append(mv)
-        parts_k += [self.tail_k, k_new]
+        parts_k.append(self.tail_k)
+        if self.pre_rope:  # every held key rotated with its own position's cos / sin; the new ones as given
+            held = torch.cat(parts_k, dim=-2)
+            at = self._held_positions()
+            parts_k = [rope_rotate(held, self.rope_cos[:, at], self.rope_sin[:, at])]
+            rows = max(cos.shape[0], self.rope_cos.shape[0]) if self.seen else cos.shape[0]
+            self.rope_cos = torch.cat([self.rope_cos.expand(rows, -1, -1), cos.expand(rows, -1, -1)], dim=1)
+            self.rope_sin = torch.cat([self.rope_sin.expand(rows, -1, -1), sin.expand(rows, -1, -1)], dim=1)
+        parts_k.append(k_new)
         parts_v += [self.tail_v, v_new]
         keys = torch.cat(parts_k, dim=-2).to(key_states.dtype)
         values = torch.cat(parts_v, dim=-2).to(value_states.dtype)
         if self.policy.heavy:  # every attention call reports what each key received
             _require_active("a heavy-hitter policy", self.layer_idx)
             _SELECT[self.layer_idx] = self
-            self._commit(k_new, v_new)
+            self._commit(k_store, v_new)
             self._hh_waiting = True
             return keys, values
         if self.policy.observes and self.seen == 0:
             _require_active("a policy that decides from attention", self.layer_idx)
             _SELECT[self.layer_idx] = self  # the attention call measures the prefill's attention
             if self.policy.sink_select == "mass":
-                self._prefill = (k_new, v_new)  # ... chooses the sink, then commits
+                self._prefill = (k_store, v_new)  # ... chooses the sink, then commits
                 return keys, values
-        self._commit(k_new, v_new)
+        self._commit(k_store, v_new)
         return keys, values
+
+    def _rope_of(self, t: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``cos``, ``sin`` ``[B, t, D]`` (float32) the model rotated the ``t`` new keys
+        ``like [B, H, t, D]`` with: handed to :meth:`load_prefill`, or captured from this layer's
+        attention module in the current forward (:func:`policy_attention`). ``ValueError`` naming the
+        layer and the module's class where they are not a whole-head rotate-half rotary embedding."""
+        if self._given_rope is not None:
+            pe, cls = self._given_rope, "load_prefill"
+            self._given_rope = None
+        else:
+            got = _ROPE.pop(self.layer_idx, None)
+            if got is None:
+                _require_active("a pre-RoPE key (the layer's rotary embedding)", self.layer_idx)
+                raise RuntimeError(f"layer {self.layer_idx}: no rotary embedding reached the layer's attention module "
+                                   "before its cache update; key_rope 'pre' cannot un-rotate its keys")
+            pe, cls = got
+        if not (isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(x, torch.Tensor) for x in pe)):
+            raise ValueError(f"layer {self.layer_idx} ({cls}): position_embeddings is {type(pe).__name__}, not a "
+                             "(cos, sin) pair; the pre-RoPE key cannot be obtained")
+        cos, sin = pe
+        b, _, _, d = like.shape
+        if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or tuple(cos.shape[1:]) != (t, d):
+            raise ValueError(f"layer {self.layer_idx} ({cls}): cos / sin {list(cos.shape)} / {list(sin.shape)} do not "
+                             f"rotate whole keys [{b}, H, {t}, {d}] (a partial rotary embedding?); the pre-RoPE key "
+                             "cannot be obtained")
+        h = d // 2
+        if d % 2 or not (torch.equal(cos[..., :h], cos[..., h:]) and torch.equal(sin[..., :h], sin[..., h:])):
+            raise ValueError(f"layer {self.layer_idx} ({cls}): cos / sin are not rotate_half's layout (one frequency on "
+                             "channels i and i + D/2); the pre-RoPE key cannot be obtained")
+        return cos.to(torch.float32), sin.to(torch.float32)  # [1 or B, t, D]: one row serves the batch
+
+    def _held_positions(self) -> torch.Tensor:
+        """Arrival indices of the held keys, in the order the layer returns them (sink, middle,
+        window): every token in order, or, when the layer evicts, the first S and the newest W."""
+        n_sink, n_tail = self.sink_k.shape[-2], self.tail_k.shape[-2]
+        if self.policy.evicts:
+            at = torch.cat([torch.arange(n_sink), torch.arange(self.seen - n_tail, self.seen)])
+        else:
+            if self.held_tokens() != self.seen:
+                raise RuntimeError(f"layer {self.layer_idx}: {self.held_tokens()} keys held of {self.seen} seen")
+            at = torch.arange(self.seen)
+        return at.to(self.tail_k.device)
 
     def observe_prefill(self, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
         """Called by the attention function with the prefill's queries and keys: a mixed policy
@@ -639,16 +827,22 @@ class PolicyLayer(DynamicLayer):
 
     def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, scores: torch.Tensor | None = None,
                      query0: torch.Tensor | None = None, alloc_score: torch.Tensor | None = None,
-                     received: torch.Tensor | None = None) -> None:
+                     received: torch.Tensor | None = None, rope: tuple | None = None) -> None:
         """Take a prefill computed elsewhere (a shared float32 prefill: its post-RoPE K/V
         ``[B, H_kv, P, D]``) into an empty layer, leaving the state the model's own prefill through
         this layer would leave. A sink chosen from attention needs the prefill's ``scores``
         (:func:`sink_scores` over exactly the policy's candidates, :func:`sink_candidates`) and, when
         recording, ``query0``, the prefill's queries of batch row 0 ``[H_q, P, D]``; a mixed policy
         whose rule reads the prefill's attention needs ``alloc_score`` (:func:`concentration`
-        ``[B, H_kv]``) and, when recording, ``query0``."""
+        ``[B, H_kv]``) and, when recording, ``query0``; a layer of pre-RoPE keys needs ``rope``, the
+        prefill's rotary ``(cos, sin)`` as the layer's attention module was called with them."""
         if self.is_initialized and self.seen:
             raise RuntimeError(f"layer {self.layer_idx}: load_prefill needs an empty layer ({self.seen} tokens held)")
+        if self.pre_rope:
+            if rope is None:
+                raise ValueError(f"layer {self.layer_idx}: policy {self.policy.name} stores pre-RoPE keys; load_prefill "
+                                 "needs the prefill's rotary cos / sin (rope=(cos, sin), each [B, P, D])")
+            self._given_rope = tuple(rope)
         p, t = self.policy, key_states.shape[-2]
         if p.heavy:
             if received is None or tuple(received.shape) != tuple(key_states.shape[:3]):
@@ -841,6 +1035,10 @@ class PolicyLayer(DynamicLayer):
             out["input.v"] = torch.cat(self.recorded_v, dim=-2)
             if self.recorded_q is not None:
                 out["input.q"] = self.recorded_q
+            if self.recorded_pre:  # pre-RoPE keys: the keys as stored and the rotation that gives input.k
+                out["input.k_pre"] = torch.cat([x[0] for x in self.recorded_pre], dim=-2)
+                out["input.rope_cos"] = torch.cat([x[1] for x in self.recorded_pre], dim=-2)
+                out["input.rope_sin"] = torch.cat([x[2] for x in self.recorded_pre], dim=-2)
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 

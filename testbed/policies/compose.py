@@ -81,7 +81,8 @@ class Storage:
     :data:`~testbed.policies.policy.MIDDLE_SCHEMES` other than ``"drop"``), moved in whole groups
     of ``group`` tokens; K per ``key_axis``, V per token over ``feature_group`` features; per-head
     precision: ``low`` for ``round(low_share x pairs)`` pairs, chosen by ``alloc`` from
-    ``alloc_from``."""
+    ``alloc_from``; ``key_rope``: keys stored after the rotary embedding (``"post"``, the default)
+    or before it (``"pre"``, rotated at every read; :class:`~testbed.policies.policy.Policy`)."""
 
     middle: str = "float32"
     window: int = 0
@@ -92,6 +93,7 @@ class Storage:
     low_share: float = 0.0
     alloc: str | None = None
     alloc_from: str = "prefill"
+    key_rope: str = "post"
 
 
 def compose(name: str, selection: Selection, storage: Storage, description: str = "") -> Policy:
@@ -102,9 +104,10 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, a scorer "
                          f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
     if s.kind not in SELECTIONS:  # a scored selection: the top-keep tokens, float32
-        if t.middle != "float32" or t.window or t.low is not None:
+        if t.middle != "float32" or t.window or t.low is not None or t.key_rope != "post":
             raise ValueError(f"policy {name}: a scored selection keeps its tokens float32 (storage middle 'float32', "
-                             f"no window, no low scheme), got middle {t.middle!r}, window {t.window}")
+                             f"no window, no low scheme, post-RoPE keys), got middle {t.middle!r}, window {t.window}, "
+                             f"key_rope {t.key_rope!r}")
         if s.sink or s.heavy or s.sink_select != "first":
             raise ValueError(f"policy {name}: a scored selection keeps its top-scored tokens and its newest window only "
                              "(no sink or heavy hitters)")
@@ -128,14 +131,15 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         if t.window:
             raise ValueError(f"policy {name}: a sink_window selection's kept window is the selection's window W; "
                              "leave the storage window at 0")
-        return Policy(name, "drop", s.sink, s.window, t.group, t.feature_group, t.key_axis, description=description)
+        return Policy(name, "drop", s.sink, s.window, t.group, t.feature_group, t.key_axis, key_rope=t.key_rope,
+                      description=description)
     if s.window:
         raise ValueError(f"policy {name}: an 'all' selection keeps every token; its float32 recent window is the "
                          f"storage's window R (got selection window {s.window})")
     if t.middle == "drop":
         raise ValueError(f"policy {name}: 'drop' is a selection (kind 'sink_window'), not a storage scheme")
     return Policy(name, t.middle, s.sink, t.window, t.group, t.feature_group, t.key_axis, s.sink_select, t.low,
-                  t.low_share, t.alloc, t.alloc_from, s.heavy, s.heavy_rule, description=description)
+                  t.low_share, t.alloc, t.alloc_from, s.heavy, s.heavy_rule, key_rope=t.key_rope, description=description)
 
 
 def decompose(policy: Policy) -> tuple[Selection, Storage]:
@@ -146,9 +150,10 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
-                Storage("float32", 0, p.group, p.feature_group, p.key_axis))
+                Storage("float32", 0, p.group, p.feature_group, p.key_axis, key_rope=p.key_rope))
     return (Selection("all", p.sink, p.sink_select, 0, p.heavy, p.heavy_rule),
-            Storage(p.middle, p.window, p.group, p.feature_group, p.key_axis, p.low, p.low_share, p.alloc, p.alloc_from))
+            Storage(p.middle, p.window, p.group, p.feature_group, p.key_axis, p.low, p.low_share, p.alloc, p.alloc_from,
+                    p.key_rope))
 
 
 def _fields_of(cls, given, where: str) -> dict:

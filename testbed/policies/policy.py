@@ -60,7 +60,7 @@ from ..quant import MX, IntGrouped, Quantizer
 from ..quant.constants import HEADER_BYTES
 
 __all__ = ["Policy", "PRESETS", "scored_held", "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
-           "MIDDLE_SCHEMES", "SINK_SELECT", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
+           "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
            "equal_bytes_versus"]
 
@@ -68,6 +68,10 @@ __all__ = ["Policy", "PRESETS", "scored_held", "SCORER_FIELDS", "SCORER_MODES", 
 MIDDLE_SCHEMES = ("float32", "drop", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4")
 _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 SINK_SELECT = ("first", "mass")
+# where the stored keys stand against the rotary embedding: "post" (as the model hands them to the
+# cache, rotated), or "pre" (un-rotated before storage, rotated again at every read: KVQuant's
+# pre-RoPE keys; testbed.policies.cache obtains them)
+KEY_ROPE = ("post", "pre")
 # rules that choose which (layer, KV head) pairs of a mixed policy get the low bits
 ALLOC = ("concentrated", "diffuse", "late", "random")
 ALLOC_FROM = ("prefill", "oracle")
@@ -156,7 +160,12 @@ class Policy:
     ``"token"`` (K per token over groups of ``feature_group`` features, the axis KIVI reports to
     fail at 2 bits); V is always per token over groups of ``feature_group`` features;
     ``group``: G tokens moved from the window to a quantized middle at a time; ``sink_select``:
-    ``"first"`` or ``"mass"`` (the module's docstring)."""
+    ``"first"`` or ``"mass"`` (the module's docstring); ``key_rope``: ``"post"`` (keys stored as
+    the model hands them to the cache, after the rotary embedding) or ``"pre"`` (stored before it,
+    in every region, and rotated with each kept token's own position when attention reads them:
+    KVQuant's pre-RoPE keys, so K per channel is quantized before the rotation mixes channel
+    pairs; :class:`testbed.policies.cache.PolicyLayer` says how the pre-RoPE key is obtained). The
+    bytes are the same either way: positions are implied by the layout, as for post-RoPE keys."""
 
     name: str
     middle: str = "float32"
@@ -176,9 +185,17 @@ class Policy:
     scorer_mode: str = "online"
     keep: int = 0
     seed: int = 0
+    key_rope: str = "post"
     description: str = ""
 
     def __post_init__(self):
+        if self.key_rope not in KEY_ROPE:
+            raise ValueError(f"policy {self.name}: key_rope must be one of {list(KEY_ROPE)}, got {self.key_rope!r}")
+        if self.key_rope == "pre" and (self.scorer is not None or self.sink_select != "first" or self.heavy
+                                       or self.low is not None):
+            raise ValueError(f"policy {self.name}: key_rope 'pre' is served for a first-S sink, a uniform middle and "
+                             "eviction; a scored selection, a sink chosen from attention, heavy hitters and per-head "
+                             "bits keep post-RoPE keys (their attention-based choices and evidence read them)")
         if self.scorer is not None:
             self._check_scored()
             return
@@ -326,6 +343,8 @@ class Policy:
         if not self.scored:
             for key in SCORER_FIELDS:
                 del out[key]
+        if self.key_rope == "post":  # the default: rows read as they did before pre-RoPE keys existed
+            del out["key_rope"]
         return out
 
     def with_(self, **changes) -> "Policy":
