@@ -442,7 +442,7 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     tails: list = [None] * n_layers
     scales: list = [None] * n_layers
 
-    def observe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def observe(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         out = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                              dropout=dropout, **kwargs)
         i = module.layer_idx

@@ -91,7 +91,7 @@ def _require_active(what: str, layer_idx) -> None:
                            "testbed.policies.cache.policy_attention(model); refused rather than attending wrongly")
 
 
-def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _masked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if _OBSERVER[0] is not None:

@@ -129,7 +129,7 @@ def _eager_of(module):
 
 
 def _make_observed(kind: str):
-    def observed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def observed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         delegate = ALL_ATTENTION_FUNCTIONS["sdpa"] if kind == "sdpa" else _eager_of(module)
