@@ -837,9 +837,7 @@ def rope_rotate(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     pair (i, i + D/2) by the angle whose cosine and sine are ``cos[:, i]``, ``sin[:, i]`` (RoPE's
     rotate-half layout: ``k cos + rotate_half(k) sin``, with ``rotate_half(x) = (-x2, x1)``)."""
     k = k.astype(np.float64)
-    h = k.shape[-1] // 2
-    half = np.concatenate([-k[..., h:], k[..., :h]], axis=-1)
-    return k * cos.astype(np.float64)[None] + half * sin.astype(np.float64)[None]
+    return k * cos.astype(np.float64)[None] + _rotate_half(k) * sin.astype(np.float64)[None]
 
 
 def _pre_rope_keys(row, ctx, a: dict, n: int) -> np.ndarray:

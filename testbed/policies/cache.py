@@ -55,7 +55,7 @@ from . import packed_attention as pa
 from . import scorers
 from .causal import _causal_softmax_blocks, accumulated_attention
 from .policy import HEADER_BYTES, Policy, sink_candidates
-from .rope import rotary
+from .rope import rotary, rotate_half
 from .scored import ScoredLayer
 
 __all__ = ["PolicyLayer", "PolicyCache", "SlidingLayer", "layer_kinds", "GrowBuffer", "ATTN_NAME",
@@ -173,6 +173,13 @@ def _rope_hook(idx: int, mod, into: dict):
     return hook
 
 
+def _rope_hooks(model, into: dict) -> list:
+    """:func:`_rope_hook` registered on every attention module of ``model`` that takes its rotary
+    embedding; the handles, to remove."""
+    return [mod.register_forward_pre_hook(_rope_hook(i, mod, into), with_kwargs=True)
+            for i, mod in attention_modules(model).items() if _takes_rope(mod)]
+
+
 @contextlib.contextmanager
 def capture_rope(model):
     """Yield a dict that every forward inside the block fills: layer index -> the ``(cos, sin)``
@@ -181,8 +188,7 @@ def capture_rope(model):
     :meth:`PolicyLayer.load_prefill`."""
     seen: dict = {}
     got: dict = {}
-    hooks = [mod.register_forward_pre_hook(_rope_hook(i, mod, seen), with_kwargs=True)
-             for i, mod in attention_modules(model).items() if _takes_rope(mod)]
+    hooks = _rope_hooks(model, seen)
     try:
         yield got
     finally:
@@ -191,16 +197,11 @@ def capture_rope(model):
         got.update({i: pe for i, (pe, _) in seen.items()})
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
 def rope_rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``k [B, H, t, D]`` rotated by the rotary embedding ``cos``, ``sin`` ``[B, t, D]`` as
     transformers' ``apply_rotary_pos_emb`` rotates it (``k cos + rotate_half(k) sin``), in float32."""
     c, s = cos.to(torch.float32)[:, None], sin.to(torch.float32)[:, None]
-    return k * c + _rotate_half(k) * s
+    return k * c + rotate_half(k) * s
 
 
 def rope_unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ def rope_unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     (c² + s² is 1 for RoPE up to rounding, a rope type's attention scaling squared otherwise), so the
     pre-RoPE key comes back exactly up to float32 rounding."""
     c, s = cos.to(torch.float32)[:, None], sin.to(torch.float32)[:, None]
-    return (k * c - _rotate_half(k) * s) / (c * c + s * s)
+    return (k * c - rotate_half(k) * s) / (c * c + s * s)
 
 
 @contextlib.contextmanager
@@ -232,8 +233,7 @@ def policy_attention(model):
     _ROPE.clear()
     _ACTIVE[0] += 1
     hook = model.register_forward_pre_hook(_refuse_mismatched_cache, with_kwargs=True)
-    rope_hooks = [mod.register_forward_pre_hook(_rope_hook(i, mod, _ROPE), with_kwargs=True)
-                  for i, mod in attention_modules(model).items() if _takes_rope(mod)]
+    rope_hooks = _rope_hooks(model, _ROPE)
     try:
         yield model
     finally:
