@@ -327,7 +327,8 @@ def policy_family(row) -> str | None:
     if not pol or pol["middle"] == "float32":
         return None
     if pol.get("scorer"):
-        return pol["scorer"] + (" (prefill)" if pol.get("scorer_mode") == "prefill" else "")
+        return pol["scorer"] + (" (prefill, pyramid)" if pol.get("layers") == "pyramid"
+                                else " (prefill)" if pol.get("scorer_mode") == "prefill" else "")
     return "streaming" if pol["middle"] == "drop" else "quantization"
 
 

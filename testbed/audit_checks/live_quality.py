@@ -123,7 +123,8 @@ LOG_HALF = math.log(0.5)
 # group); a "sink_window" selection keeps the first S and newest W (default: the protocol's
 # evict_window) float32 and drops the middle
 DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window": None, "heavy": 0,
-                      "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0}
+                      "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0, "layers": "uniform",
+                      "beta": 20}
 # scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
 # definitions, _scores); a user's scorer ("file.py:Class") is checked self-consistently only
 AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o", "expected_attention")
@@ -139,10 +140,37 @@ USER_SCORER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
 SCORED_EXTRA = 8  # per kept token and KV head: int32 index, float32 score
 
 
-def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA) -> int:
+def pyramid(mean: int, P: int, layers: int, beta: int, w: int) -> list:
+    """The audit's own statement of PyramidKV's per-layer kept prefill tokens (Cai et al., 2024;
+    kvpress's PyramidKVPress): the last layer keeps mean / beta, the first 2 mean - mean / beta (at
+    most P - w, the last layer then raised to keep their sum 2 mean), the layers between on the
+    straight line, each rounded (half to even); where P >= first >= last >= w fails, mean at every
+    layer (kvpress's fallback). ``w``: the prefill tokens the scorer keeps first (snapkv's window)."""
+    lo = mean / beta
+    hi = 2 * mean - lo
+    if hi >= P - w:
+        hi = P - w
+        lo = 2 * mean - hi
+    if not (P >= hi and hi >= lo and lo >= w):
+        return [mean] * layers
+    return [round(hi - (hi - lo) * i / (layers - 1)) if layers > 1 else round(hi) for i in range(layers)]
+
+
+def _pyramid_dims(live: dict) -> dict:
+    dims = MODELS.get(live.get("model"))
+    if dims is None or dims.get("sliding_window"):
+        raise ValueError(f"a pyramid's per-layer counts need a model of the audit's table without sliding layers, not "
+                         f"{live.get('model')!r}")
+    return dims
+
+
+def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA, beta: int | None = None,
+                 w: int = 0) -> int:
     """The audit's own statement of a budget's kept count: the largest count whose whole-cache
     bytes at the end of the segment (prefill + steps) do not exceed the budget (bytes per token, or
-    that fraction of a float16 cache's; or the tokens given), for a model of the audit's table."""
+    that fraction of a float16 cache's; or the tokens given), for a model of the audit's table; of a
+    pyramid (``beta`` set), the largest mean whose per-layer counts, each with every decode token,
+    fit the budget summed over the layers."""
     (kind, value), = budget.items()
     if kind == "tokens":
         return int(value)
@@ -152,6 +180,14 @@ def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA) -> in
     layers, h, d = dims["layers"], dims["kv_heads"], dims["head_dim"]
     n = live["prefill"] + live["steps"]
     target = value * n if kind == "bytes_per_token" else value * n * layers * 4 * h * d
+    if beta is not None:  # the prefill tokens per KV head, over every layer, the budget pays for
+        P, T = live["prefill"], live["steps"]
+        room = int((target - layers * HEADER) // (h * (8 * d + extra))) - layers * T
+        best = 0
+        for mean in range(max(1, room // layers - layers - 2), min(P, room // layers + layers + 2) + 1):
+            if sum(pyramid(mean, P, layers, beta, w)) <= room:
+                best = mean
+        return best
     held = int((target / layers - HEADER) // (h * (8 * d + extra)))
     return held if mode == "online" else held - live["steps"]
 DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature_group": 32, "key_axis": "channel",
@@ -179,11 +215,20 @@ def declared_policy(entry: dict, live: dict) -> dict:
             raise ValueError(f"declared policy {entry.get('name')!r}: selection kind {s['kind']!r} is not one the "
                              "audit knows")
         keep = s["keep"]
+        if s["layers"] not in ("uniform", "pyramid"):
+            raise ValueError(f"declared policy {entry.get('name')!r}: layers {s['layers']!r} is not a schedule the "
+                             "audit knows")
+        up = s["layers"] == "pyramid"
+        w = SNAPKV_WINDOW if s["kind"] == "snapkv" else 0  # the prefill tokens the scorer keeps first
         if "budget" in entry:
-            keep = _budget_keep(entry["budget"], s["mode"], live)
-        return {"middle": "drop", "sink": 0, "window": s["window"] or 0, "group": group, "feature_group": t["feature_group"],
-                "key_axis": t["key_axis"], "sink_select": "first", "scorer": s["kind"], "scorer_mode": s["mode"],
-                "keep": keep, "seed": s["seed"], "_prefill": live.get("prefill")}
+            keep = _budget_keep(entry["budget"], s["mode"], live, beta=s["beta"] if up else None, w=w)
+        out = {"middle": "drop", "sink": 0, "window": s["window"] or 0, "group": group, "feature_group": t["feature_group"],
+               "key_axis": t["key_axis"], "sink_select": "first", "scorer": s["kind"], "scorer_mode": s["mode"],
+               "keep": keep, "seed": s["seed"], "_prefill": live.get("prefill")}
+        if up:  # the per-layer counts from the declared mean, the prefill and the model's layers
+            out.update({"layers": "pyramid", "beta": s["beta"],
+                        "layer_keep": pyramid(keep, live["prefill"], _pyramid_dims(live)["layers"], s["beta"], w)})
+        return out
     if s["kind"] == "sink_window":
         window = live.get("evict_window", 256) if s["window"] is None else s["window"]
         if "budget" in entry:  # the first S and newest W float32, no index or score: W from the budget
@@ -320,12 +365,13 @@ def _packed_bytes(pol: dict, p: int, heads: int, d: int) -> int:
     return k + v
 
 
-def scored_held(pol: dict, n: int) -> int:
+def scored_held(pol: dict, n: int, layer: int | None = None) -> int:
     """Tokens a scored selection holds per (layer, KV head) after n tokens: online, at most keep; at
-    the prefill only, the prefill's top keep and every token after it."""
+    the prefill only, the prefill's top keep and every token after it (a pyramid: the layer's count)."""
+    keep = pol["keep"] if not pol.get("layer_keep") else pol["layer_keep"][layer]
     if pol["scorer_mode"] == "online":
-        return min(n, pol["keep"])
-    return min(pol["_prefill"], pol["keep"]) + n - pol["_prefill"]
+        return min(n, keep)
+    return min(pol["_prefill"], keep) + n - pol["_prefill"]
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -553,6 +599,10 @@ def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, he
     and a float32 score per float32 window token."""
     h, d = dims["kv_heads"], dims["head_dim"]
     full = _full_layers(dims)
+    if pol.get("scorer") and pol.get("layer_keep"):  # a pyramid: each layer its own count (no sliding layers)
+        if len(pol["layer_keep"]) != full:
+            raise ValueError(f"a pyramid of {len(pol['layer_keep'])} layers on a model of {full} full layers")
+        return sum(HEADER + h * scored_held(pol, n, i) * (8 * d + SCORED_EXTRA) for i in range(full))
     if pol.get("scorer"):
         return full * (HEADER + h * scored_held(pol, n) * (8 * d + SCORED_EXTRA)) + sliding_bytes(n, dims)
     s, p, f = _spans(pol, n)
@@ -767,6 +817,11 @@ def _check_evidence(row, ctx, pol: dict, live: dict) -> None:
     a = {k: ctx.load(v) for k, v in ev["arrays"].items()}
     n = live["prefill"] + live["steps"]
     if pol.get("scorer"):
+        if pol.get("layer_keep"):  # a pyramid: the evidence layer holds its own count, re-derived above
+            layer = ev.get("layer")
+            if not isinstance(layer, int) or not 0 <= layer < len(pol["layer_keep"]):
+                raise ValueError(f"evidence layer {layer!r}: the pyramid has layers 0..{len(pol['layer_keep']) - 1}")
+            pol = {**pol, "keep": pol["layer_keep"][layer], "layer_keep": None}
         _scored_evidence(row, ctx, pol, live, a, ev.get("layer"))
         return
     s, p, f = _spans(pol, n)
@@ -1065,7 +1120,8 @@ def check(row: dict, ctx) -> None:
         want_b = [policy_bytes(pol, n, dims) for n in want_ctx]
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
-                    "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope"):
+                    "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope",
+                    "layers", "beta", "layer_keep"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

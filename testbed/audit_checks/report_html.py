@@ -364,7 +364,8 @@ def _family(r):
     if not isinstance(pol, dict) or pol.get("middle") == "float32":
         return None
     if pol.get("scorer"):
-        return pol["scorer"] + (" (prefill)" if pol.get("scorer_mode") == "prefill" else "")
+        return pol["scorer"] + (" (prefill, pyramid)" if pol.get("layers") == "pyramid"
+                                else " (prefill)" if pol.get("scorer_mode") == "prefill" else "")
     return "streaming" if pol.get("middle") == "drop" else "quantization"
 
 

@@ -1165,6 +1165,9 @@ class PolicyCache(Cache):
             layers = [_full_layer(policy, i == record_layer, i, direct, scorer_base) for i in range(num_layers)]
         elif len(layers) != num_layers:
             raise ValueError(f"{len(layers)} layers given for num_layers={num_layers}")
+        if policy.per_layer and len(policy.layer_keep) != num_layers:
+            raise ValueError(f"policy {policy.name}: its per-layer schedule was derived for {len(policy.layer_keep)} "
+                             f"layers; the model has {num_layers}")
         super().__init__(layers=layers)
         self.policy = policy
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * num_layers

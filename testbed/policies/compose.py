@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, fields
 
 from . import scorers
-from .policy import HEADER_BYTES, PRESETS, SCORED_TOKEN_EXTRA, Policy, preset, scored_held
+from .policy import HEADER_BYTES, LAYER_SCHEDULES, PRESETS, SCORED_TOKEN_EXTRA, Policy, preset, pyramid_keep, scored_held
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
            "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill"]
@@ -61,7 +61,9 @@ class Selection:
     ``"random"``, ...) or ``"file.py:Class"``; it keeps ``keep`` tokens per (layer, KV head): the
     newest ``window`` always (H2O's recent tokens; 0: none), the rest of largest score, deciding at
     the prefill only (``mode="prefill"``) or as every token arrives (``"online"``); ``seed`` for a
-    seeded scorer."""
+    seeded scorer. ``layers``: ``"uniform"`` (``keep`` at every layer) or ``"pyramid"`` (PyramidKV,
+    prefill mode only: ``keep`` is the mean over layers, low layers keep more and high layers fewer,
+    steepness ``beta``; :func:`~testbed.policies.policy.pyramid_keep`)."""
 
     kind: str = "all"
     sink: int = 0
@@ -72,6 +74,8 @@ class Selection:
     keep: int = 0
     mode: str = "online"
     seed: int = 0
+    layers: str = "uniform"
+    beta: int = 20
 
 
 @dataclass(frozen=True)
@@ -96,10 +100,19 @@ class Storage:
     key_rope: str = "post"
 
 
-def compose(name: str, selection: Selection, storage: Storage, description: str = "") -> Policy:
+def compose(name: str, selection: Selection, storage: Storage, description: str = "", *,
+            layer_keep: tuple = ()) -> Policy:
     """The policy that keeps ``selection``'s tokens stored as ``storage`` says (validated by
-    :class:`Policy`; a ``"sink_window"`` selection keeps its tokens float32 and has no middle)."""
+    :class:`Policy`; a ``"sink_window"`` selection keeps its tokens float32 and has no middle).
+    ``layer_keep``: a pyramid's kept count per layer (:func:`declared` derives it)."""
     s, t = selection, storage
+    if s.layers not in LAYER_SCHEDULES:
+        raise ValueError(f"policy {name}: selection layers must be one of {list(LAYER_SCHEDULES)}, got {s.layers!r}")
+    if isinstance(s.beta, bool) or not isinstance(s.beta, int) or s.beta < 1:
+        raise ValueError(f"policy {name}: selection beta (the pyramid's steepness) must be an integer >= 1, "
+                         f"got {s.beta!r}")
+    if s.layers != "uniform" and s.kind in SELECTIONS:
+        raise ValueError(f"policy {name}: a per-layer schedule (layers {s.layers!r}) belongs to a scored selection")
     if s.kind not in SELECTIONS and not (s.kind in scorers.SCORERS or scorers.is_user_scorer(s.kind)):
         raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, a scorer "
                          f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
@@ -118,10 +131,18 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         if need and s.keep <= need:
             raise ValueError(f"policy {name}: {s.kind} keeps its last {need} prefill tokens first; keep must exceed "
                              f"{need}, got {s.keep}")
+        if s.layers == "pyramid" and s.mode != "prefill":
+            raise ValueError(f"policy {name}: a pyramid of per-layer budgets cuts the prefill once (PyramidKV, kvpress); "
+                             f"mode must be 'prefill', got {s.mode!r}")
+        if s.layers == "pyramid" and need and min(layer_keep or (s.keep,)) <= need:
+            raise ValueError(f"policy {name}: {s.kind} keeps its last {need} prefill tokens first; every layer's keep "
+                             f"must exceed {need}, got {list(layer_keep)}")
         return Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
-                      keep=s.keep, seed=s.seed, description=description)
-    if s.keep or s.seed or s.mode != "online":
-        raise ValueError(f"policy {name}: keep, mode and seed belong to a scored selection (kind a scorer)")
+                      keep=s.keep, seed=s.seed, description=description,
+                      **({"layers": s.layers, "beta": s.beta, "layer_keep": tuple(layer_keep)}
+                         if s.layers != "uniform" else {}))
+    if s.keep or s.seed or s.mode != "online" or s.beta != 20:
+        raise ValueError(f"policy {name}: keep, mode, seed and beta belong to a scored selection (kind a scorer)")
     if s.kind == "sink_window":
         if t.middle != "float32" or t.low is not None:
             raise ValueError(f"policy {name}: a sink_window selection keeps its tokens float32 (storage middle "
@@ -146,7 +167,8 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
     """The selection and storage of any policy: ``compose(p.name, *decompose(p), p.description) == p``."""
     p = policy
     if p.scored:
-        return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed),
+        return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed, layers=p.layers,
+                          beta=p.beta),
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
@@ -191,8 +213,10 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
     ``selection`` and ``storage`` objects, an optional ``description``; unset fields take the
     protocol's ``window`` (R), ``group`` (G) and ``evict_window`` (W). A scored selection's ``budget``
     (:func:`budget_keep`) sets its ``keep`` from ``budget``: the study's ``prefill``, ``steps`` and the
-    model's ``layers``, ``kv_heads``, ``head_dim`` (and ``tolerance``). Raises ``ValueError`` naming
-    the offending field."""
+    model's ``layers``, ``kv_heads``, ``head_dim`` (and ``tolerance``). A pyramid (selection
+    ``layers: "pyramid"``) derives its per-layer counts from ``keep`` (its mean), the study's
+    ``prefill`` and the model's ``layers``, so it needs ``budget`` for a known model without sliding
+    layers, given ``keep`` or not. Raises ``ValueError`` naming the offending field."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be a preset name or an object, got {entry!r}")
     unknown = sorted(set(entry) - {"name", "selection", "storage", "description", "budget"})
@@ -217,6 +241,18 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
     elif kind == "all" and sto.get("middle", "float32") != "drop":
         sto.setdefault("window", window)
     sto.setdefault("group", group)
+    pyramid = sel.get("layers", "uniform") == "pyramid"
+    window_of = getattr(scorers.SCORERS.get(kind), "WINDOW", 0)  # the prefill tokens the scorer keeps first
+    if pyramid and (budget is None or budget.get("layers") is None or budget.get("prefill") is None):
+        raise ValueError(f"{where} ({name}): a pyramid's per-layer counts are derived from the study's prefill and the "
+                         "model's layers: a live study of a known model without sliding layers (not a model given by "
+                         "path, nor the retrieval study)")
+    if pyramid and sel.get("mode", "online") != "prefill":
+        raise ValueError(f"{where} ({name}).selection: a pyramid of per-layer budgets cuts the prefill once "
+                         f"(PyramidKV, kvpress); mode must be 'prefill', got {sel.get('mode', 'online')!r}")
+    beta = sel.get("beta", 20)
+    if pyramid and (isinstance(beta, bool) or not isinstance(beta, int) or beta < 1):
+        raise ValueError(f"{where} ({name}).selection.beta: the pyramid's steepness must be an integer >= 1, got {beta!r}")
     if "budget" in entry:
         if kind == "all":
             raise ValueError(f"{where} ({name}): a budget sets the kept count of a scored or sink_window selection; "
@@ -234,9 +270,13 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
             sel["window"] = held - sel.get("sink", 0)
         else:
             sel["keep"] = budget_keep(entry["budget"], mode=sel.get("mode", "online"),
-                                      where=f"{where} ({name}).budget", **budget)
+                                      where=f"{where} ({name}).budget", **budget,
+                                      **({"pyramid_beta": beta, "pyramid_window": window_of} if pyramid else {}))
+    layer_keep = ()
+    if pyramid and isinstance(sel.get("keep"), int) and sel["keep"] >= 1:
+        layer_keep = pyramid_keep(sel["keep"], budget["prefill"], budget["layers"], beta, window_of)
     try:
-        return compose(name, Selection(**sel), Storage(**sto), description)
+        return compose(name, Selection(**sel), Storage(**sto), description, layer_keep=layer_keep)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where} ({name}): {e}") from None
 
@@ -247,19 +287,29 @@ BUDGET_KINDS = ("bytes_per_token", "fp16_fraction", "tokens")
 
 
 def scored_bytes(keep: int, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
-                 extra: int = SCORED_TOKEN_EXTRA) -> int:
+                 extra: int = SCORED_TOKEN_EXTRA, layer_keep: tuple = ()) -> int:
     """Whole-cache bytes of a scored selection at the end of a segment (``prefill + steps`` tokens):
     per layer the header and, per KV head and held token, float32 K and V and ``extra`` bytes (an
-    int32 index and a float32 score; 0 for a sink_window selection, which stores neither)."""
-    held = scored_held(keep, mode, prefill + steps, prefill)
-    return layers * (HEADER_BYTES + kv_heads * held * (2 * head_dim * 4 + extra))
+    int32 index and a float32 score; 0 for a sink_window selection, which stores neither); with
+    ``layer_keep``, each layer holding its own kept count."""
+    per = layer_keep if layer_keep else (keep,) * layers
+    if len(per) != layers:
+        raise ValueError(f"layer_keep has {len(per)} counts for {layers} layers")
+    return sum(HEADER_BYTES + kv_heads * scored_held(k, mode, prefill + steps, prefill) * (2 * head_dim * 4 + extra)
+               for k in per)
 
 
 def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
-                tolerance: float = 0.01, where: str = "budget", extra: int = SCORED_TOKEN_EXTRA) -> int:
+                tolerance: float = 0.01, where: str = "budget", extra: int = SCORED_TOKEN_EXTRA,
+                pyramid_beta: int | None = None, pyramid_window: int = 0) -> int:
     """The kept count per (layer, KV head) that lands a scored selection within ``tolerance`` below
     ``budget`` at the end of the segment: the largest whose bytes do not exceed it. ``ValueError``
-    when no count does (the budget is below one token, above every token, or between two counts)."""
+    when no count does (the budget is below one token, above every token, or between two counts).
+
+    With ``pyramid_beta`` (a pyramid, prefill mode): the largest mean ``keep`` whose per-layer counts
+    (:func:`~testbed.policies.policy.pyramid_keep` at ``pyramid_beta`` and ``pyramid_window``)
+    summed over the layers, with every decode token at every layer, do not exceed the budget: the
+    budget is the whole cache's, however its layers share it."""
     if not isinstance(budget, dict) or len(budget) != 1 or next(iter(budget)) not in BUDGET_KINDS:
         raise ValueError(f"{where}: give exactly one of {list(BUDGET_KINDS)}, got {budget!r}")
     (kind, value), = budget.items()
@@ -275,6 +325,10 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
         raise ValueError(f"{where}.{kind}: a budget in bytes is derived for a model of the study's known models "
                          "without sliding layers (their bytes are the audit's); give {\"tokens\": K} for this one")
     target = value * n if kind == "bytes_per_token" else value * n * layers * 2 * kv_heads * head_dim * 2
+    if pyramid_beta is not None:
+        return _pyramid_budget_keep(target, prefill=prefill, steps=steps, layers=layers, kv_heads=kv_heads,
+                                    head_dim=head_dim, tolerance=tolerance, where=where, extra=extra,
+                                    beta=pyramid_beta, window=pyramid_window)
     held = int((target / layers - HEADER_BYTES) // (kv_heads * per_token))  # tokens per (layer, KV head) at the end
     keep = held if mode == "online" else held - steps
     if held < 1 or keep < 1 or (mode == "prefill" and keep > prefill) or held > n:
@@ -287,6 +341,36 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
     if (target - got) / target > tolerance:
         raise ValueError(f"{where}: the nearest kept count ({keep}) lands {(target - got) / target:.2%} below the "
                          f"budget at {n} tokens, more than the tolerance {tolerance:.2%}")
+    return keep
+
+
+def _pyramid_budget_keep(target: float, *, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
+                         tolerance: float, where: str, extra: int, beta: int, window: int) -> int:
+    """:func:`budget_keep` of a pyramid: the largest mean kept count whose per-layer counts fit the
+    whole-cache ``target`` bytes (a prefill-mode selection: every decode token kept at every layer)."""
+    n = prefill + steps
+    per_token = 2 * head_dim * 4 + extra
+    # kept prefill tokens summed over the layers, per KV head, that the bytes pay for
+    total = int((target - layers * HEADER_BYTES) // (kv_heads * per_token)) - layers * steps
+
+    def spent(k: int) -> int:
+        return sum(pyramid_keep(k, prefill, layers, beta, window))
+
+    # each layer's count is within one half of its unrounded value, which sums to layers x keep: a mean
+    # above total / layers + 1/2 never fits, and one below total / layers - 1/2 always does
+    fits = [k for k in range(max(1, total // layers - layers - 2), min(prefill, total // layers + layers + 2) + 1)
+            if spent(k) <= total]
+    keep = max(fits, default=0)
+    if keep < 1:
+        fp16 = layers * 2 * kv_heads * head_dim * 2
+        raise ValueError(f"{where}: {target / n:,.1f} bytes per token ({target / n / fp16:.4f} of float16's) is out of "
+                         f"reach of a prefill pyramid at {n} tokens: it would hold {total} prefill tokens per KV head "
+                         f"over {layers} layers of {per_token} B each, beside the {steps} decode steps each layer keeps")
+    got = scored_bytes(keep, "prefill", prefill, steps, layers, kv_heads, head_dim, extra,
+                       layer_keep=pyramid_keep(keep, prefill, layers, beta, window))
+    if (target - got) / target > tolerance:
+        raise ValueError(f"{where}: the nearest pyramid (mean kept count {keep}) lands {(target - got) / target:.2%} "
+                         f"below the budget at {n} tokens, more than the tolerance {tolerance:.2%}")
     return keep
 
 

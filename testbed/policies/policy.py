@@ -59,7 +59,8 @@ from dataclasses import asdict, dataclass, replace
 from ..quant import MX, IntGrouped, Quantizer
 from ..quant.constants import HEADER_BYTES
 
-__all__ = ["Policy", "PRESETS", "scored_held", "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
+__all__ = ["Policy", "PRESETS", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS",
+           "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
            "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
            "equal_bytes_versus"]
@@ -81,6 +82,11 @@ HEAVY_FIELDS = ("heavy", "heavy_rule")  # in a row's policy config only when hea
 # tokens per (layer, KV head) it keeps, its seed; in a row's policy config only when a scorer is set
 SCORER_FIELDS = ("scorer", "scorer_mode", "keep", "seed")
 SCORER_MODES = ("prefill", "online")
+# how a scored selection's kept count varies over layers: the same ``keep`` at every layer, or
+# PyramidKV's (Cai et al., 2024) linear funnel, more tokens at low layers (:func:`pyramid_keep`); the
+# pyramid's fields are in a row's policy config only when it is set
+LAYER_SCHEDULES = ("uniform", "pyramid")
+LAYER_FIELDS = ("layers", "beta", "layer_keep")
 # bytes per kept token per KV head of a scored selection beside its float32 K and V: int32 index, float32 score
 SCORED_TOKEN_EXTRA = 8
 # which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), the
@@ -146,6 +152,34 @@ def scored_held(keep: int, mode: str, n: int, prefill: int) -> int:
     return min(prefill, keep) + max(0, n - prefill)
 
 
+def pyramid_keep(keep: int, prefill: int, layers: int, beta: int, window: int = 0) -> tuple[int, ...]:
+    """PyramidKV's kept prefill tokens per layer (Cai et al., 2024, "PyramidKV: Dynamic KV Cache
+    Compression based on Pyramidal Information Funneling"; kvpress 0.5.5's ``PyramidKVPress``
+    arithmetic), for a mean of ``keep`` tokens per (layer, KV head) of a ``prefill``-token prefill
+    over ``layers`` layers, steepness ``beta`` (>= 1) and ``window`` W, the newest prefill tokens
+    the scorer keeps first (snapkv's observation window, 64; 0 for a scorer without one).
+
+    The top layer keeps ``keep / beta`` and the bottom one ``2 keep - keep / beta`` (their mean
+    ``keep``); a bottom count above ``prefill - W`` is cut there and the top one raised by as much.
+    Layer ``l`` keeps ``round(bottom - l (bottom - top) / (layers - 1))`` (Python's round, half to
+    even), counts that fall with depth. Where the bounds ``prefill >= bottom >= top >= W`` fail,
+    kvpress falls back to the same ``keep`` at every layer, and so does this (with kvpress's
+    defaults, W = 64 and beta = 20, that is every ``keep`` below 1,280)."""
+    if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
+        raise ValueError(f"the pyramid's beta must be an integer >= 1, got {beta!r}")
+    if layers < 1 or keep < 1:
+        raise ValueError(f"a pyramid over {layers} layers keeping {keep} tokens on average: both must be >= 1")
+    top = keep / beta
+    bottom = 2 * keep - top
+    if bottom >= prefill - window:
+        bottom = prefill - window
+        top = 2 * keep - bottom
+    if not prefill >= bottom >= top >= window:
+        return (keep,) * layers
+    step = (bottom - top) / (layers - 1) if layers > 1 else 0.0
+    return tuple(round(bottom - i * step) for i in range(layers))
+
+
 def sink_candidates(prefill: int, sink: int, window: int) -> int:
     """How many of the prefill's first tokens a ``"mass"`` sink is chosen from: those that will
     leave the float32 window, and at least S."""
@@ -187,6 +221,9 @@ class Policy:
     seed: int = 0
     key_rope: str = "post"
     description: str = ""
+    layers: str = "uniform"
+    beta: int = 20
+    layer_keep: tuple = ()
 
     def __post_init__(self):
         if self.key_rope not in KEY_ROPE:
@@ -199,8 +236,10 @@ class Policy:
         if self.scorer is not None:
             self._check_scored()
             return
-        if self.keep or self.seed or self.scorer_mode != "online":
-            raise ValueError(f"policy {self.name}: keep, seed and scorer_mode belong to a scored selection (set scorer)")
+        if self.keep or self.seed or self.scorer_mode != "online" or self.layers != "uniform" or self.layer_keep \
+                or self.beta != 20:
+            raise ValueError(f"policy {self.name}: keep, seed, scorer_mode and a per-layer schedule belong to a scored "
+                             "selection (set scorer)")
         if self.middle not in MIDDLE_SCHEMES:
             raise ValueError(f"policy {self.name}: middle {self.middle!r} is not one of {list(MIDDLE_SCHEMES)}")
         for label in ("sink", "window"):
@@ -263,6 +302,31 @@ class Policy:
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if label == "keep" else 0) or v >= 2 ** 24:
                 raise ValueError(f"policy {self.name}: {label} must be an integer in [{1 if label == 'keep' else 0}, "
                                  f"2**24), got {v!r}")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        if self.layers not in LAYER_SCHEDULES:
+            raise ValueError(f"policy {self.name}: layers must be one of {list(LAYER_SCHEDULES)}, got {self.layers!r}")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
+            raise ValueError(f"policy {self.name}: the pyramid's beta must be an integer >= 1, got {self.beta!r}")
+        if self.layers == "uniform":
+            if self.layer_keep or self.beta != 20:
+                raise ValueError(f"policy {self.name}: layer_keep and beta belong to a per-layer schedule "
+                                 "(layers 'pyramid')")
+            return
+        if self.scorer_mode != "prefill":
+            raise ValueError(f"policy {self.name}: a pyramid of per-layer budgets cuts the prefill once (PyramidKV, "
+                             f"kvpress); scorer_mode must be 'prefill', got {self.scorer_mode!r}")
+        lk = self.layer_keep
+        if (not isinstance(lk, tuple) or not lk
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x < 2 ** 24 for x in lk)):
+            raise ValueError(f"policy {self.name}: a pyramid needs its kept count per layer (layer_keep, a tuple of "
+                             f"positive integers; derived from keep, the prefill and the model's layers), got {lk!r}")
+        if any(a < b for a, b in zip(lk, lk[1:])):
+            raise ValueError(f"policy {self.name}: a pyramid keeps fewer tokens with depth, got layer_keep {list(lk)}")
+        if self.window >= min(lk):
+            raise ValueError(f"policy {self.name}: the window ({self.window}) must be below every layer's kept count "
+                             f"(the smallest is {min(lk)})")
 
     # -- what the middle is ------------------------------------------------------------------
     @property
@@ -270,9 +334,23 @@ class Policy:
         """Tokens kept by a scorer's top-``keep`` per (layer, KV head) (:mod:`testbed.policies.scorers`)."""
         return self.scorer is not None
 
-    def scored_held(self, n: int, prefill: int) -> int:
-        """Tokens a scored selection holds per (layer, KV head) after ``n`` tokens (:func:`scored_held`)."""
-        return scored_held(self.keep, self.scorer_mode, n, prefill)
+    @property
+    def per_layer(self) -> bool:
+        """A scored selection whose kept count varies over layers (``layers="pyramid"``)."""
+        return bool(self.layer_keep)
+
+    def keep_of(self, layer: int | None) -> int:
+        """The kept count of ``layer`` (every layer's ``keep`` under a uniform schedule)."""
+        if not self.layer_keep:
+            return self.keep
+        if layer is None or not 0 <= layer < len(self.layer_keep):
+            raise ValueError(f"policy {self.name}: a per-layer schedule over {len(self.layer_keep)} layers has no "
+                             f"layer {layer!r}")
+        return self.layer_keep[layer]
+
+    def scored_held(self, n: int, prefill: int, layer: int | None = None) -> int:
+        """Tokens a scored selection holds per KV head of ``layer`` after ``n`` tokens (:func:`scored_held`)."""
+        return scored_held(self.keep_of(layer), self.scorer_mode, n, prefill)
 
     @property
     def quantized(self) -> bool:
@@ -345,6 +423,11 @@ class Policy:
                 del out[key]
         if self.key_rope == "post":  # the default: rows read as they did before pre-RoPE keys existed
             del out["key_rope"]
+        if not self.per_layer:  # the uniform schedule: rows read as they did before per-layer budgets existed
+            for key in LAYER_FIELDS:
+                del out[key]
+        else:
+            out["layer_keep"] = list(self.layer_keep)
         return out
 
     def with_(self, **changes) -> "Policy":
@@ -398,14 +481,17 @@ class Policy:
             return 0.0
         return scheme_bytes_per_token(self.middle, heads, head_dim, self.group, self.feature_group, self.key_axis)
 
-    def layer_bytes(self, n: int, heads: int, head_dim: int, prefill: int | None = None) -> int:
+    def layer_bytes(self, n: int, heads: int, head_dim: int, prefill: int | None = None,
+                    layer: int | None = None) -> int:
         """Exact bytes of one layer's cache (one sequence) after ``n`` tokens (not for a mixed
         policy, whose layers differ: :meth:`cache_bytes`); a scored selection's, after a prefill of
-        ``prefill`` tokens: every held token's float32 K and V, int32 index and float32 score."""
+        ``prefill`` tokens: every held token's float32 K and V, int32 index and float32 score (of
+        layer ``layer`` under a per-layer schedule)."""
         if self.scored:
             if prefill is None:
                 raise ValueError(f"policy {self.name}: a scored selection's bytes depend on the prefill length")
-            return HEADER_BYTES + heads * self.scored_held(n, prefill) * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
+            held = self.scored_held(n, prefill, layer)
+            return HEADER_BYTES + heads * held * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
         if self.mixed:
             raise ValueError(f"policy {self.name}: a mixed policy's layer bytes depend on its allocation; use cache_bytes")
         spans = self.kept_spans(n)
@@ -422,6 +508,11 @@ class Policy:
         """Exact bytes of the whole cache (one sequence, ``layers`` layers) after ``n`` tokens; a
         mixed policy's: ``low_count`` head middles at ``low``'s bits, the rest at ``middle``'s, one
         byte of bits per (layer, KV head) pair."""
+        if self.per_layer:
+            if layers != len(self.layer_keep):
+                raise ValueError(f"policy {self.name}: its per-layer schedule has {len(self.layer_keep)} layers, not "
+                                 f"{layers}")
+            return sum(self.layer_bytes(n, heads, head_dim, prefill, i) for i in range(layers))
         if not self.mixed:
             return layers * self.layer_bytes(n, heads, head_dim, prefill)
         spans = self.kept_spans(n)

@@ -1,4 +1,5 @@
-"""The cache layer of a scored selection: each (sequence, KV head) keeps its top-``keep`` tokens.
+"""The cache layer of a scored selection: each (sequence, KV head) keeps its top-``keep`` tokens
+(under a per-layer schedule, ``layers="pyramid"``, the layer's own count: ``Policy.keep_of``).
 
 A scorer (:mod:`testbed.policies.scorers`) gives every token a float32 score when it arrives; the
 layer keeps the ``keep`` tokens of largest score, ties to the older token (:func:`keep_top`), and
@@ -124,7 +125,7 @@ class ScoredLayer(DynamicLayer):
     def _keep(self, keys, values, index, scores) -> None:
         w = self.policy.window  # the newest w tokens seen are kept whatever their score
         rank = scores if not w else torch.where(index >= self.seen - w, torch.full_like(scores, float("inf")), scores)
-        keep = keep_top(rank, self.policy.keep)
+        keep = keep_top(rank, self.policy.keep_of(self.layer_idx))  # a per-layer schedule's count of this layer
         at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
         self.kept_index, self.kept_score = torch.gather(index, 2, keep), torch.gather(scores, 2, keep)
