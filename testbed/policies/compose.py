@@ -242,6 +242,9 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
         sto.setdefault("window", window)
     sto.setdefault("group", group)
     pyramid = sel.get("layers", "uniform") == "pyramid"
+    if pyramid and kind in SELECTIONS:
+        raise ValueError(f"{where} ({name}).selection: a per-layer schedule (layers 'pyramid') belongs to a scored "
+                         f"selection, not {kind!r}")
     window_of = getattr(scorers.SCORERS.get(kind), "WINDOW", 0)  # the prefill tokens the scorer keeps first
     if pyramid and (budget is None or budget.get("layers") is None or budget.get("prefill") is None):
         raise ValueError(f"{where} ({name}): a pyramid's per-layer counts are derived from the study's prefill and the "
