@@ -200,7 +200,8 @@ def _full_attention(q, k, scale):
     return torch.softmax(s, dim=-1, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("mean,beta", [(140, 2), (200, 2), (160, 20)], ids=["pyramid", "capped", "fallback"])
+@pytest.mark.parametrize("mean,beta", [(140, 2), (200, 2), (160, 20), (100, 20)],
+                         ids=["pyramid", "capped", "capped_beta20", "fallback"])
 def test_pyramidkv_keeps_what_kvpress_pyramidkvpress_keeps(mean, beta):
     """kvpress's ``PyramidKVPress.compress`` on each layer's prefill keys (its scores from the same
     attention matrix, handed as ``attentions``; values tagged with their positions to read back what
@@ -241,6 +242,8 @@ def test_pyramidkv_keeps_what_kvpress_pyramidkvpress_keeps(mean, beta):
                         f"layer {layer} head {hi}: kvpress kept {x}, testbed {y}: not a near tie"
         kept += b * h * theirs.shape[-1]
     assert counts == list(pol.layer_keep)
+    # mean 100 / beta 20 is below the window of 64 and its first count (195) is not cut: kvpress's fallback
+    assert (len(set(counts)) == 1) == (mean == 100)
     assert swaps == 0, f"{swaps} near-tie swaps in {kept} kept tokens"  # measured: none
 
 

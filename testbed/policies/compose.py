@@ -22,7 +22,8 @@ by its fields (:func:`declared`)::
 
 Unset fields take the protocol's ``window`` (R, the storage's float32 window of an ``"all"``
 selection), ``group`` (G) and ``evict_window`` (W, the ``"sink_window"`` selection's window); a
-scored selection's ``keep`` may come from a ``budget`` (:func:`budget_keep`); every other field takes its default
+scored selection's ``keep`` may come from a ``budget`` (:func:`budget_keep`), and with ``"layers": "pyramid"``
+vary over layers (PyramidKV: ``keep`` is the mean, the budget the whole cache's); every other field takes its default
 below (no sink, K per channel, groups of 32 features, no per-head precision, no heavy hitters).
 The audit states the same mapping on its own (``audit_checks/live_quality.py``, ``declared_policy``)
 and re-derives the bytes and the schedule from the frozen fields: a new combination is a protocol

@@ -164,7 +164,8 @@ def pyramid_keep(keep: int, prefill: int, layers: int, beta: int, window: int = 
     Layer ``l`` keeps ``round(bottom - l (bottom - top) / (layers - 1))`` (Python's round, half to
     even), counts that fall with depth. Where the bounds ``prefill >= bottom >= top >= W`` fail,
     kvpress falls back to the same ``keep`` at every layer, and so does this (with kvpress's
-    defaults, W = 64 and beta = 20, that is every ``keep`` below 1,280)."""
+    defaults, W = 64 and beta = 20, that is every ``keep`` below 1,280 whose bottom count is not cut
+    at ``prefill - W``)."""
     if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
         raise ValueError(f"the pyramid's beta must be an integer >= 1, got {beta!r}")
     if layers < 1 or keep < 1:

@@ -9,6 +9,12 @@ and averaged over the KV head's query heads. The window's own tokens score above
 ranks every head's tokens the same way), so they are kept first. kvpress's ``SnapKVPress`` defaults (window 64,
 kernel 5). The score reads queries, so it decides at the prefill only (a prefill shorter than the
 window plus one token is refused).
+
+PyramidKV (Cai et al., 2024; kvpress's ``PyramidKVPress``) is this scorer with per-layer budgets:
+the selection field ``"layers": "pyramid"`` (with ``"beta"``), which any prefill-mode scorer takes
+(:func:`testbed.policies.policy.pyramid_keep`; docs/live.md, "Per-layer budgets"). It is a field,
+not a scorer name of its own, so the schedule and the score stay separate choices; the pyramid's
+arithmetic reads this scorer's ``WINDOW`` as kvpress reads its ``window_size``.
 """
 
 from __future__ import annotations
