@@ -29,6 +29,10 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   ``oracle.k``) and each head's packed middle
   re-encoded at its own stored bits; with a shared prefill, one prefill (``input.q``, the prefill
   part of ``input.k`` and ``oracle.k``) and one prefill-rule ``alloc_score`` across a segment's arms;
+- for a scored selection with per-layer budgets (``layers: "pyramid"``, PyramidKV): the mean kept
+  count from the budget and each layer's count, by the audit's own statement of kvpress's
+  arithmetic (``pyramid``), the row's ``layer_keep`` against them, the bytes from the per-layer
+  counts, and the evidence layer's kept set of that layer's own count;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -153,7 +157,8 @@ def pyramid(mean: int, P: int, layers: int, beta: int, w: int) -> list:
         lo = 2 * mean - hi
     if not (P >= hi and hi >= lo and lo >= w):
         return [mean] * layers
-    return [round(hi - (hi - lo) * i / (layers - 1)) if layers > 1 else round(hi) for i in range(layers)]
+    step = (hi - lo) / (layers - 1) if layers > 1 else 0.0  # kvpress's order of operations: a count at .5 rounds alike
+    return [round(hi - i * step) for i in range(layers)]
 
 
 def _pyramid_dims(live: dict) -> dict:
