@@ -344,10 +344,11 @@ class SharedPrefill:
     the ``record_layer`` (the audit's evidence); when a policy keeps heavy hitters, each layer's
     accumulated attention ``[B, H_kv, P]`` (:func:`testbed.policies.cache.accumulated_attention`); when
     a scored selection reads the prefill's attention (:mod:`testbed.policies.scorers`), each layer's
-    last ``query_tail`` queries ``[B, H_q, w, D]`` and attention scale."""
+    last ``query_tail`` queries ``[B, H_q, w, D]`` and attention scale; when asked (the retrieval
+    study's question inside the prefill), the logits of the prefill's last position ``last`` [B, V]."""
 
     def __init__(self, keys, values, scores=None, query0=None, record_layer=None, seconds=0.0, concentration=None,
-                 received=None, tails=None, scales=None, rope=None):
+                 received=None, tails=None, scales=None, rope=None, last=None):
         self.keys, self.values, self.scores = keys, values, scores
         self.query0, self.record_layer = query0, record_layer
         self.seconds = seconds
@@ -355,6 +356,7 @@ class SharedPrefill:
         self.received = received
         self.tails, self.scales = tails, scales
         self.rope = rope  # per layer the rotary (cos, sin) of the prefill, when an arm stores pre-RoPE keys
+        self.last = last
 
     def _map(self, f) -> "SharedPrefill":
         return SharedPrefill([f(k) for k in self.keys], [f(v) for v in self.values],
@@ -363,7 +365,8 @@ class SharedPrefill:
                              None if self.concentration is None else [f(c) for c in self.concentration],
                              None if self.received is None else [f(r) for r in self.received],
                              None if self.tails is None else [f(q) for q in self.tails], self.scales,
-                             None if self.rope is None else [r if r is None else (f(r[0]), f(r[1])) for r in self.rope])
+                             None if self.rope is None else [r if r is None else (f(r[0]), f(r[1])) for r in self.rope],
+                             None if self.last is None else f(self.last))
 
     def as_numpy(self) -> "SharedPrefill":
         """The same prefill with numpy arrays (handed between Ray tasks); :meth:`as_torch` undoes it."""
@@ -416,14 +419,16 @@ class SharedPrefill:
 
 def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
                    record_layer: int | None = None, concentration: bool = False,
-                   heavy: bool = False, query_tail: int = 0, rope: bool = False) -> tuple[SharedPrefill, object]:
+                   heavy: bool = False, query_tail: int = 0, rope: bool = False,
+                   last: bool = False) -> tuple[SharedPrefill, object]:
     """Run the prefill ``ids [B, P]`` once through a float32 ``DynamicCache`` with logits of the
     last position only; returns the :class:`SharedPrefill` and the DynamicCache (the reference
     continues from it). With ``candidates``, the attention function also computes every layer's
     sink scores over the first ``candidates`` tokens, from the prefill's own queries and keys;
     with ``concentration``, every layer's head concentration likewise; with ``heavy``, every layer's
     accumulated attention per key; with ``query_tail``, every layer's last ``query_tail`` queries and
-    its attention scale; with ``rope``, every layer's rotary ``(cos, sin)`` (for pre-RoPE keys)."""
+    its attention scale; with ``rope``, every layer's rotary ``(cos, sin)`` (for pre-RoPE keys); with
+    ``last``, the logits of the last position (float32 ``[B, V]``)."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -473,7 +478,7 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
         model.set_attn_implementation("testbed_prefill")
         try:
             with capture_rope(model) if rope else contextlib.nullcontext({}) as got:
-                _forward(model, ids, cache, kw, last_only=True)
+                logits = _forward(model, ids, cache, kw, last_only=True)
         finally:
             model.set_attn_implementation(previous)
     if any(k is None or k.shape[-2] != ids.shape[1] for k in keys):
@@ -481,7 +486,8 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     shared = SharedPrefill(keys, values, None if candidates is None else scores, query0[0], record_layer,
                            time.perf_counter() - t0, conc if concentration else None, received if heavy else None,
                            tails if query_tail else None, scales if query_tail else None,
-                           [got.get(i) for i in range(n_layers)] if rope else None)
+                           [got.get(i) for i in range(n_layers)] if rope else None,
+                           logits[:, -1].float().clone() if last else None)
     return shared, cache
 
 

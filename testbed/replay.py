@@ -183,6 +183,9 @@ def _studies(root: Path, manifest: dict, all_cases: dict, arrays: Containers) ->
             raise BadInput(f"{root}: results.json cases.{proto['name']} must be an object (case id -> record)")
         if not cases:  # the model was missing when it ran: an exclusion, nothing to replay
             continue
+        if kind == "retrieval" and proto["retrieval"].get("question", ["after"]) != ["after"]:
+            raise BadInput(f"{root}: {proto['name']}: replay of a retrieval study with the question inside the "
+                           "prefill is not supported yet (its rows are told apart by their question placement)")
         try:
             units = (_live_units(arrays, manifest, cases, proto, _base(e)) if kind == "live"
                      else _retrieval_units(arrays, manifest, cases, proto))
@@ -239,7 +242,11 @@ def _where(st: Study) -> dict:
 
 
 def _arms(st: Study) -> list:
-    return live._arms(st.proto["live"]) if st.kind == "live" else retrieval_study.arms_of(st.proto["retrieval"])
+    """(name, what) of the study's arms; a retrieval study's by name only (what: None), a budget's kept
+    count being its unit's (:func:`testbed.retrieval_study.unit_arms`)."""
+    if st.kind == "live":
+        return live._arms(st.proto["live"])
+    return [(name, None) for name in retrieval_study.arm_names(st.proto["retrieval"])]
 
 
 # -- sampling ---------------------------------------------------------------------------------------
@@ -329,7 +336,8 @@ def _chunk(st: Study, unit: dict, new_row: dict, arrays: dict, name: str, index:
         return f"greedy step {index + 1}"
     trial = unit["trials"][0]
     n_q, n_a, P = len(trial["question_ids"]), len(trial["answer_ids"]), trial["length"]
-    sched = retrieval_study._schedule(_arms(st)[unit["arm"]][1], P, n_q + n_a - 1)
+    sched = retrieval_study._schedule(retrieval_study.unit_arms(st.proto["retrieval"], unit)[unit["arm"]][1], P,
+                                      n_q + n_a - 1)
     bounds = np.concatenate([[0], np.cumsum(sched)])
     pos = n_q - 1 + index  # the fed position that predicts answer token ``index``
     c = int(np.searchsorted(bounds, pos, side="right"))

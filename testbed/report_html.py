@@ -357,6 +357,9 @@ def _frontier(study, rows, load):
 
 
 def _retrieval(study, rows, load):
+    # a row of the question inside the compressed prefill is its own map: "<arm> (question inside)"
+    rows = [r if r.get("question", "after") == "after" else {**r, "arm": f"{r['arm']} (question inside)"}
+            for r in rows]
     maps = []
     for task in dict.fromkeys(r["task"] for r in rows):
         sel = [r for r in rows if r["task"] == task]

@@ -61,11 +61,15 @@ from typing import Any, Sequence
 from .policies import PRESETS, preset
 from .policies.compose import check_scored_prefill, policies_from
 from .schema import Key, ProtocolError, Spec, check_value
+from .sources.capture import MODEL_ID, MODELS
 
-__all__ = ["TASKS", "SPEC", "PEER", "validate", "make_trial", "grid", "needles_of", "wilson", "mcnemar",
-           "mcnemar_exact_p", "MAX_LENGTH"]
+__all__ = ["TASKS", "QUESTIONS", "SPEC", "PEER", "validate", "make_trial", "grid", "needles_of", "wilson", "mcnemar",
+           "mcnemar_exact_p", "MAX_LENGTH", "budget_context", "trial_policies"]
 
 TASKS = ("passkey", "kv_needle", "multi_kv")
+# where the question goes: after the compressed prefill, through the arm's cache (kvpress's protocol),
+# or inside the prefill that is compressed (SnapKV's favourable case)
+QUESTIONS = ("after", "inside")
 MAX_LENGTH = 8064  # the model's 8,192 positions less room for the question and the answer
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
@@ -119,8 +123,42 @@ SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value ne
     "sink": Key(("range", int, 0, 1024), "float32 sink tokens of the policies that keep a sink", 4),
     "evict_window": Key(("range", int, 1, 8192), "newest tokens kept by the evicting policies", 256),
     "batch": Key(("range", int, 1, 256), "trials run together", 4),
+    "question": Key(("list", ("choice", QUESTIONS), 1),
+                    "where the question goes: \"after\" the compressed prefill, through the arm's cache (kvpress's "
+                    "protocol), or \"inside\" the prefill that is compressed (the haystack and the question read in "
+                    "float32, then handed to the arm's cache; the first answer token is predicted from the prefill's last "
+                    "position, which every arm shares); one set of rows per placement", ["after"]),
+    "budget_tolerance": Key(("range", float, 0.0, 0.5), "how far below its budget a declared policy's derived kept "
+                                                        "count may land at the end of a trial", 0.01),
 }, rules=("with multi_kv, every length is at least 64 tokens per needle",
-          "every policy can be built with window, group, sink and evict_window"))
+          "every policy can be built with window, group, sink and evict_window",
+          "a declared policy's budget is derived per trial at its end (prefill + question + answer tokens), the "
+          "prefill being the haystack (question after) or the haystack and the question (inside); a budget no "
+          "trial's tokens can reach within budget_tolerance is an error naming the arm"))
+
+
+def budget_context(p: dict, length: int, question_tokens: int, answer_tokens: int, question: str) -> dict:
+    """What a declared policy's budget is derived from for one trial (:func:`testbed.policies.compose.budget_keep`):
+    the trial ends at ``length + question_tokens + answer_tokens`` tokens; the compressed prefill is the
+    haystack (question ``"after"``: the question and the answer are the steps after it) or the haystack
+    and the question (``"inside"``: the answer is the steps). SmolLM2's dimensions, the study's tolerance."""
+    if question not in QUESTIONS:
+        raise ValueError(f"question must be one of {list(QUESTIONS)}, got {question!r}")
+    inside = question_tokens if question == "inside" else 0
+    dims = MODELS[MODEL_ID]
+    return {"prefill": int(length) + inside, "steps": int(question_tokens) + int(answer_tokens) - inside,
+            "layers": dims["layers"], "kv_heads": dims["kv_heads"], "head_dim": dims["head_dim"],
+            "tolerance": p.get("budget_tolerance", 0.01)}
+
+
+def trial_policies(p: dict, length: int, question_tokens: int, answer_tokens: int, question: str,
+                   where: str = "policies") -> list:
+    """The study's policies for trials of these token counts and this question placement: presets at
+    the protocol's R, G, W and S, declared policies with their budget's kept count derived at the
+    trial's end (:func:`budget_context`). ``ValueError`` naming the arm when a budget is out of reach."""
+    return policies_from(p["policies"], window=p["window"], group=p["group"], evict_window=p["evict_window"],
+                         sink=p["sink"], where=where,
+                         budget=budget_context(p, length, question_tokens, answer_tokens, question))
 
 
 def validate(params: Any, where: str) -> dict:
@@ -136,16 +174,16 @@ def validate(params: Any, where: str) -> dict:
             if n < need:
                 raise ProtocolError(f"{where}.lengths[{i}]: {n} tokens cannot hold multi_kv's {p['needles']} needles "
                                     f"and a haystack (at least 64 tokens per needle: {need})")
+    if len(set(p["question"])) != len(p["question"]):
+        raise ProtocolError(f"{where}.question: a placement is listed twice: {p['question']}")
     for i, name in enumerate(p["policies"]):
         if isinstance(name, str) and name not in RETRIEVAL_PRESETS:
             raise ProtocolError(f"{where}.policies[{i}]: {name!r} is not one of {list(RETRIEVAL_PRESETS)}")
-    try:
-        pols = policies_from(p["policies"], window=p["window"], group=p["group"], evict_window=p["evict_window"],
-                             sink=p["sink"], where=f"{where}.policies")
-    except ValueError as e:
-        raise ProtocolError(str(e)) from None
     for n in p["lengths"]:  # each length is a prefill
         try:
+            # the fields, checked at a nominal trial of one answer token and no tolerance: the exact kept
+            # counts and the tolerance need the trials' token counts (the tokenizer's), checked at plan
+            pols = trial_policies({**p, "budget_tolerance": 1.0}, n, 0, 1, "after", where=f"{where}.policies")
             check_scored_prefill(pols, n, f"{where}.policies")
         except ValueError as e:
             raise ProtocolError(str(e)) from None

@@ -3,19 +3,35 @@
 Per trial (:func:`testbed.retrieval.make_trial`) the model reads the haystack once, in float32,
 through a ``DynamicCache`` (:func:`testbed.live.shared_prefill`); every arm's cache then takes
 that prefill (:meth:`~testbed.live.SharedPrefill.load_into`: a policy applies to what it stores
-after the prefill, exactly as if it had run the prefill itself). The question is not compressed
-with the context: it goes through the arm's cache after the prefill, as kvpress feeds it.
+after the prefill, exactly as if it had run the prefill itself). Where the question goes is the
+protocol's ``question`` (each placement its own set of rows, ``question`` in the rows when the study
+runs ``"inside"``):
 
-Per (trial, arm):
+- ``"after"`` (the default): the question is not compressed with the context: it goes through the
+  arm's cache after the prefill, as kvpress feeds it;
+- ``"inside"``: the question is part of the prefill that is compressed (SnapKV's favourable case):
+  the haystack and the question are read once in float32 and handed to the arm's cache, then the
+  answer goes through it. The first answer token is predicted from the prefill's last position,
+  which every arm shares (the prefill is read in float32 before any compression): its log-prob and
+  argmax are the reference's in every arm; the arms differ from the second answer token on.
 
-- **teacher forced**: the question, then the answer but its last token, are fed through the arm's
+A declared policy's ``budget`` is derived per trial (:func:`testbed.retrieval.budget_context`): at
+the trial's end, prefill + question + answer tokens, the compressed prefill being the haystack
+(after) or the haystack and the question (inside); trials of one batch share their token counts,
+so each unit derives its arms' kept counts once (:func:`unit_arms`) and the rows record them in
+their policy config. :func:`plan` derives every unit's before any runs: a budget out of reach is a
+:class:`~testbed.schema.ProtocolError` naming the arm, and nothing is written.
+
+Per (trial, question placement, arm):
+
+- **teacher forced**: the question (after only), then the answer but its last token, are fed through the arm's
   cache (a policy in chunks up to its next change of stored state, :func:`testbed.live.chunk_schedule`,
   inside :func:`testbed.policies.cache.policy_attention`; quanto one token per forward; the
   reference in chunks of ``CHUNK``). Scored: the log-probability of every answer token (their sum
   is the answer's log-probability) and the argmax at each answer position; teacher-forced exact
   match (``tf_em``) = every answer token is the argmax.
-- **greedy**: a second copy of the arm's cache takes the same shared prefill, reads the question,
-  then generates ``len(answer)`` tokens, each argmax fed back; ``greedy_em`` = the generated
+- **greedy**: a second copy of the arm's cache takes the same shared prefill, reads the question
+  (after only), then generates ``len(answer)`` tokens, each argmax fed back; ``greedy_em`` = the generated
   tokens are the answer. (With deterministic argmaxes greedy EM equals teacher-forced EM; both are
   measured, and the generated tokens stored.)
 
@@ -24,8 +40,8 @@ the protocol's policies and its quanto peers (transformers' ``QuantizedCache``).
 statistical units: accuracy per (task, length, arm) with a Wilson 95 % interval, and the exact
 McNemar test of each arm against the reference over the same trials.
 
-Units: one per (batch of trials, arm), the reference of each batch first. Trials are batched only
-where their prefill, question and answer token counts are equal (no padding anywhere).
+Units: one per (batch of trials, question placement, arm), the reference of each first. Trials are
+batched only where their prefill, question and answer token counts are equal (no padding anywhere).
 """
 
 from __future__ import annotations
@@ -39,22 +55,65 @@ import numpy as np
 import torch
 
 from . import retrieval
-from .live import (REFERENCE, _arms, _forward, _mass_candidates, _warm_quanto, batch_note, chunk_schedule, cost_kind,
-                   scored_needs, shared_prefill)
+from .live import (REFERENCE, _forward, _mass_candidates, _peer_name, _warm_quanto, batch_note, chunk_schedule,
+                   cost_kind, scored_needs, shared_prefill)
 from .policies import Policy
+from .policies.compose import policy_name
+from .schema import ProtocolError
 from .sources.capture import INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
 
-__all__ = ["estimate_bytes", "plan", "batch_units", "run_unit", "report", "summarize", "arms_of", "CHUNK", "REFERENCE",
-           "ANALYSIS"]
+__all__ = ["estimate_bytes", "plan", "batch_units", "run_unit", "report", "summarize", "arms_of", "arm_names",
+           "unit_arms", "check_units", "CHUNK", "REFERENCE", "ANALYSIS"]
 
 ANALYSIS = "retrieval"
 CHUNK = 256  # tokens per forward of the reference (exact in any chunking)
 
 
-def arms_of(p: dict) -> list[tuple[str, object]]:
-    """(name, what) of every arm, the reference first: the live study's arms (what is None, a Policy
-    or a peer's dict)."""
-    return _arms(p)
+def arm_names(p: dict) -> list[str]:
+    """The arm names, the reference first (no budget derived)."""
+    return [REFERENCE] + [policy_name(e) for e in p["policies"]] + [_peer_name(x) for x in p["peers"]]
+
+
+def arms_of(p: dict, length: int, question_tokens: int, answer_tokens: int, question: str = "after",
+            where: str = "policies") -> list[tuple[str, object]]:
+    """(name, what) of every arm for trials of these token counts and question placement, the
+    reference first: what is None, a Policy (a budget's kept count derived at the trial's end,
+    :func:`testbed.retrieval.trial_policies`) or a peer's dict."""
+    pols = retrieval.trial_policies(p, length, question_tokens, answer_tokens, question, where=where)
+    return [(REFERENCE, None)] + [(pol.name, pol) for pol in pols] + [(_peer_name(x), x) for x in p["peers"]]
+
+
+def unit_arms(p: dict, unit: dict) -> list[tuple[str, object]]:
+    """The arms of a unit's batch of trials and question placement (:func:`arms_of`)."""
+    t = unit["trials"][0]
+    return arms_of(p, t["length"], len(t["question_ids"]), len(t["answer_ids"]), unit.get("question", "after"))
+
+
+def _view(p: dict, unit: dict) -> dict:
+    """The study's parameters as the live study's helpers read them for one unit: the compressed
+    prefill, the steps after it and the model (so that a budget derives)."""
+    t = unit["trials"][0]
+    ctx = retrieval.budget_context(p, t["length"], len(t["question_ids"]), len(t["answer_ids"]),
+                                   unit.get("question", "after"))
+    return {**p, "prefill": ctx["prefill"], "steps": ctx["steps"], "model": MODEL_ID,
+            "budget_tolerance": ctx["tolerance"]}
+
+
+def check_units(p: dict, units: list[dict], where: str) -> None:
+    """Every unit's arms derive (a budget within reach at every trial's end), else a
+    :class:`~testbed.schema.ProtocolError` naming the arm and the trials' token counts."""
+    seen = set()
+    for u in units:
+        t = u["trials"][0]
+        key = (t["length"], len(t["question_ids"]), len(t["answer_ids"]), u.get("question", "after"))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            arms_of(p, *key, where=f"{where}.policies")
+        except ValueError as e:
+            raise ProtocolError(f"{e} (trials of {key[0]} haystack, {key[1]} question and {key[2]} answer tokens, "
+                                f"question {key[3]})") from None
 
 
 def estimate_bytes(p: dict) -> int:
@@ -112,33 +171,48 @@ def plan(proto: dict, ctx, protocol_path=None) -> tuple[dict, list[dict]]:
                        "seed": c["seed"], "question_ids": tr["question_ids"], "answer_ids": tr["answer_ids"],
                        "ids": ids.tolist()})
     ctx.progress(f"[{study}] {len(trials)} trials built ({time.perf_counter() - t0:.1f} s)")
-    arms = arms_of(p)
+    arms = arm_names(p)
     ctx.extra_files[f"{study}/retrieval_manifest.json"] = (json.dumps({
         "schema_version": 1,
         "experiment": f"{study}: needle retrieval through cache policies inside {MODEL_ID} (float32)",
         "model": {k: v for k, v in info.items() if k not in ("load_seconds", "loaded_from")},
-        "fed_as": retrieval.FED_AS, "arms": [a for a, _ in arms], "trials": len(trials),
+        "fed_as": retrieval.FED_AS, "arms": arms, "trials": len(trials),
         "software": _software(), "hardware": _hardware(),
     }, indent=1) + "\n").encode("utf-8")
-    return cases, batch_units(p, trials)
+    units = batch_units(p, trials)
+    check_units(p, units, f"{study}.retrieval")
+    return cases, units
 
 
 def batch_units(p: dict, trials: list[dict]) -> list[dict]:
-    """The units of a retrieval study, one per (batch of trials, arm), the reference of each batch
-    first (:func:`plan`; :mod:`testbed.replay` rebuilds the same units from a finished run's arrays)."""
-    arms = arms_of(p)
+    """The units of a retrieval study, one per (batch of trials, question placement, arm), the
+    reference of each first (:func:`plan`; :mod:`testbed.replay` rebuilds the same units from a
+    finished run's arrays). A unit of the question ``"inside"`` carries ``"question": "inside"``."""
+    names = arm_names(p)
+    kinds = [None] + [Policy] * len(p["policies"]) + [dict] * len(p["peers"])
     batches = _batches(trials, p["batch"])
     units = []
     for bi, batch in enumerate(batches):
-        ref = len(units)
         n_q, n_a = len(batch[0]["question_ids"]), len(batch[0]["answer_ids"])
-        for j, (arm, what) in enumerate(arms):
-            step = what is not None and not isinstance(what, Policy)
-            forwards = 1 + (n_q + n_a - 1 + n_q + n_a - 1 if step else 2 * n_a + 2)
-            units.append({"label": f"batch {bi + 1}/{len(batches)} {arm}", "batch": bi, "batches": len(batches),
-                          "cost": cost_kind(what), "trials": batch, "arm": j,
-                          "needs": None if j == 0 else ref, "forwards": forwards})
+        for question in p.get("question", ["after"]):
+            ref = len(units)
+            fed = n_q + n_a - 1 if question == "after" else n_a - 1  # through the arm's cache
+            for j, (arm, kind) in enumerate(zip(names, kinds)):
+                step = kind is dict
+                forwards = 1 + (2 * fed if step else 2 * n_a + 2)
+                what = None if kind is None else {} if kind is dict else Policy
+                unit = {"label": f"batch {bi + 1}/{len(batches)} {arm}" + ("" if question == "after" else " (inside)"),
+                        "batch": bi, "batches": len(batches), "cost": _cost(what), "trials": batch, "arm": j,
+                        "needs": None if j == 0 else ref, "forwards": forwards}
+                if question != "after":
+                    unit["question"] = question
+                units.append(unit)
     return units
+
+
+def _cost(what) -> str:
+    """The unit's cost class (:func:`testbed.live.cost_kind`) from the arm's kind alone."""
+    return "testbed" if what is Policy else cost_kind(what)
 
 
 def _logp_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -146,8 +220,9 @@ def _logp_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _teacher_forced(model, kw, cache, fed: torch.Tensor, schedule: list[int], n_q: int):
-    """Feed ``fed`` (question + answer but its last token) in ``schedule`` chunks; the log-probs
-    [B, n_a, V] of the positions that predict the answer (from the question's last token on)."""
+    """Feed ``fed`` (the question unless it was inside the prefill, then the answer but its last
+    token) in ``schedule`` chunks; the log-probs [B, n, V] of the positions that predict the answer
+    (from the question's last token on; ``n_q`` = 0: every fed position), None when nothing is fed."""
     out, pos = [], 0
     for c in schedule:
         logits = _forward(model, fed[:, pos:pos + c], cache, kw)
@@ -155,12 +230,15 @@ def _teacher_forced(model, kw, cache, fed: torch.Tensor, schedule: list[int], n_
         if keep < c:
             out.append(_logp_rows(logits[:, keep:]))
         pos += c
-    return torch.cat(out, 1)
+    return torch.cat(out, 1) if out else None
 
 
-def _greedy(model, kw, cache, question: torch.Tensor, schedule: list[int], n_a: int) -> torch.Tensor:
-    """Read the question in ``schedule`` chunks, then generate ``n_a`` tokens greedily: [B, n_a]."""
-    pos, logits = 0, None
+def _greedy(model, kw, cache, question: torch.Tensor, schedule: list[int], n_a: int,
+            last: torch.Tensor | None = None) -> torch.Tensor:
+    """Read the question in ``schedule`` chunks (none when it was inside the prefill: then ``last``,
+    the prefill's last logits [B, V], predicts the first token), then generate ``n_a`` tokens
+    greedily: [B, n_a]."""
+    pos, logits = 0, None if last is None else last[:, None]
     for c in schedule:
         logits = _forward(model, question[:, pos:pos + c], cache, kw)
         pos += c
@@ -195,32 +273,41 @@ def _schedule(what, start: int, n: int) -> list[int]:
 
 
 def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]:
-    """One arm on one batch of trials: its rows (arrays into ``ctx.store``); the reference also
-    returns the batch's :class:`~testbed.live.SharedPrefill` that the batch's other arms load."""
+    """One arm on one batch of trials at one question placement: its rows (arrays into ``ctx.store``);
+    the reference also returns the batch's :class:`~testbed.live.SharedPrefill` that the other arms
+    of the batch and placement load."""
     p = proto["retrieval"]
     study, store = ctx.study, ctx.store
     model, _, _ = load_model()
     kw = _forward_kwargs(model)
-    arm, what = arms_of(p)[unit["arm"]]
+    arms = unit_arms(p, unit)
+    arm, what = arms[unit["arm"]]
+    question_at = unit.get("question", "after")
+    inside = question_at == "inside"
     batch = unit["trials"]
     bi = unit["batch"]
     ids = torch.tensor([t["ids"] for t in batch], dtype=torch.int64)
     P = batch[0]["length"]
     n_q, n_a = len(batch[0]["question_ids"]), len(batch[0]["answer_ids"])
-    question, fed = ids[:, P:P + n_q], ids[:, P:P + n_q + n_a - 1]
     answer = ids[:, P + n_q:]
+    # what the prefill holds, and what goes through the arm's cache after it
+    pre = P + n_q if inside else P
+    question = ids[:, pre:pre] if inside else ids[:, P:P + n_q]  # what is read after the prefill
+    fed = ids[:, pre:P + n_q + n_a - 1]
     if what is not None and not isinstance(what, Policy):
         ctx.one_off += _warm_quanto(model, kw, model.config, ctx.progress)  # before the arm's clock starts
     shared = None if ref is None else ref[0]  # the reference's output: (SharedPrefill,), a tuple as every unit's
+    view = _view(p, unit)
+    case = f"batch{bi}" + ("" if question_at == "after" else f"-{question_at}")
     t0 = time.perf_counter()
     with torch.no_grad():
         if arm == REFERENCE:
-            tail, received = scored_needs(p)  # what the scored selections read of the prefill
-            shared, cache = shared_prefill(model, kw, ids[:, :P], _mass_candidates({**p, "prefill": P}), None,
-                                           heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in _arms(p))
-                                           or received, query_tail=tail)
-            ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": None, "op": "prefill", "repeat": 0,
-                                "seconds": shared.seconds, "trials": len(batch), "tokens": len(batch) * P,
+            tail, received = scored_needs(view)  # what the scored selections read of the prefill
+            shared, cache = shared_prefill(model, kw, ids[:, :pre], _mass_candidates(view), None,
+                                           heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in arms)
+                                           or received, query_tail=tail, last=inside)
+            ctx.timings.append({"study": study, "case": case, "arm": None, "op": "prefill", "repeat": 0,
+                                "seconds": shared.seconds, "trials": len(batch), "tokens": len(batch) * pre,
                                 "forwards": 1})
             t0 = time.perf_counter()
         else:
@@ -228,25 +315,29 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
             shared.load_into(cache)
         from .policies.cache import policy_attention  # transformers: needed only once a model runs
 
-        tf_schedule = _schedule(what, P, n_q + n_a - 1)
-        q_schedule = _schedule(what, P, n_q)
+        tf_schedule = _schedule(what, pre, fed.shape[1])
+        q_schedule = _schedule(what, pre, question.shape[1])
         with policy_attention(model) if isinstance(what, Policy) else contextlib.nullcontext():
-            logp = _teacher_forced(model, kw, cache, fed, tf_schedule, n_q)
+            logp = _teacher_forced(model, kw, cache, fed, tf_schedule, question.shape[1])
+            if inside:  # the first answer token from the shared prefill's last position
+                first = _logp_rows(shared.last[:, None])
+                logp = first if logp is None else torch.cat([first, logp], 1)
             del cache
             cache2 = _new_cache(model, what, p)
             shared.load_into(cache2)
-            generated = _greedy(model, kw, cache2, question, q_schedule, n_a)
+            generated = _greedy(model, kw, cache2, question, q_schedule, n_a, shared.last if inside else None)
             del cache2
     seconds = time.perf_counter() - t0
     lp = logp.gather(-1, answer.unsqueeze(-1)).squeeze(-1)
     am = logp.argmax(-1)
     forwards = len(tf_schedule) + len(q_schedule) + n_a - 1
-    ctx.timings.append({"study": study, "case": f"batch{bi}", "arm": arm, "op": "decode", "repeat": 0,
+    ctx.timings.append({"study": study, "case": case, "arm": arm, "op": "decode", "repeat": 0,
                         "seconds": seconds, "trials": len(batch), "forwards": forwards})
     kind = "reference" if what is None else "policy" if isinstance(what, Policy) else "peer"
+    marked = p.get("question", ["after"]) != ["after"]  # rows name their placement where the study has several
     rows = []
     for j, t in enumerate(batch):
-        prefix = f"{study}/{t['case']}/{arm}"
+        prefix = f"{study}/{t['case']}/{arm}" + ("+inside" if inside else "")
         lpj = lp[j].numpy().astype(np.float32)
         amj = am[j].numpy().astype(np.int32)
         genj = generated[j].numpy().astype(np.int32)
@@ -259,6 +350,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                "greedy_tokens_correct": int((genj == ans).sum()), "greedy_em": int(bool((genj == ans).all())),
                "arrays": {"logprob": store.save(f"{prefix}/logprob", lpj), "argmax": store.save(f"{prefix}/argmax", amj),
                           "generated": store.save(f"{prefix}/generated", genj)}}
+        if marked:
+            row["question"] = question_at
         if isinstance(what, Policy):
             row["policy"] = what.config()
         elif kind == "peer":
@@ -266,8 +359,16 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                            "residual_length": p["window"]}
         rows.append(row)
     em = sum(r["tf_em"] for r in rows)
-    note = f"{arm}, {batch_note(unit, len(batch), 'trials')}: {em}/{len(rows)} exact, {forwards} forwards, {seconds:.1f} s"
+    note = (f"{arm}{' (question inside)' if inside else ''}, {batch_note(unit, len(batch), 'trials')}: {em}/{len(rows)} "
+            f"exact, {forwards} forwards, {seconds:.1f} s")
     return rows, ((shared,) if arm == REFERENCE else None), note
+
+
+_INSIDE = (" With the question inside, the haystack and the question are the prefill read in float32, handed to the "
+           "arm's cache and compressed there; the answer then goes through the arm's cache. The first answer token is "
+           "predicted from the prefill's last position, which every arm shares (the prefill is read before any "
+           "compression), so its log-prob and argmax are the reference's in every arm; the arms differ from the second "
+           "answer token on.")
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -277,17 +378,18 @@ HEADERS = ["arm", "length", "trials", "TF exact match", "Wilson 95 %", "greedy e
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (task, length, arm), over trials: accuracies, the Wilson interval of the teacher-forced
-    one, the mean answer log-prob, and McNemar against the reference on the same trials."""
+    """Per (task, length, question placement, arm), over trials: accuracies, the Wilson interval of
+    the teacher-forced one, the mean answer log-prob, and McNemar against the reference of the same
+    placement on the same trials (a row without ``question`` is one of the question after)."""
     cells: dict[tuple, dict] = {}
     for r in rows:
-        cells.setdefault((r["task"], r["length"], r["arm"]), {})[r["case"]] = r
+        cells.setdefault((r["task"], r["length"], r.get("question", "after"), r["arm"]), {})[r["case"]] = r
     out = []
-    for (task, length, arm), trials in cells.items():
+    for (task, length, question, arm), trials in cells.items():
         ids = sorted(trials)
         tf = [bool(trials[c]["tf_em"]) for c in ids]
-        ref = cells.get((task, length, REFERENCE), {})
-        e = {"task": task, "length": length, "arm": arm, "trials": len(ids), "tf_correct": sum(tf),
+        ref = cells.get((task, length, question, REFERENCE), {})
+        e = {"task": task, "length": length, "question": question, "arm": arm, "trials": len(ids), "tf_correct": sum(tf),
              "greedy_correct": sum(bool(trials[c]["greedy_em"]) for c in ids),
              "wilson": retrieval.wilson(sum(tf), len(ids)),
              "mean_logprob": float(np.mean([trials[c]["answer_logprob"] for c in ids]))}
@@ -308,18 +410,21 @@ def report(rows: list[dict], params: dict) -> str:
         return "(no rows: the retrieval study was excluded; see the manifest's excluded entries)"
     parts = []
     summary = summarize(rows)
-    for task in dict.fromkeys(r["task"] for r in rows):
+    placements = list(dict.fromkeys(r.get("question", "after") for r in rows))
+    marked = any("question" in r for r in rows)
+    for task, question in ((t, q) for t in dict.fromkeys(r["task"] for r in rows) for q in placements):
         table = []
         arms = list(dict.fromkeys(r["arm"] for r in rows if r["task"] == task))
         for arm in arms:
-            for e in sorted((e for e in summary if e["task"] == task and e["arm"] == arm), key=lambda e: e["length"]):
+            for e in sorted((e for e in summary if e["task"] == task and e["arm"] == arm and e["question"] == question),
+                            key=lambda e: e["length"]):
                 lo, hi = e["wilson"]
                 m = e.get("mcnemar")
                 table.append([arm, str(e["length"]), str(e["trials"]), f"{100 * e['tf_correct'] / e['trials']:.1f} %",
                               f"[{100 * lo:.1f}, {100 * hi:.1f}] %", f"{100 * e['greedy_correct'] / e['trials']:.1f} %",
                               f"{e['mean_logprob']:.3f}",
                               "—" if m is None else f"{_p_text(m['p'])} ({m['b']}/{m['c']})"])
-        parts.append(f"Task {task}:")
+        parts.append(f"Task {task}, question {question} the compressed prefill:" if marked else f"Task {task}:")
         parts.append(tabulate(table, headers=HEADERS, tablefmt="github", disable_numparse=True))
     n = len({r["case"] for r in rows})
     depths = len(params["depths"])
@@ -331,7 +436,8 @@ def report(rows: list[dict], params: dict) -> str:
         "is that of the teacher-forced EM; McNemar is the exact two-sided test of the arm's teacher-forced EM against "
         "the DynamicCache reference on the same trials (b: the reference right and the arm wrong; c: the reverse). The "
         "haystack is read once in float32 and handed to every arm's cache; the question and answer then go through the "
-        "arm's cache. What this does not show: one small model (SmolLM2-135M-Instruct, float32 weights dequantized from "
+        "arm's cache." + (_INSIDE if marked else "") + " What this does not show: one small model "
+        "(SmolLM2-135M-Instruct, float32 weights dequantized from "
         "Q4_1), synthetic tasks (a passkey in filler text, key-value needles in Python's help text), no reasoning, "
         "aggregation or natural questions, and no chat template; with few trials per cell the intervals are wide.")
     return "\n\n".join(parts)

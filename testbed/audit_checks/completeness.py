@@ -41,7 +41,7 @@ IDENTITY = {
     "mx_paths": ("path", "rotation", "scale_rule"),
     "observation": ("scope", "head"),
     "live_quality": ("arm",),
-    "retrieval": ("arm",),
+    "retrieval": ("arm", "question"),
 }
 
 # The row fields no check re-derives, by analysis, each with the reason: descriptive text that

@@ -439,7 +439,10 @@ def _live_points(rows, ctx, suffix: str):
 
 
 def _retrieval_figure(rows, ctx):
-    """Per task and arm: teacher-forced EM accuracy and trial counts on the depth x length grid."""
+    """Per task and arm: teacher-forced EM accuracy and trial counts on the depth x length grid; the
+    rows of the question inside the compressed prefill as one more arm, ``<arm> (question inside)``."""
+    rows = [r if r.get("question", "after") == "after" else {**r, "arm": f"{r['arm']} (question inside)"}
+            for r in rows]
     maps = []
     for task in _ordered([r["task"] for r in rows]):
         sel = [r for r in rows if r["task"] == task]

@@ -10,13 +10,19 @@ For every (trial, arm) row, from the stored arrays and the frozen protocol:
   log-probabilities), ``tf_tokens_correct`` and ``tf_em`` (stored argmax against the answer ids),
   ``greedy_tokens_correct`` and ``greedy_em`` (stored generated tokens against the answer ids);
   the row's task, length, depth, trial and seed against its case; a policy's config against the
-  audit's own table of the presets (``live_quality.POLICY_TABLE``), a peer's parameters;
+  audit's own table of the presets (``live_quality.POLICY_TABLE``) or the protocol's declaration,
+  a declared budget's kept count derived again per trial (:func:`trial_view`: the trial ends at
+  prefill + question + answer tokens, the compressed prefill being the haystack, or the haystack
+  and the question when the question is inside) and its whole-cache bytes at the trial's end
+  within ``budget_tolerance`` below the budget; a peer's parameters;
+- the question placement: a study that runs ``"inside"`` marks every row with its ``question``
+  (one of the protocol's), an after-only study none; each placement has its own rows;
 - between the arrays: a log-prob above ln 1/2 must be the argmax's, the argmax's log-prob is at
   least -ln V, and the greedy tokens equal the teacher-forced argmaxes up to the first miss
   (:func:`_cross_checks`);
 - once per study: exactly the trials of the grid (task x length x depth x trial, in that order,
   ``t0000`` on), each with its coordinates, distinct seeds and distinct answers, and exactly one row
-  per (trial, arm) of the protocol's arms.
+  per (trial, question placement, arm) of the protocol's arms.
 
 - each trial bound to its grid slot, without a tokenizer (:func:`_binding`): its seed is the one the
   study seed and its coordinates derive (SHA-256 of ``retrieval/<seed>/<task>/<length>/<depth>/<trial>/
@@ -54,16 +60,17 @@ import numpy as np
 
 from . import report_format as fmt
 from .capture import MODELS, check_software, compare_fields, read_json
-from .live_quality import check_grid, policy_names, policy_of
+from .common import HEADER_BYTES
+from .live_quality import SCORED_EXTRA, check_grid, policy_names, policy_of, scored_held
 from .stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
-           "DEFAULTS", "MODEL", "trial_problems", "report_tables"]
+           "DEFAULTS", "MODEL", "trial_problems", "report_tables", "trial_view", "budget_problem"]
 
 REFERENCE = "dynamic_cache"
 # the run side's schema defaults, the audit's own statement of them (a frozen copy is as written)
 DEFAULTS = {"trials": 8, "seed": 0, "needles": 4, "peers": [], "window": 128, "group": 32, "sink": 4,
-            "evict_window": 256, "batch": 4}
+            "evict_window": 256, "batch": 4, "question": ["after"], "budget_tolerance": 0.01}
 PEER_GROUP = 64
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the only model of the study (a key of capture.MODELS)
 VOCAB = 49152  # SmolLM2's vocabulary
@@ -184,6 +191,40 @@ def expected_trials(p: dict) -> list[dict]:
     return out
 
 
+def trial_view(p: dict, length: int, question_tokens: int, answer_tokens: int, question: str) -> dict:
+    """The study's parameters as the live audit's policy table reads them for one trial: a budget's
+    segment ends at prefill + question + answer tokens; the compressed prefill is the haystack
+    (question after; the question and answer are the steps) or the haystack and the question
+    (inside; the answer is the steps)."""
+    inside = question_tokens if question == "inside" else 0
+    return {**p, "model": MODEL, "prefill": length + inside, "steps": question_tokens + answer_tokens - inside}
+
+
+def budget_problem(entry: dict, pol: dict, view: dict) -> str | None:
+    """What is wrong with a declared budget's kept count at the trial's end (None when nothing): the
+    whole cache's bytes (per layer the header and, per KV head and held token, float32 K and V and,
+    for a scored selection, an int32 index and a float32 score) above the budget, or more than the
+    study's ``budget_tolerance`` below it."""
+    (kind, value), = entry["budget"].items()
+    if kind == "tokens":
+        return None
+    dims = MODELS[MODEL]
+    layers, h, d = dims["layers"], dims["kv_heads"], dims["head_dim"]
+    n = view["prefill"] + view["steps"]
+    target = value * n if kind == "bytes_per_token" else value * n * layers * 4 * h * d
+    if pol.get("scorer"):
+        held, extra = scored_held(pol, n), SCORED_EXTRA
+    else:  # a sink_window selection: the first S and the newest W, float32 K and V only
+        held, extra = min(n, pol["sink"] + pol["window"]), 0
+    got = layers * (HEADER_BYTES + h * held * (8 * d + extra))
+    if got > target:
+        return f"{got:,} bytes at the trial's end ({n} tokens) exceed the budget's {target:,.1f}"
+    if (target - got) / target > view.get("budget_tolerance", 0.01):
+        return (f"{got:,} bytes at the trial's end ({n} tokens) are {(target - got) / target:.2%} below the budget's "
+                f"{target:,.1f}, more than the tolerance {view.get('budget_tolerance', 0.01):.2%}")
+    return None
+
+
 def _trial(ctx, study: str, cid: str) -> dict:
     """The trial's stored ids, checked once (problems are FAIL lines naming the case)."""
     def build():
@@ -204,7 +245,7 @@ def _trial(ctx, study: str, cid: str) -> dict:
         ctx.numbers += 1
         for problem in trial_problems(trial):
             ctx.fail(where, problem)
-        return {"meta": meta, "answer": ids[P + nq:].astype(np.int64), "answer_tokens": na}
+        return {"meta": meta, "answer": ids[P + nq:].astype(np.int64), "answer_tokens": na, "question_tokens": nq}
     return ctx.cached(("retrieval_trial", study, cid), build)
 
 
@@ -244,12 +285,32 @@ def check_study(ctx, study: str, p: dict) -> bool:
             spelled.append((w["case"], *answer))
     _check_spelling(ctx, where, spelled)
     arms = arms_of(p)
-    check_grid(ctx, study, where, names, arms, "trial")
+    if p["question"] == ["after"]:
+        check_grid(ctx, study, where, names, arms, "trial")
+    else:
+        _check_placed_grid(ctx, study, where, names, arms, p["question"])
     try:
         _check_manifest(ctx, study, p, len(want))
     except Exception as e:  # noqa: BLE001 - a forged manifest must give a FAIL line, never a crash
         ctx.fail(f"{study}/retrieval_manifest.json", f"cannot be checked ({type(e).__name__}: {str(e)[:200]})")
     return True
+
+
+def _check_placed_grid(ctx, study: str, where: str, cases, arms, placements) -> None:
+    """Exactly one row per (trial, question placement, arm) of a study that runs the question inside."""
+    seen: dict[tuple, int] = {}
+    for r in ctx.results.get("rows", []):
+        if isinstance(r, dict) and r.get("study") == study:
+            key = (r.get("case"), r.get("question"), r.get("arm"))
+            seen[key] = seen.get(key, 0) + 1
+    want = {(c, q, a) for c in cases for q in placements for a in arms}
+    for key in sorted(want - set(seen), key=repr):
+        ctx.fail(where, f"row for trial {key[0]} question {key[1]} arm {key[2]} is missing")
+    for key in sorted(set(seen) - want, key=repr):
+        ctx.fail(where, f"row for trial {key[0]} question {key[1]} arm {key[2]} is not one the protocol implies")
+    for key, count in sorted(seen.items(), key=repr):
+        if count > 1:
+            ctx.fail(where, f"trial {key[0]} question {key[1]} arm {key[2]} has {count} rows")
 
 
 def _binding(ctx, where: str, w: dict, rec: dict, meta: dict, p: dict):
@@ -441,13 +502,28 @@ def check(row: dict, ctx) -> None:
     ctx.equal(row, "greedy_tokens_correct", row.get("greedy_tokens_correct"), greedy_hits)
     ctx.equal(row, "greedy_em", row.get("greedy_em"), int(greedy_hits == n))
     _cross_checks(row, ctx, lp, argmax, generated, answer)
+    question = row.get("question", "after")
+    if p["question"] == ["after"]:
+        if "question" in row:
+            ctx.fail(row, f"question {row.get('question')!r}: a study of the question after the prefill only marks no "
+                          "row with its placement")
+    elif row.get("question") not in p["question"]:
+        ctx.fail(row, f"question {row.get('question')!r} is not one of the protocol's placements {p['question']}")
     if kind == "policy":
         got = row.get("policy") if isinstance(row.get("policy"), dict) else {}
-        for key, val in policy_of(arm, p).items():
+        view = trial_view(p, meta["length"], trial["question_tokens"], n, question)
+        want = policy_of(arm, view)
+        for key, val in want.items():
             if key.startswith("_"):  # the audit's own working values (a live segment's prefill), not a field
                 continue
             ctx.equal(row, f"policy.{key}", got.get(key), val)
         ctx.equal(row, "policy.name", got.get("name"), arm)
+        entry = next((e for e in p.get("policies", []) if isinstance(e, dict) and e.get("name") == arm), None)
+        if entry is not None and "budget" in entry:
+            ctx.numbers += 1
+            problem = budget_problem(entry, want, view)
+            if problem:
+                ctx.fail(row, f"policy budget {entry['budget']}: {problem}")
     elif kind == "peer":
         got = row.get("peer") if isinstance(row.get("peer"), dict) else {}
         want = {"backend": "quanto", "bits": peers[arm]["bits"], "q_group_size": PEER_GROUP,
@@ -508,20 +584,24 @@ RETRIEVAL_HEADERS = ["arm", "length", "trials", "TF exact match", "Wilson 95 %",
 
 
 def report_tables(rows, p: dict) -> list:
-    """Per task a table of (arm, length) over trials: teacher-forced EM with its Wilson interval,
-    greedy EM, the mean answer log-prob and the exact McNemar p of the arm against the reference
-    on the same trials; then the notes' trial counts."""
+    """Per task (and question placement, where the study runs the question inside: one table each,
+    headed "Task T, question Q the compressed prefill:") a table of (arm, length) over trials:
+    teacher-forced EM with its Wilson interval, greedy EM, the mean answer log-prob and the exact
+    McNemar p of the arm against the reference of the same placement on the same trials; then the
+    notes' trial counts."""
     if not rows:
         return [fmt.P("no rows", "(no rows: the retrieval study was excluded")]
     one = lambda v: f"{100 * v:.1f}"  # noqa: E731
     out = []
-    for task in fmt.ordered(r["task"] for r in rows):
+    marked = p.get("question", ["after"]) != ["after"]
+    placements = fmt.ordered(r.get("question", "after") for r in rows)
+    for task, question in ((t, q) for t in fmt.ordered(r["task"] for r in rows) for q in placements):
         trs = []
+        sel = [r for r in rows if r["task"] == task and r.get("question", "after") == question]
         for arm in arms_of(p):
-            for length in sorted({r["length"] for r in rows if r["task"] == task and r["arm"] == arm}):
-                cell = {r["case"]: r for r in rows if r["task"] == task and r["arm"] == arm and r["length"] == length}
-                ref = {r["case"]: r for r in rows if r["task"] == task and r["arm"] == REFERENCE
-                       and r["length"] == length}
+            for length in sorted({r["length"] for r in sel if r["arm"] == arm}):
+                cell = {r["case"]: r for r in sel if r["arm"] == arm and r["length"] == length}
+                ref = {r["case"]: r for r in sel if r["arm"] == REFERENCE and r["length"] == length}
                 n = len(cell)
                 k = sum(1 for r in cell.values() if r["tf_em"] == 1)
                 g = sum(1 for r in cell.values() if r["greedy_em"] == 1)
@@ -536,7 +616,11 @@ def report_tables(rows, p: dict) -> list:
                             ("[", fmt.Num(lo, one), ", ", fmt.Num(hi, one), "] %"),
                             (fmt.Num(g / n, one, exact=True), " %"),
                             fmt.fixed(math.fsum(r["answer_logprob"] for r in cell.values()) / n, 3), test])
-        out += [fmt.P(f"task {task}", f"Task {task}:"), fmt.T(f"retrieval {task}", RETRIEVAL_HEADERS, 2, trs)]
+        if marked:
+            out += [fmt.P(f"task {task} question {question}", f"Task {task}, question {question} the compressed prefill:"),
+                    fmt.T(f"retrieval {task} question {question}", RETRIEVAL_HEADERS, 2, trs)]
+        else:
+            out += [fmt.P(f"task {task}", f"Task {task}:"), fmt.T(f"retrieval {task}", RETRIEVAL_HEADERS, 2, trs)]
     depths = [float(d) for d in p["depths"]]
     out.append(fmt.P("notes", "", [("trials", r"^(\S+) trials \(", fmt.text(len({r["case"] for r in rows}))),
                                    ("trials per cell", r"\((\S+) per task, length and depth", fmt.text(p["trials"])),
