@@ -44,7 +44,7 @@ from tabulate import tabulate
 
 from ..ablation_core import drop_rows
 from ..context import case_fields
-from ..metrics import effective_support, paired_wilcoxon, score_tiles, top_counts
+from ..metrics import effective_support, holm, paired_wilcoxon, score_tiles, top_counts
 from ..resources import DEFAULT_MAX_SCORES
 from ..schema import Key, Spec
 
@@ -284,6 +284,8 @@ def summary(rows) -> list[dict]:
         line["unit_kind"] = r0[0]["unit"]
         line["sparse"] = f"{_median([r['sparse'] for r in r0]):g}/{r0[0]['units']}"
         line["concentrated"] = _median([r["concentrated"] for r in r0])
+        rule = [r for r in rows if _label(r) == dist and r["arm"] == "rule"]
+        line["rule_concentrated"] = f"{sum(r['sparse_concentrated'] for r in rule)}/{sum(r['sparse'] for r in rule)}"
         line["kept_share"] = _median([r["kept_share"] for r in r0])
         for arm in ("rule", "random", "reversed"):
             line[arm] = _median([u[arm] for u in units.values()])
@@ -292,6 +294,9 @@ def summary(rows) -> list[dict]:
             line[f"wins_{ctrl}"] = f"{sum(a < b for a, b in pairs)}/{len(pairs)}"
             line[f"p_{ctrl}"] = paired_wilcoxon([a for a, _ in pairs], [b for _, b in pairs])["p"] if pairs else None
         out.append(line)
+    adj = holm([p for line in out for p in (line["p_random"], line["p_reversed"])])
+    for i, line in enumerate(out):
+        line["holm_random"], line["holm_reversed"] = adj[2 * i], adj[2 * i + 1]
     return out
 
 
@@ -312,12 +317,14 @@ def report(rows, params) -> str:
            "control's; p: two-sided Wilcoxon signed-rank over units.\n"]
     tab = [[d["distribution"], d["units"], d["unit_kind"], d["sparse"], "n/a" if d["concentrated"] is None
             else f"{d['concentrated']:g}", _pct(d["kept_share"], 2), _pct(d["rule"]), _pct(d["random"]),
-            _pct(d["reversed"]), d["wins_random"], _p(d["p_random"]), d["wins_reversed"], _p(d["p_reversed"])]
+            d["rule_concentrated"], _pct(d["reversed"]), d["wins_random"], _p(d["p_random"]), _p(d["holm_random"]),
+            d["wins_reversed"], _p(d["p_reversed"]), _p(d["holm_reversed"])]
            for d in summary(rows)]
     out.append(tabulate(tab, headers=["distribution", "units", "unit", "sparse units", "concentrated units (median)",
-                                      "kept share", "rule rel-L2", "random rel-L2", "reversed rel-L2",
-                                      "rule better than random", "p random", "rule better than reversed",
-                                      "p reversed"], tablefmt="github"))
+                                      "kept share", "rule rel-L2", "random rel-L2", "rule's sparse concentrated",
+                                      "reversed rel-L2", "rule better than random", "p random", "Holm p random",
+                                      "rule better than reversed", "p reversed", "Holm p reversed"],
+                        tablefmt="github"))
     out.append("\nBy unit: the median over cases of the unit's median support and the share of cases in which it is "
                "concentrated.\n")
     tab = []

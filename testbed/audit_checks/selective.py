@@ -21,7 +21,7 @@ import numpy as np
 
 from .common import TOLERANCES, softmax_attention
 from .report_format import P, T, Num, label, ordered, pct, pvalue, text
-from .stats import median, unit_of, wilcoxon_p
+from .stats import holm, median, unit_of, wilcoxon_p
 
 __all__ = ["check", "derive", "report_tables"]
 
@@ -199,16 +199,28 @@ def report_tables(rows, params) -> list:
                 (Num(median([r["sparse"] for r in r0]), lambda v: f"{v:g}", exact=True), f"/{r0[0]['units']}"),
                 (Num(median([r["concentrated"] for r in r0]), lambda v: f"{v:g}", exact=True),),
                 pct(median([r["kept_share"] for r in r0]), 2)]
-        line += [pct(median([x[a] for x in per.values() if x[a] is not None]), 3) for a in ARMS]
+        rel = [pct(median([x[a] for x in per.values() if x[a] is not None]), 3) for a in ARMS]
+        rule = [r for r in rows if label(r) == dist and r["arm"] == "rule"]
+        line += rel[:2] + [text(f"{sum(r['sparse_concentrated'] for r in rule)}/{sum(r['sparse'] for r in rule)}"),
+                           rel[2]]
         for ctrl in ("random", "reversed"):
             pairs = [(x["rule"], x[ctrl]) for x in per.values() if x["rule"] is not None and x[ctrl] is not None]
             p, exact = wilcoxon_p([a for a, _ in pairs], [b for _, b in pairs]) if pairs else (None, True)
-            line += [text(f"{sum(a < b for a, b in pairs)}/{len(pairs)}"), pvalue(p, exact=exact)]
+            line += [text(f"{sum(a < b for a, b in pairs)}/{len(pairs)}"), pvalue(p, exact=exact), (p, exact)]
         trs.append(line)
+    # Holm over every test of the table (both controls, every distribution), in the run's order
+    cols = (12, 15)
+    ps = [line[c][0] for line in trs for c in cols]
+    exact = all(line[c][1] for line in trs for c in cols)
+    adj = holm(ps)
+    for i, line in enumerate(trs):
+        for j, c in enumerate(cols):
+            line[c] = pvalue(adj[2 * i + j], exact=exact)
     out = [P("selective", "Selective sparsity at equal kept keys: per unit ("),
            T("selective", ["distribution", "units", "unit", "sparse units", "concentrated units (median)", "kept share",
-                           "rule rel-L2", "random rel-L2", "reversed rel-L2", "rule better than random", "p random",
-                           "rule better than reversed", "p reversed"], 1, trs),
+                           "rule rel-L2", "random rel-L2", "rule's sparse concentrated", "reversed rel-L2",
+                           "rule better than random", "p random", "Holm p random", "rule better than reversed",
+                           "p reversed", "Holm p reversed"], 1, trs),
            P("by unit", "By unit: the median over cases of the unit's median support")]
     utrs = []
     for dist in ordered(label(r) for r in rows):
