@@ -147,13 +147,14 @@ def _arms(medians, n, case_id, params) -> list[tuple[str, int | None, list[int]]
 
 def _ablate(case, k_rows: torch.Tensor, unit_heads, arms, unit: str, max_scores: int):
     """Per arm, per query head: ``err2``, ``ref2`` against the full float64 output, undefined rows,
-    and the top-k sets ``[H, Tq, Tk]`` of every unit."""
+    and the top-k sets of every unit, bit-packed along the keys tile by tile (``[H, Tq, ceil(Tk / 8)]``
+    uint8: the case's only per-key array, an eighth of a byte per score)."""
     h, tq, tk = case.heads, case.q.shape[1], case.keys
     na = len(arms)
     err2 = torch.zeros(na, h, dtype=torch.float64)
     ref2 = torch.zeros(na, h, dtype=torch.float64)
     undefined = torch.zeros(na, h, dtype=torch.int64)
-    top = torch.zeros(h, tq, tk, dtype=torch.bool)
+    top = np.zeros((h, tq, -(-tk // 8)), dtype=np.uint8)
     head_unit = {hh: u for u, hs in enumerate(unit_heads) for hh in hs}
     for j, heads, qs, s, vis in score_tiles(case.q, case.k, case.query_positions, case.causal, max_scores):
         vj = case.v[j].to(torch.float64)
@@ -166,7 +167,7 @@ def _ablate(case, k_rows: torch.Tensor, unit_heads, arms, unit: str, max_scores:
             sel = topk_mask(p.sum(dim=0), vis, kk).unsqueeze(0).expand_as(p)
         else:
             sel = topk_mask(p, vis, kk)
-        top[heads, qs] = sel
+        top[heads, qs] = np.packbits(sel.numpy(), axis=-1)
         hs = list(range(heads.start, heads.stop))
         for a, (_, _, sparse) in enumerate(arms):
             sparse_rows = torch.tensor([head_unit[hh] in sparse for hh in hs]).view(-1, 1, 1)
@@ -201,8 +202,7 @@ def evaluate(case, params, ctx) -> list[dict]:
     arms = _arms(medians, n, case.id, params)
     err2, ref2, undefined, top = ctx.timed(case.id, "selective", "ablate", 0,
                                            lambda: _ablate(case, k_rows, unit_heads, arms, unit, params["max_scores"]))
-    path = ctx.store.save(f"{ctx.study}/{case.id}/selective/topk",
-                          torch.from_numpy(np.packbits(top.numpy(), axis=-1)))
+    path = ctx.store.save(f"{ctx.study}/{case.id}/selective/topk", torch.from_numpy(top))
     per_head = len(unit_heads[0])
     total = case.heads * v_sum
     kept = total - n * per_head * (v_sum - s_sum)
