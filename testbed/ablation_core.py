@@ -570,6 +570,16 @@ def _drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop:
     return out, ok, tau, tv, mu_d, has
 
 
+def drop_rows(s: torch.Tensor, vis: torch.Tensor | None, p: torch.Tensor, drop: torch.Tensor, vj: torch.Tensor,
+              outputs_only: bool = False):
+    """The per-row masked renormalized softmax of the ablations (`_drop_rows`, without scratch
+    buffers): ``drop [g, c, Tk]`` a different key set per row (the selective analysis's kept sets)."""
+    return _drop_rows(s, vis, p, drop, vj, outputs_only=outputs_only)
+
+
+__all__.append("drop_rows")
+
+
 @dataclass
 class MassResult(ArmResult):
     """`ArmResult` of the mass-matched controls of one K/V arm (names ``mass_control_<region>``),

@@ -28,6 +28,7 @@ PARAMS = {
     "ablation": {"ablations": ["none", "drop_sink", "control_sink", "mass_control_sink", "drop_recent", "drop_history"]},
     "mx_paths": {},
     "residual_window": {"bits": 4, "group_size": 16, "residuals": [0, 8], "early_window": 4, "recent_mass_window": 8},
+    "selective": {"random_draws": 2, "budget": 0.5},
 }
 # per analysis: which rows to forge (a predicate) and a field the audit re-derives
 FORGE = {
@@ -35,6 +36,7 @@ FORGE = {
     "ablation": (lambda r: r.get("ablation") == "drop_sink" and r.get("arm") == "float32", "tv"),
     "mx_paths": (lambda r: r.get("path") == "qk", "tv_mean"),
     "residual_window": (lambda r: r.get("arm") == "R=8", "rel_l2"),
+    "selective": (lambda r: r.get("arm") == "reversed", "rel_l2"),
 }
 SOURCES = {
     "synthetic": {"kind": "synthetic", "seeds": [1], "lengths": [64], "distributions": ["clean", "early_focus"],

@@ -11,11 +11,11 @@ capture manifests: provenance, the model's identity, gates, token ids and case m
 """
 
 from . import (ablation_audit, capture, completeness, live_quality, mx_paths, observation, report_html, report_md,
-               residual_window, retrieval)
+               residual_window, retrieval, selective)
 
 CHECKS = {"residual_window": residual_window.check, "mx_paths": mx_paths.check, "ablation": ablation_audit.check,
           "observation": observation.check, "live_quality": live_quality.check,
-          "retrieval": retrieval.check}
+          "retrieval": retrieval.check, "selective": selective.check}
 
 RUN_CHECKS = {"report.html": report_html.check_run, "report.md": report_md.check_run,
               "results.json": completeness.check_run, "capture_manifest.json": capture.check_run}

@@ -21,6 +21,9 @@ E8M0_NAN = 255      # OCP MX v1.0, E8M0 scale: the NaN code
 # The audit's tolerances, one per kind of number (docs/audit.md). They are the audit's: nothing a
 # run wrote (its protocol copies included) can loosen them; a protocol may only tighten "derived".
 TOLERANCES = {
+    # the selective rule's top-k sets: a key left out may outweigh a kept one by this much (float64
+    # rounding of the run's and the audit's softmax), so a near tie may fall either way
+    "selective_tie": {"rtol": 1e-9, "atol": 1e-15},
     # counts, bytes, shapes, codes, indices, token ids: exact
     "integer": {"rtol": 0.0, "atol": 0.0},
     # a number the run and the audit both compute in float64 from the same stored arrays

@@ -42,6 +42,7 @@ IDENTITY = {
     "observation": ("scope", "head"),
     "live_quality": ("arm",),
     "retrieval": ("arm", "question"),
+    "selective": ("arm", "draw"),
 }
 
 # The row fields no check re-derives, by analysis, each with the reason: descriptive text that
@@ -79,6 +80,7 @@ ANALYSIS_DEFAULTS = {
     "mx_paths": {"element": "e4m3", "block_size": 32, "rotations": ["none", "signed_hadamard"], "rotation_seed": 0,
                  "p_path": True, "scale_rules": ["floor"], "store_p": True},
     "observation": {"block_tokens": 16, "coverage": 0.9, "store_rows_max": 65536, "spatial_tiles": 1},
+    "selective": {"unit": "kv_head", "threshold": 0.1, "keep_percent": 10, "budget": 0.7, "random_draws": 4, "seed": 0},
 }
 TOKENIZE_REASON = re.compile(r"^prompt has (\d+) tokens, the protocol needs (\d+)$")
 
@@ -218,6 +220,12 @@ def expected_rows(ctx, study: str, analysis: str, params: dict, case_id: str, re
         return out
     if analysis == "ablation":
         return _ablation_rows(ctx, study, case_id, p)
+    if analysis == "selective":
+        common = {"unit": p["unit"], "threshold": p["threshold"], "keep_percent": p["keep_percent"],
+                  "budget": p["budget"], "control_seed": p["seed"]}
+        out = {(arm, None): dict(common) for arm in ("rule", "reversed")}
+        out.update({("random", d): dict(common) for d in range(p["random_draws"])})
+        return out
     raise ValueError(f"analysis {analysis!r} is not one the audit can expand")
 
 

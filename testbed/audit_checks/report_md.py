@@ -66,7 +66,7 @@ from collections import Counter
 
 import numpy as np
 
-from . import ablation_audit, live_quality, mx_paths, observation, residual_window, retrieval
+from . import ablation_audit, live_quality, mx_paths, observation, residual_window, retrieval, selective
 from .common import TOLERANCES, strict_json
 from .completeness import ANALYSIS_DEFAULTS
 from .report_format import P, T, Num, cell_ok, fixed, render, text
@@ -184,7 +184,8 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
 
 
 _ANALYSES = {"observation": observation.report_tables, "ablation": ablation_audit.report_tables,
-             "mx_paths": mx_paths.report_tables, "residual_window": residual_window.report_tables}
+             "mx_paths": mx_paths.report_tables, "residual_window": residual_window.report_tables,
+             "selective": selective.report_tables}
 
 
 def derive_document(ctx, rows: list, timings: list) -> dict:
