@@ -41,6 +41,8 @@ import numpy as np
 
 from .common import TOLERANCES, strict_json
 from .live_quality import BUDGET_VERSUS, budget_of, versus_of
+from .report_format import label as _label
+from .report_format import ordered as _ordered
 
 __all__ = ["check_run", "derive_figures", "parse_report", "expected_page", "page_lines", "caption", "CSP",
            "CAPTIONS", "STYLE", "INTRO", "TITLE"]
@@ -194,18 +196,6 @@ def png_size(src: str) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # the audit's own figure data
 # ---------------------------------------------------------------------------------------------
-
-def _label(r):
-    return r["distribution"] if "distribution" in r else r["case"]
-
-
-def _ordered(values):
-    seen = []
-    for v in values:
-        if v not in seen:
-            seen.append(v)
-    return seen
-
 
 def _unit_of(r):
     if r.get("prompt") is not None:
