@@ -451,6 +451,11 @@ def test_adaptive_arms_run_and_pass_the_audit(ada_run):
     count = _arrays.load(ada_run, ev["kept.count"])
     assert count.sum() == 3 * (100 + 16) and len(set(count.tolist())) > 1  # SmolLM2's heads split unevenly
     assert "kept.count" not in uni["evidence"]["arrays"]
+    from testbed.report_html import policy_family
+
+    # its own family on the frontier figure (the audit re-derives the figure's data: passed above)
+    assert [policy_family(rows[a]) for a in ("snapkv_ada", "snapkv_pre", "ea_pyr_ada")] == \
+        ["snapkv (prefill, adaptive)", "snapkv (prefill)", "expected_attention (prefill, pyramid, adaptive)"]
     pyr = rows["ea_pyr_ada"]["policy"]
     assert pyr["layers"] == "pyramid" and pyr["heads"] == "adaptive"
     count = _arrays.load(ada_run, rows["ea_pyr_ada"]["evidence"]["arrays"]["kept.count"])
