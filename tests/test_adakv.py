@@ -531,3 +531,34 @@ def test_a_forged_per_head_split_fails(ada_run, tmp_path, arm, forgery):
     assert not ok
     want = "kept.count" if forgery == "count_sum" else "kept set"
     assert any(arm in f and want in f for f in failures), failures[:5]
+
+
+@pytest.mark.slow
+def test_adaptive_arms_in_the_retrieval_study(tmp_path):
+    """The retrieval study (the question and answer fed after the compressed prefill, in chunks that
+    each get the per-head mask) runs adaptive arms given a kept count, and its audit passes."""
+    from testbed.audit import audit
+    from testbed.run import main as run_main
+    from testbed.sources import capture
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    proto = json.loads((REPO / "protocols" / "retrieval_small.json").read_text())
+    proto.update(name="retrieval_ada", default=False)
+    arms = [{"name": "snapkv_ada_k96", "selection": {"kind": "snapkv", "mode": "prefill", "keep": 96,
+                                                     "heads": "adaptive"}},
+            {"name": "knorm_ada_k96", "selection": {"kind": "knorm", "mode": "prefill", "keep": 96,
+                                                    "heads": "adaptive", "alpha": 0.5}}]
+    proto["retrieval"].update({"tasks": ["passkey"], "lengths": [160], "depths": [0.0, 1.0], "trials": 1, "batch": 2,
+                               "policies": arms, "peers": []})
+    path = tmp_path / "retrieval_ada.json"
+    path.write_text(json.dumps(proto))
+    out = tmp_path / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    ok, failures, _ = audit(out)
+    assert ok, failures[:5]
+    rows = [r for r in json.loads((out / "results.json").read_text())["rows"] if r.get("kind") == "policy"]
+    assert {r["arm"] for r in rows} == {"snapkv_ada_k96", "knorm_ada_k96"}
+    assert all(r["policy"]["heads"] == "adaptive" for r in rows)
