@@ -493,7 +493,7 @@ def _adaptive_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     safe = adaptive_safeguard(pol["keep"], pol["alpha"])
     if int(count.sum()) != h * held:
         ctx.fail(row, f"kept.count: the heads hold {int(count.sum())} tokens; the layer holds {h} x {held}")
-    if np.any(count < safe + n - P) or np.any(count > n):
+    if np.any(count < min(safe, P) + n - P) or np.any(count > n):
         ctx.fail(row, f"kept.count: a head holds fewer than its safeguard ({safe}) and the {n - P} tokens after the "
                       f"prefill, or more than {n}: {count.tolist()}")
         return
