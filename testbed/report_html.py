@@ -318,7 +318,8 @@ def _equal_bytes(study, rows, load):
 
 def policy_family(row) -> str | None:
     """The family a live row's arm belongs to on the frontier figure: ``"quanto"`` (a peer), the
-    scorer (``"knorm"``, ``"snapkv (prefill)"``: a scored selection, and how it decides),
+    scorer (``"knorm"``, ``"snapkv (prefill)"``, ``"snapkv (prefill, pyramid, adaptive)"``: a scored
+    selection, how it decides and its per-layer and per-head schedules),
     ``"streaming"`` (a sink and the newest tokens), ``"quantization"`` (a quantized middle); None for
     the reference and a float32 cache."""
     if row["kind"] == "peer":
@@ -327,8 +328,10 @@ def policy_family(row) -> str | None:
     if not pol or pol["middle"] == "float32":
         return None
     if pol.get("scorer"):
-        return pol["scorer"] + (" (prefill, pyramid)" if pol.get("layers") == "pyramid"
-                                else " (prefill)" if pol.get("scorer_mode") == "prefill" else "")
+        if pol.get("scorer_mode") != "prefill":
+            return pol["scorer"]
+        how = ["prefill"] + ["pyramid"] * (pol.get("layers") == "pyramid") + ["adaptive"] * (pol.get("heads") == "adaptive")
+        return f"{pol['scorer']} ({', '.join(how)})"
     return "streaming" if pol["middle"] == "drop" else "quantization"
 
 

@@ -33,6 +33,12 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   count from the budget and each layer's count, by the audit's own statement of kvpress's
   arithmetic (``pyramid``), the row's ``layer_keep`` against them, the bytes from the per-layer
   counts, and the evidence layer's kept set of that layer's own count;
+- for a scored selection with per-head budgets (``heads: "adaptive"``, Ada-KV): at the evidence
+  layer, the heads' counts (``kept.count``) summing to the layer's count, each at least the
+  safeguard (``adaptive_safeguard``, kvpress's ``AdaKVPress`` rule) and holding every token after
+  the prefill, the empty slots after each head's count empty, the bytes from the held tokens only,
+  and for a scorer it re-derives at the prefill, the kept set: each head's own top safeguard, the
+  rest the layer's top scores over every head (near ties within the float32 tolerances);
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -128,7 +134,7 @@ LOG_HALF = math.log(0.5)
 # evict_window) float32 and drops the middle
 DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window": None, "heavy": 0,
                       "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0, "layers": "uniform",
-                      "beta": 20}
+                      "beta": 20, "heads": "uniform", "alpha": 0.2}
 # scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
 # definitions, _scores); a user's scorer ("file.py:Class") is checked self-consistently only
 AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o", "expected_attention")
@@ -142,6 +148,16 @@ SNAPKV_WINDOW, SNAPKV_KERNEL = 64, 5
 EA_SINK, EA_FUTURE = 4, 512
 USER_SCORER = re.compile(r"^[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*$")
 SCORED_EXTRA = 8  # per kept token and KV head: int32 index, float32 score
+# the prefill's (first, last) tokens a built-in scorer always keeps; an adaptive selection (Ada-KV,
+# whose heads compete) ranks them above every score, as kvpress scores them above the whole layer's
+KEPT_FIRST = {"snapkv": (0, SNAPKV_WINDOW), "tova": (0, 1), "expected_attention": (EA_SINK, 0)}
+
+
+def adaptive_safeguard(keep: int, alpha: float) -> int:
+    """The audit's own statement of kvpress 0.5.5's AdaKVPress safeguard: each KV head keeps its own
+    top int(keep * alpha) tokens first (Python's float product, truncated), at least 1 when alpha > 0."""
+    n = int(keep * alpha)
+    return max(1, n) if alpha > 0 and keep > 0 else n
 
 
 def pyramid(mean: int, P: int, layers: int, beta: int, w: int) -> list:
@@ -233,6 +249,11 @@ def declared_policy(entry: dict, live: dict) -> dict:
         if up:  # the per-layer counts from the declared mean, the prefill and the model's layers
             out.update({"layers": "pyramid", "beta": s["beta"],
                         "layer_keep": pyramid(keep, live["prefill"], _pyramid_dims(live)["layers"], s["beta"], w)})
+        if s["heads"] not in ("uniform", "adaptive"):
+            raise ValueError(f"declared policy {entry.get('name')!r}: heads {s['heads']!r} is not a schedule the "
+                             "audit knows")
+        if s["heads"] == "adaptive":  # a row's config has the per-head fields only then
+            out.update({"heads": "adaptive", "alpha": float(s["alpha"])})
         return out
     if s["kind"] == "sink_window":
         window = live.get("evict_window", 256) if s["window"] is None else s["window"]
@@ -405,6 +426,9 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     the policy holds), the kept K/V equal to the recorded inputs at them, the bytes; for a built-in
     scorer, the stored scores its own scores of those keys and the kept set its top-keep (prefill
     mode: of the prefill, every later token kept), with near ties allowed within float32 rounding."""
+    if pol.get("heads") == "adaptive":
+        _adaptive_evidence(row, ctx, pol, live, a, layer)
+        return
     n = live["prefill"] + live["steps"]
     idx, score = a.get("kept.index"), a.get("kept.score")
     k, v = a.get("input.k"), a.get("input.v")
@@ -438,6 +462,138 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         what = pol["scorer"] + ("" if pol["scorer"] not in AUDIT_SCORERS else f" ({pol['scorer_mode']})")
         ctx.user_scorers.setdefault(row.get("study"), set()).add(what)  # self-consistent only: said in the summary
         return
+    own = _own_scores(row, ctx, pol, live, a, layer)
+    if own is not None:
+        _check_kept(row, ctx, pol, live, own[0], idx, score, own[1], atol=own[2])
+
+
+def _adaptive_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
+    """The evidence layer of an adaptive selection (``heads: "adaptive"``, Ada-KV, prefill mode):
+    ``kept.count [H]`` the tokens each head holds, summing to H x the layer's held count, each at
+    least the safeguard plus every token after the prefill; the arrays ``[H, max count]``, each
+    head's held tokens first (ascending, in range, K/V the recorded inputs there) and its empty slots
+    after them (index -1, zero K, V and score); the bytes of the held tokens only; for a scorer the
+    audit re-derives at the prefill, the kept set (:func:`_check_adaptive`)."""
+    n, P = live["prefill"] + live["steps"], live["prefill"]
+    idx, score, count = a.get("kept.index"), a.get("kept.score"), a.get("kept.count")
+    k, v = a.get("input.k"), a.get("input.v")
+    if idx is None or score is None or count is None or k is None or v is None:
+        raise ValueError("an adaptive scored selection's evidence needs kept.index, kept.score, kept.count, input.k "
+                         "and input.v")
+    h = k.shape[0]
+    held = scored_held(pol, n)  # per head on average: the layer's count and every token after the prefill
+    if count.dtype != np.int32 or count.shape != (h,):
+        raise ValueError(f"kept.count {count.dtype} {list(count.shape)}: expected int32 [{h}]")
+    slots = int(count.max())
+    if (k.shape[1] != n or idx.dtype != np.int32 or idx.shape != (h, slots) or score.shape != idx.shape
+            or score.dtype != np.float32):
+        raise ValueError(f"kept.index {idx.dtype} {list(idx.shape)} / kept.score {score.dtype} {list(score.shape)}: "
+                         f"expected int32 / float32 [{h}, {slots}] (the largest kept.count) over {n} recorded tokens")
+    ctx.numbers += idx.size + h
+    safe = adaptive_safeguard(pol["keep"], pol["alpha"])
+    if int(count.sum()) != h * held:
+        ctx.fail(row, f"kept.count: the heads hold {int(count.sum())} tokens; the layer holds {h} x {held}")
+    if np.any(count < min(safe, P) + n - P) or np.any(count > n):
+        ctx.fail(row, f"kept.count: a head holds fewer than its safeguard ({safe}) and the {n - P} tokens after the "
+                      f"prefill, or more than {n}: {count.tolist()}")
+        return
+    real = np.arange(slots)[None, :] < count[:, None]
+    fk, fv = a.get("float.k"), a.get("float.v")
+    if fk is None or fv is None or fk.shape != (h, slots, k.shape[2]) or fv.shape != (h, slots, v.shape[2]):
+        raise ValueError(f"float.k / float.v: expected [{h}, {slots}, D], the kept K/V in the slots of kept.index")
+    if np.any(idx[~real] != -1) or np.any(score[~real] != 0) or np.any(fk[~real] != 0) or np.any(fv[~real] != 0):
+        ctx.fail(row, "kept.index: a head's slots after its count are not empty (index -1, zero K, V and score)")
+        return
+    for hh in range(h):
+        got = idx[hh, : count[hh]]
+        if np.any(np.diff(got) <= 0) or got.min() < 0 or got.max() >= n:
+            ctx.fail(row, f"kept.index: head {hh}'s kept tokens are not distinct positions in arrival order within the "
+                          "segment")
+            return
+        for name, x, stored in (("k", k, fk), ("v", v, fv)):
+            if stored[hh, : count[hh]].tobytes() != x[hh, got.astype(np.int64)].tobytes():
+                ctx.fail(row, f"float.{name}: head {hh}'s kept K/V are not the recorded inputs at kept.index")
+        if not np.all(np.isin(np.arange(P, n), got)):
+            ctx.fail(row, "kept set: a prefill-mode selection keeps every token after the prefill")
+        w = pol.get("window", 0)
+        if w and not np.all(np.isin(np.arange(P - w, P), got)):
+            ctx.fail(row, f"kept set: the newest {w} tokens are always kept")
+    extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "kept.count", "input.k",
+                                             "input.v", "prefill.q", "rope.inv_freq"))
+    if extra:
+        ctx.fail(row, f"a scored selection stores float K/V, indices, scores and per-head counts only, found {extra}")
+    d = k.shape[2]
+    ctx.close(row, "evidence layer bytes", int(count.sum()) * (8 * d + SCORED_EXTRA) + HEADER,
+              policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
+    attention = pol["scorer"] in ATTENTION_SCORERS
+    if pol["scorer"] not in AUDIT_SCORERS or (attention and pol["scorer"] == "h2o"):
+        ctx.user_scorers.setdefault(row.get("study"), set()).add(f"{pol['scorer']} (prefill, adaptive)")
+        return
+    own = _own_scores(row, ctx, pol, live, a, layer)
+    if own is not None:
+        _check_adaptive(row, ctx, pol, live, own[0], idx, score, count, own[1], own[2])
+
+
+def _check_adaptive(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarray, score: np.ndarray,
+                    count: np.ndarray, tol: float, atol: float) -> None:
+    """An adaptive kept set against the audit's own scores ``own [H, n]``: the stored scores those of
+    the kept keys; every token a head always keeps (the window, the scorer's own first ones) kept;
+    each head's own top safeguard kept (no dropped token of the head above its safeguard-th kept
+    score); and the rest the layer's top (no dropped token of any head above the lowest kept token
+    beyond its head's safeguard) -- up to near ties (``tol`` relative, ``atol``)."""
+    P = live["prefill"]
+    h = own.shape[0]
+    after = pol["scorer"] in ATTENTION_SCORERS  # a scorer of attention stores 0 after a prefill-only decision
+    rank = own[:, :P].astype(np.float64)
+    forced = np.zeros(P, dtype=bool)
+    first, last = KEPT_FIRST.get(pol["scorer"], (0, 0))
+    forced[:first] = True
+    tail = max(last, pol.get("window", 0))  # the newest prefill tokens always kept
+    if tail:
+        forced[P - tail:] = True
+    rank[:, forced] = np.inf
+    safe = adaptive_safeguard(pol["keep"], pol["alpha"])
+    kept = np.zeros((h, P), dtype=bool)
+    beyond, dropped_max = [], -np.inf
+    for hh in range(h):
+        got = idx[hh, : count[hh]].astype(np.int64)
+        ctx.numbers += got.size
+        decided = got < (P if after else live["prefill"] + live["steps"])
+        if not np.allclose(score[hh, : count[hh]][decided], own[hh, got[decided]], rtol=tol, atol=atol):
+            ctx.fail(row, f"kept.score: head {hh}'s are not the {pol['scorer']} scores of the kept keys")
+            return
+        kept[hh, got[got < P]] = True
+        if np.any(forced & ~kept[hh]):
+            ctx.fail(row, f"kept set: head {hh} dropped a token {pol['scorer']} or the window always keeps")
+            return
+        mine = np.sort(rank[hh][kept[hh]])[::-1]
+        if not (~kept[hh]).any():
+            beyond.append(mine[safe:])
+            continue
+        hi = rank[hh][~kept[hh]].max()
+        dropped_max = max(dropped_max, hi)
+        lo = mine[safe - 1] if safe else np.inf
+        if np.isfinite(lo) and hi > lo + tol * max(abs(lo), abs(hi)) + atol:
+            ctx.fail(row, f"kept set: head {hh} dropped a token scored {hi!r} below its safeguard of {safe} (its "
+                          f"{safe}th kept scores {lo!r})")
+            return
+        beyond.append(mine[safe:])
+    rest = np.concatenate(beyond)
+    rest = rest[np.isfinite(rest)]
+    if rest.size and np.isfinite(dropped_max):
+        lo, hi = float(rest.min()), float(dropped_max)
+        if hi > lo + tol * max(abs(lo), abs(hi)) + atol:
+            ctx.fail(row, f"kept set: a head dropped a token scored {hi!r} while the layer kept one scored {lo!r} beyond "
+                          f"its head's safeguard ({pol['scorer']}, adaptive: the rest are the layer's top "
+                          f"{h} x {pol['keep']} - {h} x {safe})")
+
+
+def _own_scores(row, ctx, pol: dict, live: dict, a: dict, layer):
+    """The audit's own scores ``[H, n]`` of a built-in scorer it re-derives (float32 of the recorded
+    keys, or float64 of the recorded prefill queries) and the (rtol, atol) to compare them at; None
+    after a failure that leaves nothing to compare."""
+    k, v = a["input.k"], a["input.v"]
+    attention = pol["scorer"] in ATTENTION_SCORERS
     if attention:  # a prefill decision from the recorded last queries over the prefill's keys
         q = a.get("prefill.q")
         P = live["prefill"]
@@ -454,18 +610,12 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
             if not _rope_schedule(inv):
                 ctx.fail(row, "rope.inv_freq: not a rotary schedule (positive, each a constant ratio below the one "
                               "before: theta^(-2i/D), optionally divided by a linear factor)")
-                return
+                return None
             own[:, :P] = _expected_attention(q, k[:, :P], v[:, :P], inv)
         else:
             own[:, :P] = _attention_scores(pol["scorer"], q, k[:, :P])
-        tol = TOLERANCES["score_attention"]["rtol"]
-    else:
-        own = _scores(pol, k, int(layer))
-        tol = TOLERANCES["score_near_tie"]["rtol"]
-    if attention:
-        _check_kept(row, ctx, pol, live, own, idx, score, tol, atol=TOLERANCES["score_attention"]["atol"])
-    else:
-        _check_kept(row, ctx, pol, live, own, idx, score, tol)
+        return own, TOLERANCES["score_attention"]["rtol"], TOLERANCES["score_attention"]["atol"]
+    return _scores(pol, k, int(layer)), TOLERANCES["score_near_tie"]["rtol"], 0.0
 
 
 def _attention_scores(scorer: str, q: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -1126,7 +1276,7 @@ def check(row: dict, ctx) -> None:
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
                     "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope",
-                    "layers", "beta", "layer_keep"):
+                    "layers", "beta", "layer_keep", "heads", "alpha"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

@@ -346,7 +346,8 @@ def _equal_bytes_figure(rows):
 
 def _family(r):
     """The frontier figure's family of a row (the audit's own rule): a peer "quanto"; a policy with a
-    scorer its scorer, " (prefill)" when it decides at the prefill only; a dropped middle
+    scorer its scorer, " (prefill)" when it decides at the prefill only (" (prefill, pyramid)",
+    " (prefill, adaptive)", " (prefill, pyramid, adaptive)" with its schedules); a dropped middle
     "streaming"; another non-float32 middle "quantization"; else none."""
     if r["kind"] == "peer":
         return "quanto"
@@ -354,8 +355,10 @@ def _family(r):
     if not isinstance(pol, dict) or pol.get("middle") == "float32":
         return None
     if pol.get("scorer"):
-        return pol["scorer"] + (" (prefill, pyramid)" if pol.get("layers") == "pyramid"
-                                else " (prefill)" if pol.get("scorer_mode") == "prefill" else "")
+        if pol.get("scorer_mode") != "prefill":
+            return pol["scorer"]
+        how = ["prefill"] + ["pyramid"] * (pol.get("layers") == "pyramid") + ["adaptive"] * (pol.get("heads") == "adaptive")
+        return f"{pol['scorer']} ({', '.join(how)})"
     return "streaming" if pol.get("middle") == "drop" else "quantization"
 
 

@@ -111,8 +111,11 @@ def _masked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
     pending = _PENDING.pop(getattr(module, "layer_idx", None), None)
     if pending is not None:
-        mask = pending[1]
-        attention_mask = mask.to(query.device)[None, None].expand(query.shape[0], 1, *mask.shape)
+        mask = pending[1].to(query.device)
+        if mask.dim() == 4:  # per (sequence, KV head): an adaptive scored layer's heads hold different counts
+            attention_mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
+        else:
+            attention_mask = mask[None, None].expand(query.shape[0], 1, *mask.shape)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                           **kwargs)
 

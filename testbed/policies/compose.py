@@ -23,7 +23,8 @@ by its fields (:func:`declared`)::
 Unset fields take the protocol's ``window`` (R, the storage's float32 window of an ``"all"``
 selection), ``group`` (G) and ``evict_window`` (W, the ``"sink_window"`` selection's window); a
 scored selection's ``keep`` may come from a ``budget`` (:func:`budget_keep`), and with ``"layers": "pyramid"``
-vary over layers (PyramidKV: ``keep`` is the mean, the budget the whole cache's); every other field takes its default
+vary over layers (PyramidKV: ``keep`` is the mean, the budget the whole cache's), and with ``"heads": "adaptive"``
+over a layer's KV heads (Ada-KV: ``keep`` is the mean over the heads); every other field takes its default
 below (no sink, K per channel, groups of 32 features, no per-head precision, no heavy hitters).
 The audit states the same mapping on its own (``audit_checks/live_quality.py``, ``declared_policy``)
 and re-derives the bytes and the schedule from the frozen fields: a new combination is a protocol
@@ -36,7 +37,8 @@ import re
 from dataclasses import dataclass, fields
 
 from . import scorers
-from .policy import HEADER_BYTES, LAYER_SCHEDULES, PRESETS, SCORED_TOKEN_EXTRA, Policy, preset, pyramid_keep, scored_held
+from .policy import (ADA_ALPHA, HEAD_SCHEDULES, HEADER_BYTES, LAYER_SCHEDULES, PRESETS, SCORED_TOKEN_EXTRA, Policy, preset,
+                     pyramid_keep, scored_held)
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
            "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill"]
@@ -64,7 +66,10 @@ class Selection:
     the prefill only (``mode="prefill"``) or as every token arrives (``"online"``); ``seed`` for a
     seeded scorer. ``layers``: ``"uniform"`` (``keep`` at every layer) or ``"pyramid"`` (PyramidKV,
     prefill mode only: ``keep`` is the mean over layers, low layers keep more and high layers fewer,
-    steepness ``beta``; :func:`~testbed.policies.policy.pyramid_keep`)."""
+    steepness ``beta``; :func:`~testbed.policies.policy.pyramid_keep`). ``heads``: ``"uniform"``
+    (``keep`` per KV head) or ``"adaptive"`` (Ada-KV, prefill mode only: the layer keeps ``keep x``
+    KV heads tokens, each head at least its own top ``safeguard_count(keep, alpha)``, the rest the
+    layer's top scores over every head; :mod:`testbed.policies.scored`)."""
 
     kind: str = "all"
     sink: int = 0
@@ -77,6 +82,8 @@ class Selection:
     seed: int = 0
     layers: str = "uniform"
     beta: int = 20
+    heads: str = "uniform"
+    alpha: float = ADA_ALPHA
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,10 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
                          f"got {s.beta!r}")
     if s.layers != "uniform" and s.kind in SELECTIONS:
         raise ValueError(f"policy {name}: a per-layer schedule (layers {s.layers!r}) belongs to a scored selection")
+    if s.heads not in HEAD_SCHEDULES:
+        raise ValueError(f"policy {name}: selection heads must be one of {list(HEAD_SCHEDULES)}, got {s.heads!r}")
+    if (s.heads != "uniform" or s.alpha != ADA_ALPHA) and s.kind in SELECTIONS:
+        raise ValueError(f"policy {name}: a per-head schedule (heads {s.heads!r}, alpha) belongs to a scored selection")
     if s.kind not in SELECTIONS and not (s.kind in scorers.SCORERS or scorers.is_user_scorer(s.kind)):
         raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, a scorer "
                          f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
@@ -138,10 +149,24 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         if s.layers == "pyramid" and need and min(layer_keep or (s.keep,)) <= need:
             raise ValueError(f"policy {name}: {s.kind} keeps its last {need} prefill tokens first; every layer's keep "
                              f"must exceed {need}, got {list(layer_keep)}")
+        if s.heads == "uniform" and s.alpha != ADA_ALPHA:
+            raise ValueError(f"policy {name}: alpha belongs to a per-head schedule (heads 'adaptive'), got alpha "
+                             f"{s.alpha!r} with heads 'uniform'")
+        if s.heads == "adaptive":
+            if s.mode != "prefill":
+                raise ValueError(f"policy {name}: adaptive per-head budgets (Ada-KV, kvpress's AdaKVPress) cut the "
+                                 f"prefill once; mode must be 'prefill', got {s.mode!r}")
+            first = scorers.kept_first(s.kind) if s.kind in scorers.SCORERS else (0, 0)
+            must = first[0] + max(first[1], s.window)  # the tokens of each head ranked above every score
+            if min(layer_keep or (s.keep,)) < must:
+                raise ValueError(f"policy {name}: an adaptive selection ranks the {must} tokens each head always keeps "
+                                 f"(window {s.window}, and {s.kind}'s own {first[0]} first / {first[1]} last) above "
+                                 f"every score; keep must hold them, got {list(layer_keep) or s.keep}")
         return Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
                       keep=s.keep, seed=s.seed, description=description,
                       **({"layers": s.layers, "beta": s.beta, "layer_keep": tuple(layer_keep)}
-                         if s.layers != "uniform" else {}))
+                         if s.layers != "uniform" else {}),
+                      **({"heads": s.heads, "alpha": s.alpha} if s.heads != "uniform" else {}))
     if s.keep or s.seed or s.mode != "online" or s.beta != 20:
         raise ValueError(f"policy {name}: keep, mode, seed and beta belong to a scored selection (kind a scorer)")
     if s.kind == "sink_window":
@@ -169,7 +194,7 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
     p = policy
     if p.scored:
         return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed, layers=p.layers,
-                          beta=p.beta),
+                          beta=p.beta, heads=p.heads, alpha=p.alpha),
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
@@ -189,7 +214,7 @@ def _fields_of(cls, given, where: str) -> dict:
     out = {}
     for key, value in given.items():
         want = known[key].type
-        if key == "low_share":  # a share; 1/2 may be written 0.5
+        if key in ("low_share", "alpha"):  # a share; 1/2 may be written 0.5
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{where}.{key}: expected a number, got {value!r}")
             value = float(value)
@@ -254,6 +279,9 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
     if pyramid and sel.get("mode", "online") != "prefill":
         raise ValueError(f"{where} ({name}).selection: a pyramid of per-layer budgets cuts the prefill once "
                          f"(PyramidKV, kvpress); mode must be 'prefill', got {sel.get('mode', 'online')!r}")
+    if sel.get("heads", "uniform") == "adaptive" and kind not in SELECTIONS and sel.get("mode", "online") != "prefill":
+        raise ValueError(f"{where} ({name}).selection: adaptive per-head budgets (heads 'adaptive': Ada-KV, kvpress's "
+                         f"AdaKVPress) cut the prefill once; mode must be 'prefill', got {sel.get('mode', 'online')!r}")
     beta = sel.get("beta", 20)
     if pyramid and (isinstance(beta, bool) or not isinstance(beta, int) or beta < 1):
         raise ValueError(f"{where} ({name}).selection.beta: the pyramid's steepness must be an integer >= 1, got {beta!r}")

@@ -59,7 +59,8 @@ from dataclasses import asdict, dataclass, replace
 from ..quant import MX, IntGrouped, Quantizer
 from ..quant.constants import HEADER_BYTES
 
-__all__ = ["Policy", "PRESETS", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS",
+__all__ = ["Policy", "PRESETS", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS", "HEAD_SCHEDULES",
+           "HEAD_FIELDS", "ADA_ALPHA", "safeguard_count",
            "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
            "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
@@ -87,6 +88,13 @@ SCORER_MODES = ("prefill", "online")
 # pyramid's fields are in a row's policy config only when it is set
 LAYER_SCHEDULES = ("uniform", "pyramid")
 LAYER_FIELDS = ("layers", "beta", "layer_keep")
+# how a prefill-mode scored selection shares a layer's kept count among its KV heads: ``keep`` per head,
+# or Ada-KV's (Feng et al., 2024) one top-(keep x KV heads) over the layer's heads with a per-head
+# safeguard of ``alpha`` (kvpress's AdaKVPress alpha_safeguard, default 0.20; :func:`safeguard_count`);
+# the fields are in a row's policy config only when adaptive
+HEAD_SCHEDULES = ("uniform", "adaptive")
+HEAD_FIELDS = ("heads", "alpha")
+ADA_ALPHA = 0.2
 # bytes per kept token per KV head of a scored selection beside its float32 K and V: int32 index, float32 score
 SCORED_TOKEN_EXTRA = 8
 # which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), the
@@ -181,6 +189,14 @@ def pyramid_keep(keep: int, prefill: int, layers: int, beta: int, window: int = 
     return tuple(round(bottom - i * step) for i in range(layers))
 
 
+def safeguard_count(keep: int, alpha: float) -> int:
+    """The tokens each KV head of an adaptive (Ada-KV) selection keeps of its own top before the
+    layer's heads compete for the rest: kvpress 0.5.5's ``AdaKVPress`` rule, ``int(keep * alpha)``
+    (Python's float product, truncated), at least 1 when ``alpha > 0`` and ``keep > 0``."""
+    n = int(keep * alpha)
+    return max(1, n) if alpha > 0 and keep > 0 else n
+
+
 def sink_candidates(prefill: int, sink: int, window: int) -> int:
     """How many of the prefill's first tokens a ``"mass"`` sink is chosen from: those that will
     leave the float32 window, and at least S."""
@@ -225,6 +241,8 @@ class Policy:
     layers: str = "uniform"
     beta: int = 20
     layer_keep: tuple = ()
+    heads: str = "uniform"
+    alpha: float = ADA_ALPHA
 
     def __post_init__(self):
         if self.key_rope not in KEY_ROPE:
@@ -238,9 +256,9 @@ class Policy:
             self._check_scored()
             return
         if self.keep or self.seed or self.scorer_mode != "online" or self.layers != "uniform" or self.layer_keep \
-                or self.beta != 20:
-            raise ValueError(f"policy {self.name}: keep, seed, scorer_mode and a per-layer schedule belong to a scored "
-                             "selection (set scorer)")
+                or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA:
+            raise ValueError(f"policy {self.name}: keep, seed, scorer_mode and a per-layer or per-head schedule belong "
+                             "to a scored selection (set scorer)")
         if self.middle not in MIDDLE_SCHEMES:
             raise ValueError(f"policy {self.name}: middle {self.middle!r} is not one of {list(MIDDLE_SCHEMES)}")
         for label in ("sink", "window"):
@@ -304,6 +322,21 @@ class Policy:
                 raise ValueError(f"policy {self.name}: {label} must be an integer in [{1 if label == 'keep' else 0}, "
                                  f"2**24), got {v!r}")
         self._check_layers()
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        if self.heads not in HEAD_SCHEDULES:
+            raise ValueError(f"policy {self.name}: heads must be one of {list(HEAD_SCHEDULES)}, got {self.heads!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, float) or not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"policy {self.name}: alpha (the per-head safeguard's share of keep) must be a number in "
+                             f"[0, 1], got {self.alpha!r}")
+        if self.heads == "uniform":
+            if self.alpha != ADA_ALPHA:
+                raise ValueError(f"policy {self.name}: alpha belongs to a per-head schedule (heads 'adaptive')")
+            return
+        if self.scorer_mode != "prefill":
+            raise ValueError(f"policy {self.name}: adaptive per-head budgets (Ada-KV, kvpress's AdaKVPress) cut the "
+                             f"prefill once; scorer_mode must be 'prefill', got {self.scorer_mode!r}")
 
     def _check_layers(self) -> None:
         if self.layers not in LAYER_SCHEDULES:
@@ -334,6 +367,12 @@ class Policy:
     def scored(self) -> bool:
         """Tokens kept by a scorer's top-``keep`` per (layer, KV head) (:mod:`testbed.policies.scorers`)."""
         return self.scorer is not None
+
+    @property
+    def adaptive(self) -> bool:
+        """A prefill scored selection whose layer's kept count is shared unevenly among its KV heads
+        (``heads="adaptive"``, Ada-KV)."""
+        return self.heads == "adaptive"
 
     @property
     def per_layer(self) -> bool:
@@ -429,6 +468,9 @@ class Policy:
                 del out[key]
         else:
             out["layer_keep"] = list(self.layer_keep)
+        if not self.adaptive:  # the uniform per-head count: rows read as they did before per-head budgets existed
+            for key in HEAD_FIELDS:
+                del out[key]
         return out
 
     def with_(self, **changes) -> "Policy":

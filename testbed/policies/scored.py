@@ -1,5 +1,6 @@
 """The cache layer of a scored selection: each (sequence, KV head) keeps its top-``keep`` tokens
-(under a per-layer schedule, ``layers="pyramid"``, the layer's own count: ``Policy.keep_of``).
+(under a per-layer schedule, ``layers="pyramid"``, the layer's own count: ``Policy.keep_of``; under
+``heads="adaptive"``, Ada-KV, the layer's heads share ``keep x H_kv`` tokens unevenly, below).
 
 A scorer (:mod:`testbed.policies.scorers`) gives every token a float32 score when it arrives; the
 layer keeps the ``keep`` tokens of largest score, ties to the older token (:func:`keep_top`), and
@@ -20,6 +21,29 @@ Kept keys keep the positions they were rotated with. Every held key is older tha
 but once tokens were dropped the model's causal mask (by position) no longer lines up with the held
 keys: a chunk of several tokens then gets its own mask (held keys visible to all, new keys causal)
 through :func:`testbed.policies.cache.policy_attention`.
+
+Adaptive per-head budgets (``heads="adaptive"``, prefill mode only; Feng et al., 2024, "Ada-KV:
+Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference"; kvpress
+0.5.5's ``AdaKVPress``): at the prefill the layer keeps ``keep x H_kv`` tokens per sequence, each KV
+head first its own top ``safeguard_count(keep, alpha)`` (``int(keep * alpha)``, at least 1 for
+``alpha > 0``: kvpress's ``alpha_safeguard``, default 0.2), the rest the top of every head's
+remaining scores together (:func:`~testbed.policies.scorers.keep_adaptive`; ties to the older token,
+then the lower head). kvpress does not normalise the scores across heads: ``AdaKVPress`` ranks the
+wrapped press's raw scores over the layer's heads, which for attention scorers (snapkv's window
+attention, averaged over the window's queries and the KV head's query heads) are probabilities
+whose rows each sum to one, so heads compare on one scale; a static score (knorm's negative key
+norm) is compared as it is. This does the same, with the scorer's own scores. The tokens a scorer
+always keeps (its :attr:`~testbed.policies.scorers.Scorer.KEPT_FIRST`: snapkv's window, tova's
+newest, expected_attention's sink) kvpress scores at the tensor's largest plus one, above every
+head's tokens; here they and the policy's ``window`` rank above every score, as there (testbed's
+scorers give them the head's largest plus one, which for snapkv and tova is above every head's
+too, probabilities being at most one). Heads then hold different counts: the layer stores them in a
+dense ``[B, H, N]`` layout, N the largest count, each head's kept tokens first in arrival order and
+the slots after its count empty (zero K and V, index -1, score 0), and every attention call after
+the prefill gets a per-head mask that hides the empty slots (``mask_hook`` with a ``[B, H, t, N +
+t]`` mask; :func:`testbed.policies.cache.policy_attention` spreads it over the query heads). The
+bytes count only the held tokens, per (layer, KV head): their sum over heads is the uniform
+arm's, so a budget derives the same ``keep``.
 """
 
 from __future__ import annotations
@@ -28,8 +52,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .causal import accumulated_attention
-from .policy import HEADER_BYTES, Policy
-from .scorers import Scorer, keep_top
+from .policy import HEADER_BYTES, Policy, safeguard_count
+from .scorers import Scorer, keep_adaptive, keep_top
 
 __all__ = ["ScoredLayer"]
 
@@ -61,6 +85,9 @@ class ScoredLayer(DynamicLayer):
         self.recorded_v: list[torch.Tensor] = []
         self.seen = 0
         self.kept_k = self.kept_v = self.kept_index = self.kept_score = None
+        # [B, H, N] bool: which slots hold a kept token (an adaptive selection's heads hold different
+        # counts); None while every slot does
+        self.kept_valid = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -89,12 +116,17 @@ class ScoredLayer(DynamicLayer):
         else:
             score = self._checked(self.scorer.score(k_new, positions, self.layer_idx), (b, h, t))
         held = self.kept_k.shape[-2]
-        if t > 1 and held < self.seen:  # tokens were dropped: the causal mask by position would be wrong
+        if (t > 1 and held < self.seen) or self.kept_valid is not None:
+            # tokens were dropped: the causal mask by position would be wrong; heads of unequal counts: every
+            # call hides each head's empty slots
             if self.mask_hook is None:
                 raise RuntimeError(f"layer {self.layer_idx}: a chunk after an eviction needs its mask; run the model "
                                    "inside testbed.policies.cache.policy_attention(model)")
             visible = torch.ones(t, held + t, dtype=torch.bool)
             visible[:, held:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+            if self.kept_valid is not None:  # [B, H, t, held + t]
+                visible = visible.to(self.kept_valid.device).expand(b, h, t, held + t).clone()
+                visible[..., :held] &= self.kept_valid[:, :, None, :]
             self.mask_hook(self, visible)
         keys = torch.cat([self.kept_k, k_new], dim=-2)
         values = torch.cat([self.kept_v, v_new], dim=-2)
@@ -105,6 +137,8 @@ class ScoredLayer(DynamicLayer):
         self.seen += t
         if not (first or self.policy.scorer_mode == "online"):  # after a prefill-only decision: keep all
             self.kept_k, self.kept_v, self.kept_index, self.kept_score = keys, values, index, scores
+            if self.kept_valid is not None:
+                self.kept_valid = torch.cat([self.kept_valid, self.kept_valid.new_ones(b, h, t)], dim=-1)
         elif attention:
             self._waiting = (keys, values, index, scores)
             if not self._loading:
@@ -125,10 +159,42 @@ class ScoredLayer(DynamicLayer):
     def _keep(self, keys, values, index, scores) -> None:
         w = self.policy.window  # the newest w tokens seen are kept whatever their score
         rank = scores if not w else torch.where(index >= self.seen - w, torch.full_like(scores, float("inf")), scores)
+        if self.policy.adaptive:
+            self._keep_adaptive(keys, values, index, scores, rank)
+            return
         keep = keep_top(rank, self.policy.keep_of(self.layer_idx))  # a per-layer schedule's count of this layer
         at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
         self.kept_index, self.kept_score = torch.gather(index, 2, keep), torch.gather(scores, 2, keep)
+
+    def _keep_adaptive(self, keys, values, index, scores, rank) -> None:
+        """Ada-KV at the prefill (the module's docstring): the layer's ``keep x H`` tokens per sequence,
+        stored per head in arrival order, the empty slots after each head's count zeroed and masked."""
+        first, last = getattr(self.scorer, "KEPT_FIRST", (0, 0))
+        n = rank.shape[-1]
+        if first or last:  # kvpress scores them above every token of the layer
+            pos = torch.arange(n, device=rank.device)
+            rank = torch.where((pos < first) | (pos >= n - last), torch.full_like(rank, float("inf")), rank)
+        keep = self.policy.keep_of(self.layer_idx)
+        kept = keep_adaptive(rank, keep, safeguard_count(keep, self.policy.alpha))
+        count = kept.sum(dim=-1)  # [B, H]
+        slots = int(count.max())
+        # each head's kept positions first, in arrival order (a stable sort of "dropped" puts them there)
+        at = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[..., :slots]
+        valid = torch.arange(slots, device=rank.device) < count[..., None]
+        kk = torch.gather(keys, 2, at[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        vv = torch.gather(values, 2, at[..., None].expand(-1, -1, -1, values.shape[-1]))
+        self.kept_k = kk * valid[..., None]
+        self.kept_v = vv * valid[..., None]
+        self.kept_index = torch.where(valid, torch.gather(index, 2, at), torch.full_like(at, -1))
+        self.kept_score = torch.where(valid, torch.gather(scores, 2, at), torch.zeros((), dtype=scores.dtype))
+        self.kept_valid = None if bool(valid.all()) else valid
+
+    def head_counts(self) -> torch.Tensor:
+        """``[B, H]`` int64: the tokens each (sequence, KV head) holds."""
+        if self.kept_valid is None:
+            return torch.full(self.kept_index.shape[:2], self.kept_index.shape[-1], dtype=torch.int64)
+        return self.kept_valid.sum(dim=-1).cpu()
 
     def observe_prefill(self, query: torch.Tensor, key: torch.Tensor, scale: float,
                         received: torch.Tensor | None = None) -> None:
@@ -208,25 +274,48 @@ class ScoredLayer(DynamicLayer):
         raise NotImplementedError("ScoredLayer does not support batch selection")
 
     def batch_bytes(self) -> int:
-        """Bytes for the whole batch, header not counted: float32 K and V, int32 indices, float32 scores."""
+        """Bytes for the whole batch, header not counted: float32 K and V, int32 indices, float32 scores
+        of every held token (an adaptive layer's empty slots are not held)."""
         if not self.is_initialized:
             return 0
+        if self.kept_valid is not None:
+            return int(self.kept_valid.sum()) * (2 * self.kept_k.shape[-1] * 4 + 4 + 4)
         return (sum(x.numel() * x.element_size() for x in (self.kept_k, self.kept_v, self.kept_score))
                 + self.kept_index.numel() * 4)
 
     def stored_bytes(self) -> int:
-        """Bytes this layer stores for one sequence (every sequence holds the same count)."""
+        """Bytes this layer stores for one sequence (every sequence holds the same count, summed over
+        its heads)."""
         if not self.is_initialized:
             return 0
-        return self.batch_bytes() // self.kept_k.shape[0] + HEADER_BYTES
+        total, batch = self.batch_bytes(), self.kept_k.shape[0]
+        if total % batch:
+            raise RuntimeError(f"layer {self.layer_idx}: {total} bytes over {batch} sequences: their counts differ")
+        return total // batch + HEADER_BYTES
 
     def evidence(self) -> dict[str, torch.Tensor]:
         """Batch row 0's stored arrays (``float.k``, ``float.v``, ``kept.index`` int32, ``kept.score``)
         and, when recording, ``input.k`` / ``input.v``: the float32 K/V of every token appended; the
         queries a prefill decision read (``prefill.q``) and, for a scorer that reads the rotary
-        embedding, its ``rope.inv_freq`` (float32)."""
-        out = {"float.k": self.kept_k[0], "float.v": self.kept_v[0], "kept.index": self.kept_index[0].to(torch.int32),
-               "kept.score": self.kept_score[0]}
+        embedding, its ``rope.inv_freq`` (float32). An adaptive selection's also ``kept.count`` (int32
+        ``[H]``, the tokens each head holds); its arrays are ``[H, max count]``, each head's held tokens
+        first and the slots after its count empty (zero K, V and score, index -1)."""
+        if self.policy.adaptive:
+            count = self.head_counts()[0]
+            slots = int(count.max())
+            out = {"float.k": self.kept_k[0, :, :slots], "float.v": self.kept_v[0, :, :slots],
+                   "kept.index": self.kept_index[0, :, :slots].to(torch.int32), "kept.score": self.kept_score[0, :, :slots],
+                   "kept.count": count.to(torch.int32)}
+            if self.kept_valid is not None:  # each head's held slots first: the prefill's, then every later token
+                order = torch.sort((~self.kept_valid[0]).to(torch.int8), dim=-1, stable=True).indices[:, :slots]
+                for key in ("float.k", "float.v"):
+                    x = getattr(self, "kept_" + key[-1])[0]
+                    out[key] = torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[-1]))
+                out["kept.index"] = torch.gather(self.kept_index[0], 1, order).to(torch.int32)
+                out["kept.score"] = torch.gather(self.kept_score[0], 1, order)
+        else:
+            out = {"float.k": self.kept_k[0], "float.v": self.kept_v[0],
+                   "kept.index": self.kept_index[0].to(torch.int32), "kept.score": self.kept_score[0]}
         if self.record:
             out["input.k"] = torch.cat(self.recorded_k, dim=-2)
             out["input.v"] = torch.cat(self.recorded_v, dim=-2)

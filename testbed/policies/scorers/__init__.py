@@ -29,9 +29,10 @@ import inspect
 from pathlib import Path
 
 from . import expected_attention, h2o, knorm, random, snapkv, tova  # noqa: F401  (the built-in scorers register themselves)
-from .base import MODES, SCORERS, USER_SCORER, Scorer, keep_top, register
+from .base import MODES, SCORERS, USER_SCORER, Scorer, keep_adaptive, keep_top, register
 
-__all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "MODES", "is_user_scorer", "user_file_sha256"]
+__all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "keep_adaptive", "MODES", "is_user_scorer", "user_file_sha256",
+           "kept_first"]
 
 # a user's scorer module per (resolved path, SHA-256 of its bytes): imported once, not once per layer
 _LOADED: dict[tuple[str, str], object] = {}
@@ -64,6 +65,11 @@ def get(name: str, seed: int = 0, base: Path | None = None) -> Scorer:
         raise ValueError(f"scorer {name!r}: {path} has no class {cls_name} with a score(keys, positions, layer) method")
     inst = cls(seed) if _takes_seed(cls) else cls()
     return inst
+
+
+def kept_first(name: str) -> tuple[int, int]:
+    """The (first, last) prefill tokens a built-in scorer always keeps (:attr:`Scorer.KEPT_FIRST`)."""
+    return tuple(getattr(SCORERS[name], "KEPT_FIRST", (0, 0)))
 
 
 def user_file_sha256(path: Path) -> str:

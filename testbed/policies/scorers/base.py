@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Scorer", "SCORERS", "register", "keep_top", "MODES", "USER_SCORER"]
+__all__ = ["Scorer", "SCORERS", "register", "keep_top", "keep_adaptive", "MODES", "USER_SCORER"]
 
 # when a scorer decides: once, on the prefill (kvpress's compression), or at every token as it arrives
 MODES = ("prefill", "online")
@@ -31,7 +31,12 @@ class Scorer:
     received over all of the call's queries and the KV head's query heads (``RECEIVED = False``: not
     read, None); with ``VALUES = True`` also ``values=`` ``[B, H, n, D]`` the keys' values; returns
     ``[B, H, n]`` float32. ``ROPE = True``: the scorer reads the layer's rotary embedding, handed by
-    :meth:`bind_rope` (a :class:`~testbed.policies.rope.Rotary`) when the cache is built for a model."""
+    :meth:`bind_rope` (a :class:`~testbed.policies.rope.Rotary`) when the cache is built for a model.
+
+    ``KEPT_FIRST = (first, last)``: the prefill's first and last tokens the scorer always keeps (it
+    scores them above every other token of their head: snapkv's observation window, tova's newest
+    token, expected_attention's sink). kvpress scores them above every token of the layer, so an
+    adaptive selection (Ada-KV), whose heads compete, ranks them above every score as kvpress does."""
 
     NAME: ClassVar[str] = ""
     MODES: ClassVar[tuple[str, ...]] = MODES
@@ -40,6 +45,7 @@ class Scorer:
     RECEIVED: ClassVar[bool] = True
     VALUES: ClassVar[bool] = False
     ROPE: ClassVar[bool] = False
+    KEPT_FIRST: ClassVar[tuple[int, int]] = (0, 0)
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -63,3 +69,25 @@ def keep_top(score: torch.Tensor, keep: int) -> torch.Tensor:
         return torch.arange(score.shape[-1], device=score.device).expand(score.shape)
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :keep]
     return torch.sort(order, dim=-1).values  # ascending position = ascending index
+
+
+def keep_adaptive(rank: torch.Tensor, keep: int, safeguard: int) -> torch.Tensor:
+    """Ada-KV's kept set of one layer (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by
+    Adaptive Budget Allocation"; kvpress 0.5.5's ``AdaKVPress``): ``rank [B, H, n]`` the tokens'
+    scores per KV head (``+inf`` for a token always kept); returns ``[B, H, n]`` bool, ``keep x H``
+    tokens per sequence: each head's own top ``safeguard`` (ties to the older token), then the
+    layer's top scores over every head's remaining tokens (ties to the older token, then to the
+    lower head), so a head whose scores are concentrated leaves tokens to a diffuse one. Every
+    token when a head holds ``keep`` or fewer."""
+    b, h, n = rank.shape
+    if n <= keep:
+        return torch.ones(b, h, n, dtype=torch.bool, device=rank.device)
+    kept = torch.zeros(b, h, n, dtype=torch.bool, device=rank.device)
+    if safeguard:
+        kept.scatter_(-1, keep_top(rank, safeguard), True)
+    rest = rank.masked_fill(kept, float("-inf"))  # the safeguard is kept already; no score is -inf (finite)
+    flat = rest.transpose(1, 2).reshape(b, n * h)  # token-major: a tie goes to the older token, then the lower head
+    top = torch.sort(flat, dim=-1, descending=True, stable=True).indices[:, : h * (keep - safeguard)]
+    chosen = torch.zeros(b, n * h, dtype=torch.bool, device=rank.device)
+    chosen.scatter_(-1, top, True)
+    return kept | chosen.reshape(b, n, h).transpose(1, 2)

@@ -38,6 +38,7 @@ class ExpectedAttention(Scorer):
     VALUES = True
     ROPE = True
     SINK = 4
+    KEPT_FIRST = (SINK, 0)  # the sink, left out of the query statistics
     FUTURE = 512
 
     def __init__(self, seed: int = 0):

@@ -34,6 +34,7 @@ class SnapKV(Scorer):
     WINDOW = 64
     KERNEL = 5
     QUERIES = WINDOW
+    KEPT_FIRST = (0, WINDOW)  # the observation window
 
     def attention_score(self, query, keys, scale, previous, received):
         b, h, n, _ = keys.shape

@@ -22,6 +22,7 @@ class TOVA(Scorer):
     NAME = "tova"
     ATTENTION = True
     QUERIES = 1
+    KEPT_FIRST = (0, 1)  # the newest token
 
     def attention_score(self, query, keys, scale, previous, received):
         b, h, n, _ = keys.shape
