@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testbed.live import _dynamic_bytes, _warm_quanto, corpus_text, quanto_bytes  # noqa: E402
+from testbed.live import dynamic_bytes, warm_quanto, corpus_text, quanto_bytes  # noqa: E402
 from testbed.policies import preset  # noqa: E402
-from testbed.sources.capture import _forward_kwargs, load_model  # noqa: E402
+from testbed.sources.capture import forward_kwargs, load_model  # noqa: E402
 
 
 def _held_bytes(cache) -> int:
@@ -75,15 +75,15 @@ def main(argv=None) -> int:
     from testbed.policies.cache import PolicyCache, policy_attention
 
     model, tok, _ = load_model(progress=lambda m: print(m, file=sys.stderr))
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     cfg = model.config
     text, _ = corpus_text({"builtin": "pydoc_topics"})
     ids = tok(text, return_tensors="pt").input_ids[:, : max(args.contexts) + args.warmup + args.steps + 1]
     if args.throughput:
         return _throughput(model, kw, ids if ids.shape[1] >= 513 else tok(text, return_tensors="pt").input_ids)
-    _warm_quanto(model, kw, cfg)
+    warm_quanto(model, kw, cfg)
     policies = [preset(n, window=128, group=32, evict_window=256, sink=4) for n in ("int4", "int2", "mxfp8", "streaming")]
-    arms = {"DynamicCache": (lambda: DynamicCache(config=cfg), _dynamic_bytes),
+    arms = {"DynamicCache": (lambda: DynamicCache(config=cfg), dynamic_bytes),
             "quanto int4": (lambda: QuantizedCache("quanto", cfg, nbits=4, q_group_size=64, residual_length=128), quanto_bytes),
             "quanto int2": (lambda: QuantizedCache("quanto", cfg, nbits=2, q_group_size=64, residual_length=128), quanto_bytes)}
     for p in policies:

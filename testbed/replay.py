@@ -245,7 +245,7 @@ def _arms(st: Study) -> list:
     """(name, what) of the study's arms; a retrieval study's by name only (what: None), a budget's kept
     count being its unit's (:func:`testbed.retrieval_study.unit_arms`)."""
     if st.kind == "live":
-        return live._arms(st.proto["live"])
+        return live.arms_of(st.proto["live"])
     return [(name, None) for name in retrieval_study.arm_names(st.proto["retrieval"])]
 
 
@@ -336,7 +336,7 @@ def _chunk(st: Study, unit: dict, new_row: dict, arrays: dict, name: str, index:
         return f"greedy step {index + 1}"
     trial = unit["trials"][0]
     n_q, n_a, P = len(trial["question_ids"]), len(trial["answer_ids"]), trial["length"]
-    sched = retrieval_study._schedule(retrieval_study.unit_arms(st.proto["retrieval"], unit)[unit["arm"]][1], P,
+    sched = retrieval_study.arm_schedule(retrieval_study.unit_arms(st.proto["retrieval"], unit)[unit["arm"]][1], P,
                                       n_q + n_a - 1)
     bounds = np.concatenate([[0], np.cumsum(sched)])
     pos = n_q - 1 + index  # the fed position that predicts answer token ``index``

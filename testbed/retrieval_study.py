@@ -55,15 +55,16 @@ import numpy as np
 import torch
 
 from . import retrieval
-from .live import (REFERENCE, _forward, _mass_candidates, _peer_name, _warm_quanto, batch_note, chunk_schedule,
+from .live import (REFERENCE, forward, mass_candidates, peer_name, warm_quanto, batch_note, chunk_schedule,
                    cost_kind, scored_needs, shared_prefill)
 from .policies import Policy
 from .policies.compose import policy_name
 from .schema import ProtocolError
-from .sources.capture import INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, _forward_kwargs, _hardware, _software, load_model
+from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, forward_kwargs, hardware_info,
+                              load_model, software_info)
 
 __all__ = ["estimate_bytes", "plan", "batch_units", "run_unit", "report", "summarize", "arms_of", "arm_names",
-           "unit_arms", "check_units", "CHUNK", "REFERENCE", "ANALYSIS"]
+           "unit_arms", "check_units", "arm_schedule", "CHUNK", "REFERENCE", "ANALYSIS"]
 
 ANALYSIS = "retrieval"
 CHUNK = 256  # tokens per forward of the reference (exact in any chunking)
@@ -71,7 +72,7 @@ CHUNK = 256  # tokens per forward of the reference (exact in any chunking)
 
 def arm_names(p: dict) -> list[str]:
     """The arm names, the reference first (no budget derived)."""
-    return [REFERENCE] + [policy_name(e) for e in p["policies"]] + [_peer_name(x) for x in p["peers"]]
+    return [REFERENCE] + [policy_name(e) for e in p["policies"]] + [peer_name(x) for x in p["peers"]]
 
 
 def arms_of(p: dict, length: int, question_tokens: int, answer_tokens: int, question: str = "after",
@@ -80,7 +81,7 @@ def arms_of(p: dict, length: int, question_tokens: int, answer_tokens: int, ques
     reference first: what is None, a Policy (a budget's kept count derived at the trial's end,
     :func:`testbed.retrieval.trial_policies`) or a peer's dict."""
     pols = retrieval.trial_policies(p, length, question_tokens, answer_tokens, question, where=where)
-    return [(REFERENCE, None)] + [(pol.name, pol) for pol in pols] + [(_peer_name(x), x) for x in p["peers"]]
+    return [(REFERENCE, None)] + [(pol.name, pol) for pol in pols] + [(peer_name(x), x) for x in p["peers"]]
 
 
 def unit_arms(p: dict, unit: dict) -> list[tuple[str, object]]:
@@ -177,7 +178,7 @@ def plan(proto: dict, ctx, protocol_path=None) -> tuple[dict, list[dict]]:
         "experiment": f"{study}: needle retrieval through cache policies inside {MODEL_ID} (float32)",
         "model": {k: v for k, v in info.items() if k not in ("load_seconds", "loaded_from")},
         "fed_as": retrieval.FED_AS, "arms": arms, "trials": len(trials),
-        "software": _software(), "hardware": _hardware(),
+        "software": software_info(), "hardware": hardware_info(),
     }, indent=1) + "\n").encode("utf-8")
     units = batch_units(p, trials)
     check_units(p, units, f"{study}.retrieval")
@@ -225,7 +226,7 @@ def _teacher_forced(model, kw, cache, fed: torch.Tensor, schedule: list[int], n_
     (from the question's last token on; ``n_q`` = 0: every fed position), None when nothing is fed."""
     out, pos = [], 0
     for c in schedule:
-        logits = _forward(model, fed[:, pos:pos + c], cache, kw)
+        logits = forward(model, fed[:, pos:pos + c], cache, kw)
         keep = max(0, n_q - 1 - pos)
         if keep < c:
             out.append(_logp_rows(logits[:, keep:]))
@@ -240,11 +241,11 @@ def _greedy(model, kw, cache, question: torch.Tensor, schedule: list[int], n_a: 
     greedily: [B, n_a]."""
     pos, logits = 0, None if last is None else last[:, None]
     for c in schedule:
-        logits = _forward(model, question[:, pos:pos + c], cache, kw)
+        logits = forward(model, question[:, pos:pos + c], cache, kw)
         pos += c
     gen = [logits[:, -1].argmax(-1)]
     for _ in range(n_a - 1):
-        logits = _forward(model, gen[-1][:, None], cache, kw)
+        logits = forward(model, gen[-1][:, None], cache, kw)
         gen.append(logits[:, -1].argmax(-1))
     return torch.stack(gen, 1)
 
@@ -267,7 +268,7 @@ def _new_cache(model, what, p: dict):
 PEER_GROUP = 64  # quanto's q_group_size (the live study's default)
 
 
-def _schedule(what, start: int, n: int) -> list[int]:
+def arm_schedule(what, start: int, n: int) -> list[int]:
     """Tokens per forward: a peer one at a time; the reference and a policy in exact chunks."""
     return chunk_schedule(what, start, n, "chunked", CHUNK) if what is None or isinstance(what, Policy) else [1] * n
 
@@ -279,7 +280,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     p = proto["retrieval"]
     study, store = ctx.study, ctx.store
     model, _, _ = load_model()
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     arms = unit_arms(p, unit)
     arm, what = arms[unit["arm"]]
     question_at = unit.get("question", "after")
@@ -295,7 +296,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     question = ids[:, pre:pre] if inside else ids[:, P:P + n_q]  # what is read after the prefill
     fed = ids[:, pre:P + n_q + n_a - 1]
     if what is not None and not isinstance(what, Policy):
-        ctx.one_off += _warm_quanto(model, kw, model.config, ctx.progress)  # before the arm's clock starts
+        ctx.one_off += warm_quanto(model, kw, model.config, ctx.progress)  # before the arm's clock starts
     shared = None if ref is None else ref[0]  # the reference's output: (SharedPrefill,), a tuple as every unit's
     view = _view(p, unit)
     case = f"batch{bi}" + ("" if question_at == "after" else f"-{question_at}")
@@ -303,7 +304,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     with torch.no_grad():
         if arm == REFERENCE:
             tail, received = scored_needs(view)  # what the scored selections read of the prefill
-            shared, cache = shared_prefill(model, kw, ids[:, :pre], _mass_candidates(view), None,
+            shared, cache = shared_prefill(model, kw, ids[:, :pre], mass_candidates(view), None,
                                            heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in arms)
                                            or received, query_tail=tail, last=inside)
             ctx.timings.append({"study": study, "case": case, "arm": None, "op": "prefill", "repeat": 0,
@@ -315,8 +316,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
             shared.load_into(cache)
         from .policies.cache import policy_attention  # transformers: needed only once a model runs
 
-        tf_schedule = _schedule(what, pre, fed.shape[1])
-        q_schedule = _schedule(what, pre, question.shape[1])
+        tf_schedule = arm_schedule(what, pre, fed.shape[1])
+        q_schedule = arm_schedule(what, pre, question.shape[1])
         with policy_attention(model) if isinstance(what, Policy) else contextlib.nullcontext():
             logp = _teacher_forced(model, kw, cache, fed, tf_schedule, question.shape[1])
             if inside:  # the first answer token from the shared prefill's last position

@@ -356,13 +356,13 @@ def test_adaptive_snapkv_keeps_what_kvpress_adakvpress_keeps(keep, alpha):
     layer, every difference a near tie (counted: none measured)."""
     pytest.importorskip("kvpress", reason="the kvpress peer: bash scripts/install.sh installs it")
     from testbed.live import shared_prefill
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     model = _llama()
     P, L, H = 320, 4, 2
     ids = torch.randint(0, 256, (2, P), generator=torch.Generator().manual_seed(5))
     _, cache = _run(model, _ada(keep, alpha), torch.cat([ids, ids[:, :1]], 1), P)
-    shared, _ = shared_prefill(model, _forward_kwargs(model), ids, query_tail=P)
+    shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=P)
     kept = swaps = moved = 0
     for layer in range(L):
         got = _against_kvpress(shared.tails[layer], shared.keys[layer].float(), shared.scales[layer],
@@ -383,12 +383,12 @@ def test_adaptive_snapkv_keeps_what_kvpress_keeps_on_smollm2(smollm2, keep, alph
 
     from testbed.live import shared_prefill
     from testbed.policies.scored import ScoredLayer
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     model, tok, _ = smollm2
     text = " ".join(topics[k] for k in sorted(topics)[20:40])
     ids = tok(text, return_tensors="pt").input_ids[:, :384]
-    shared, _ = shared_prefill(model, _forward_kwargs(model), ids, query_tail=384)
+    shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=384)
     kept = swaps = moved = 0
     for layer in (0, 14, 29):
         q, k, scale = shared.tails[layer], shared.keys[layer].float(), shared.scales[layer]

@@ -120,14 +120,14 @@ def test_a_cache_without_the_models_rope_is_refused():
 def _prefill_with_hidden(model, ids):
     """Per layer: the attention's input hidden states, its post-RoPE queries, keys and values."""
     from testbed.live import shared_prefill
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     hidden = {}
     hooks = [layer.self_attn.register_forward_pre_hook(
         lambda mod, args, kw, i=i: hidden.__setitem__(i, kw["hidden_states"].detach().clone()), with_kwargs=True)
         for i, layer in enumerate(model.model.layers)]
     try:
-        shared, _ = shared_prefill(model, _forward_kwargs(model), ids, query_tail=ids.shape[1])
+        shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=ids.shape[1])
     finally:
         for h in hooks:
             h.remove()

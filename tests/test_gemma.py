@@ -88,7 +88,7 @@ def _ids(tok, n):
 
 
 def _logprobs(model, ids, cache, chunks):
-    kw = capture._forward_kwargs(model)
+    kw = capture.forward_kwargs(model)
     out = []
     with torch.no_grad(), policy_attention(model):
         model(input_ids=ids[:, :PREFILL], use_cache=True, **{kw["cache"]: cache})

@@ -219,7 +219,7 @@ def test_a_live_int3_cache_in_a_tiny_model_stores_exactly_its_policy_bytes():
     import transformers as tf
 
     from testbed.policies.cache import PolicyCache, policy_attention
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     layers, kv, d = 2, 2, 64
     cfg = tf.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_attention_heads=4,
@@ -230,7 +230,7 @@ def test_a_live_int3_cache_in_a_tiny_model_stores_exactly_its_policy_bytes():
     pol = preset("int3", window=8, group=8)
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(1))
     cache = PolicyCache.for_model(pol, model.config)
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     prefill = 40
     with policy_attention(model), torch.no_grad():
         model(input_ids=ids[:, :prefill], use_cache=True, **{kw["cache"]: cache})

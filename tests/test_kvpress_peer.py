@@ -89,12 +89,12 @@ def _smollm2_prefill(smollm2, n: int = 256):
     from pydoc_data.topics import topics
 
     from testbed.live import shared_prefill
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     model, tok, _ = smollm2
     text = " ".join(topics[k] for k in sorted(topics)[20:40])
     ids = tok(text, return_tensors="pt").input_ids[:, :n]
-    shared, _ = shared_prefill(model, _forward_kwargs(model), ids, query_tail=n)
+    shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=n)
     return shared, model.config
 
 

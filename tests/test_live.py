@@ -444,11 +444,12 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
     prefill."""
     from transformers import QuantizedCache
 
-    from testbed.live import _forward_kwargs, _mass_candidates, _run_arm, chunk_schedule, shared_prefill
+    from testbed.live import mass_candidates, run_arm, chunk_schedule, shared_prefill
+    from testbed.sources.capture import forward_kwargs
     from testbed.policies.cache import PolicyCache, policy_attention
 
     model, tok = smollm2
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     p = {"prefill": 64, "steps": 48, "sink": 4, "window": 32 if arm == "int2_hh" else 16, "group": 16, "evict_window": 16,
          "policies": [arm] if not arm.startswith("quanto") else ["int4"]}
     ids = _ids(tok, 64 + 48 + 1, batch=2)
@@ -464,14 +465,14 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
         def make():
             return PolicyCache(pol, 30, record_layer=3)
         schedule, bytes_of = chunk_schedule(pol, 64, 48, "chunked", 256), (lambda c: c.stored_bytes())
-    shared, ref_cache = shared_prefill(model, kw, ids[:, :64], _mass_candidates(p), record_layer=3,
+    shared, ref_cache = shared_prefill(model, kw, ids[:, :64], mass_candidates(p), record_layer=3,
                                        heavy=arm == "int2_hh")
     assert ref_cache.get_seq_length() == 64 and len(shared.keys) == 30
     bytes_of = bytes_of or (lambda c: 0)
     own_cache, got_cache = make(), make()
     with policy_attention(model):
-        own = _run_arm(model, kw, ids, p, own_cache, schedule, None, bytes_of=bytes_of)
-        got = _run_arm(model, kw, ids, p, got_cache, schedule, None, bytes_of=bytes_of, prefill=shared)
+        own = run_arm(model, kw, ids, p, own_cache, schedule, None, bytes_of=bytes_of)
+        got = run_arm(model, kw, ids, p, got_cache, schedule, None, bytes_of=bytes_of, prefill=shared)
     assert (own["logprob"] - got["logprob"]).abs().max() <= 1e-5
     assert torch.equal(own["argmax"], got["argmax"])
     assert np.array_equal(own["bytes"], got["bytes"])
@@ -491,11 +492,12 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
 
 
 def test_shared_prefill_refuses_a_mass_sink_without_scores(smollm2):
-    from testbed.live import _forward_kwargs, shared_prefill
+    from testbed.live import shared_prefill
+    from testbed.sources.capture import forward_kwargs
     from testbed.policies.cache import PolicyCache
 
     model, tok = smollm2
-    shared, _ = shared_prefill(model, _forward_kwargs(model), _ids(tok, 40), None)
+    shared, _ = shared_prefill(model, forward_kwargs(model), _ids(tok, 40), None)
     with pytest.raises(ValueError, match="chooses its sink from the prefill's attention"):
         shared.load_into(PolicyCache(preset("int2_sinkmass4", window=16, group=16, sink=4), 30))
 

@@ -135,12 +135,12 @@ def test_the_shared_pass_is_each_arms_own_pass(tiny):
     from testbed import live
     from testbed.policies import preset
     from testbed.policies.cache import observe_concentration, policy_attention
-    from testbed.sources.capture import _forward_kwargs, load_model
+    from testbed.sources.capture import forward_kwargs, load_model
 
     proto, ctx, units = _units(tiny, ORACLES, evidence_layer=1)
     p = proto["live"]
     model, _, _ = load_model(model=p["model"], base=tiny)
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     ids = torch.tensor(units[0]["tokens"], dtype=torch.int64)
     _, out, _ = live.run_unit(proto, units[0], ctx)
     for j, arm in enumerate(ORACLES, 1):

@@ -23,7 +23,7 @@ from testbed.policies import PRESETS, preset  # noqa: E402
 from testbed.policies.policy import HEAVY_PRESETS  # noqa: E402
 from testbed.policies.cache import (PolicyCache, PolicyLayer, SlidingLayer, layer_kinds,  # noqa: E402
                                     policy_attention)
-from testbed.sources.capture import _forward_kwargs  # noqa: E402
+from testbed.sources.capture import forward_kwargs  # noqa: E402
 from tests._helpers import oracle_kwargs  # noqa: E402
 
 WINDOW = 16          # the models' sliding window
@@ -83,7 +83,7 @@ def _policy(name: str):
 def _run(model, ids, cache, schedule, after=None):
     """Prefill, then ``schedule`` tokens per forward; float32 log-softmax of every decode position
     ``[B, STEPS, V]``. ``after(cache, seen)`` is called after every forward (the prefill's too)."""
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     out, pos = [], PREFILL
     with torch.no_grad():
         model(input_ids=ids[:, :PREFILL], use_cache=True, **{kw["cache"]: cache})

@@ -103,13 +103,13 @@ def test_the_quanto_warm_up_is_announced_before_it_runs(monkeypatch):
     from testbed import live
 
     lines, calls = [], []
-    monkeypatch.setattr(live, "_QUANTO_WARM", [])
-    monkeypatch.setattr(live, "_quanto_warmup", lambda model, kw, cfg: calls.append(list(lines)))
-    assert live._warm_quanto(None, {}, None, lines.append) >= 0.0
+    monkeypatch.setattr(live.peers, "_QUANTO_WARM", [])
+    monkeypatch.setattr(live.peers, "_quanto_warmup", lambda model, kw, cfg: calls.append(list(lines)))
+    assert live.warm_quanto(None, {}, None, lines.append) >= 0.0
     assert len(calls) == 1 and len(calls[0]) == 1  # one line was out when the warm-up began
     assert "quanto" in calls[0][0] and "compil" in calls[0][0]
     assert len(lines) == 2 and "ready" in lines[1]
-    assert live._warm_quanto(None, {}, None, lines.append) == 0.0  # once per process: no second warm-up, no line
+    assert live.warm_quanto(None, {}, None, lines.append) == 0.0  # once per process: no second warm-up, no line
     assert len(calls) == 1 and len(lines) == 2
 
 

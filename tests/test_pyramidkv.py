@@ -209,14 +209,14 @@ def test_pyramidkv_keeps_what_kvpress_pyramidkvpress_keeps(mean, beta):
     same tokens, up to near ties (each swap asserted one)."""
     kvpress = pytest.importorskip("kvpress", reason="the kvpress peer: bash scripts/install.sh installs it")
     from testbed.live import shared_prefill
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     model = _llama()
     P, L = 320, 4
     ids = torch.randint(0, 256, (2, P), generator=torch.Generator().manual_seed(5))
     pol = _pyramid(mean, P, L, beta)
     _, cache = _run(model, pol, torch.cat([ids, ids[:, :1]], 1), P)
-    shared, _ = shared_prefill(model, _forward_kwargs(model), ids, query_tail=P)
+    shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=P)
     press = kvpress.PyramidKVPress(compression_ratio=1.0 - mean / P, beta=beta)
     snap = scorers.get("snapkv")
     swaps = kept = 0

@@ -234,7 +234,7 @@ def test_inside_prefill_is_compressed_to_keep_tokens_of_haystack_and_question():
     from testbed.sources import capture
 
     model, tokenizer, _ = capture.load_model()
-    kw = capture._forward_kwargs(model)
+    kw = capture.forward_kwargs(model)
     tr = retrieval.make_trial(tokenizer, "passkey", 512, 0.5, 7)
     P, n_q, n_a = 512, len(tr["question_ids"]), len(tr["answer_ids"])
     ids = torch.tensor([tr["prefill_ids"] + tr["question_ids"] + tr["answer_ids"]])

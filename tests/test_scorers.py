@@ -176,7 +176,7 @@ def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     cache) leaves the cache the model's own prefill through it leaves: same kept sets, same log-probs."""
     from testbed.live import scored_needs, shared_prefill
     from testbed.policies.cache import PolicyCache, policy_attention
-    from testbed.sources.capture import _forward_kwargs
+    from testbed.sources.capture import forward_kwargs
 
     model = _tiny()
     prefill, keep = 80, 70
@@ -186,7 +186,7 @@ def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
                                                                              "keep": keep}}],
                                    "prefill": prefill, "steps": 4, "model": "x", "window": 16, "group": 16,
                                    "evict_window": 16, "sink": 4})
-    shared, _ = shared_prefill(model, _forward_kwargs(model), ids[:, :prefill], heavy=received, query_tail=tail)
+    shared, _ = shared_prefill(model, forward_kwargs(model), ids[:, :prefill], heavy=received, query_tail=tail)
     outs = []
     for own in (True, False):
         cache = PolicyCache.for_model(pol, model.config)

@@ -1,7 +1,7 @@
 """Audit of report.md: every table cell, and every number of its prose that comes from the run,
 re-derived from results.json with the audit's own code.
 
-The run's builders (testbed/report.py, the analyses' ``report`` functions, testbed/live.py) are
+The run's builders (testbed/report.py, the analyses' ``report`` functions, testbed/live/summary.py) are
 never imported: this module is a second statement, in numpy + stdlib, of what each table says
 (written from their documented meaning), applied to the rows of ``results.json`` (which the
 per-row checks re-derive from the stored arrays first). It reads report.md as text, splits it into

@@ -53,7 +53,7 @@ from ..quant import Packed
 from ..quant.base import make_header
 from . import packed_attention as pa
 from . import scorers
-from .causal import _causal_softmax_blocks, accumulated_attention
+from .causal import causal_softmax_blocks, accumulated_attention
 from .policy import HEADER_BYTES, Policy, sink_candidates
 from .rope import rotary, rotate_half
 from .scored import ScoredLayer
@@ -289,7 +289,7 @@ def sink_scores(query: torch.Tensor, key: torch.Tensor, scale: float, candidates
     hkv = key.shape[1]
     g = hq // hkv
     total = torch.zeros(b, hkv, candidates, dtype=torch.float32, device=query.device)
-    for p, _ in _causal_softmax_blocks(query, key, scale, block, torch.float32):
+    for p, _ in causal_softmax_blocks(query, key, scale, block, torch.float32):
         total += p[..., :candidates].sum(dim=(2, 3))
     seen_by = (t - torch.arange(candidates, device=query.device)).to(torch.float32) * g
     return total / seen_by
@@ -305,7 +305,7 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     acc = torch.zeros(b, hkv, dtype=torch.float64, device=query.device)
-    for p, qpos in _causal_softmax_blocks(query, key, scale, block, torch.float32):
+    for p, qpos in causal_softmax_blocks(query, key, scale, block, torch.float32):
         acc += effective_support(p, qpos + 1).sum(dim=(2, 3))
     return acc if total else acc / (hq // hkv * t)
 

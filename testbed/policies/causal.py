@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulated_attention", "last_queries_attention"]
+__all__ = ["accumulated_attention", "last_queries_attention", "causal_softmax_blocks"]
 
 
-def _causal_softmax_blocks(query: torch.Tensor, key: torch.Tensor, scale: float, block: int, dtype: torch.dtype):
+def causal_softmax_blocks(query: torch.Tensor, key: torch.Tensor, scale: float, block: int, dtype: torch.dtype):
     """Yield ``(P [B, H_kv, g, z - a, n], qpos)`` per block of queries ``a:z`` of one causal pass:
     ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions (the pass's
     keys in order, a cache's history first), scores and softmax in ``dtype``, the query heads
@@ -38,7 +38,7 @@ def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scale: float, 
     scores (so a pass cut into chunks sums to the same up to float64 rounding), queries in blocks."""
     b, hkv, n = query.shape[0], key.shape[1], key.shape[2]
     acc = torch.zeros(b, hkv, n, dtype=torch.float64, device=query.device)
-    for p, _ in _causal_softmax_blocks(query, key, scale, block, torch.float64):
+    for p, _ in causal_softmax_blocks(query, key, scale, block, torch.float64):
         acc += p.sum(dim=(2, 3))
     return acc
 
@@ -46,4 +46,4 @@ def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scale: float, 
 def last_queries_attention(query: torch.Tensor, key: torch.Tensor, scale: float, dtype=torch.float32) -> torch.Tensor:
     """``[B, H_kv, g, t, n]``: the causal softmax of the ``t`` queries (the last t of the n positions)
     over the keys, in ``dtype``; for a few queries (an observation window, the newest token)."""
-    return next(_causal_softmax_blocks(query, key, scale, query.shape[2], dtype))[0]
+    return next(causal_softmax_blocks(query, key, scale, query.shape[2], dtype))[0]

@@ -322,7 +322,7 @@ def _run_kernel(query, layer, scaling, tokens, span, keys, values, new, norm):
     g = kq.group_size
     kernels.set_threads(torch.get_num_threads())
     _attend(q, t["codes"].numpy(), _bits16(t["scale"]), _bits16(t["zero"]), u["codes"].numpy(), _bits16(u["scale"]),
-            _bits16(u["zero"]), kernels._F16_VALUES, n, kq.bits, g, vq.group_size, np.float32(scaling),
+            _bits16(u["zero"]), kernels.F16_VALUES, n, kq.bits, g, vq.group_size, np.float32(scaling),
             max(g, span // g * g), fk, fv, tq, new, norm, num, mx, sm)
     return (_unrows(torch.from_numpy(num), hq, tq), _unrows(torch.from_numpy(mx), hq, tq),
             _unrows(torch.from_numpy(sm), hq, tq))

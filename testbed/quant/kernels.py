@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 __all__ = ["available", "use_fast", "empty_float32", "parallel_kernel", "float16_round", "float16_bits", "int_quantize_channel",
            "int_quantize_token",
-           "int_dequantize_channel", "int_dequantize_token", "mx_quantize", "mx_dequantize"]
+           "int_dequantize_channel", "int_dequantize_token", "mx_quantize", "mx_dequantize", "F16_VALUES"]
 
 MIN_FAST_ELEMENTS = 1 << 16
 
@@ -715,7 +715,7 @@ def int_quantize_token(x: np.ndarray, bits: int, g: int):
     return codes, scale.view(np.float16), zero.view(np.float16), any(flags)
 
 
-_F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)  # every float16, exactly
+F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)  # every float16, exactly
 
 
 def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
@@ -729,10 +729,10 @@ def _dequantize(kernel, codes, scale, zero, g, bits, n, d, out):
         # contiguous rows (e.g. the token span of a [B, N, D] cache): one call over all of it, so
         # the threads split the batch and first-touch disjoint pages (one call per slab made both
         # threads fault the same fresh pages: 5x slower on a VM)
-        kernel(codes, scale, zero, _F16_VALUES, g, bits, out)
+        kernel(codes, scale, zero, F16_VALUES, g, bits, out)
     else:
         tmp = np.empty(out.shape, np.float32)
-        kernel(codes, scale, zero, _F16_VALUES, g, bits, tmp)
+        kernel(codes, scale, zero, F16_VALUES, g, bits, tmp)
         out[...] = tmp
     return out
 

@@ -55,7 +55,7 @@ from ..schema import Key, ProtocolError, Spec, check_value
 __all__ = [
     "ATTN_NAME", "GGUF_NAME", "MODEL_PACKAGE", "INSTALL_HINT", "CaptureUnavailable", "Record", "Observer",
     "register", "locate_gguf", "cache_root", "load_model", "llm_layout", "case_from_record", "stream_prefill",
-    "validate", "cases",
+    "validate", "cases", "forward_kwargs", "software_info", "hardware_info",
 ]
 
 ATTN_NAME = "testbed_observer"
@@ -635,7 +635,7 @@ def _convert(gguf: Path, folder: Path, progress: Callable[[str], None] | None = 
     os.rename(tmp, folder)
 
 
-def _forward_kwargs(model) -> dict:
+def forward_kwargs(model) -> dict:
     """Keyword names of this transformers version: the cache argument, and (when available) asking
     for the last position's logits only, which spares the vocabulary projection of every token."""
     import inspect
@@ -651,7 +651,7 @@ def stream_prefill(model, input_ids: torch.Tensor, chunk: int) -> tuple[int, tor
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    kw = _forward_kwargs(model)
+    kw = forward_kwargs(model)
     n = input_ids.shape[1]
     forwards, logits = 0, None
     with torch.no_grad():
@@ -791,7 +791,7 @@ def estimate_bytes(params: dict, base: Path | None = None, p_payload: bool = Tru
                                                                    p_payload=p_payload)
 
 
-def _software() -> dict:
+def software_info() -> dict:
     out = {"python": sys.version.split()[0], "torch": torch.__version__}
     for name in ("transformers", "gguf", "accelerate", "safetensors", "tokenizers", "numpy"):
         try:
@@ -803,7 +803,7 @@ def _software() -> dict:
     return out
 
 
-def _hardware() -> dict:
+def hardware_info() -> dict:
     hw = {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_name(),
           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu", "accelerators": []}
     if torch.cuda.is_available():
@@ -875,8 +875,8 @@ def cases(params: dict, ctx=None) -> Iterator[Case]:
     manifest["config"].update({"record_chunks": record_chunks, "chunk_schedule": [params["chunk"]] * n_chunks,
                                "observer": f"AttentionInterface '{ATTN_NAME}' delegating to 'sdpa'",
                                "key_region_order": ["sink", "middle", "recent", "current"], "causal": True})
-    manifest["software"] = _software()
-    manifest["hardware"] = _hardware()
+    manifest["software"] = software_info()
+    manifest["hardware"] = hardware_info()
 
     def exclude(entry_id: str, stage: str, error: str) -> None:
         entry = {"id": entry_id, "stage": stage, "error": error}
