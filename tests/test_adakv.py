@@ -14,7 +14,9 @@
 - kvpress's ``AdaKVPress(SnapKVPress)`` (its ``compress`` called on the same keys and attention
   matrix, its model hooks left out) keeps the same tokens at every layer, up to near ties;
 - end to end on SmolLM2: adaptive arms run and pass the audit; a forged per-head count and a forged
-  kept set each fail it.
+  kept set each fail it;
+- the audit's adaptive checks alone (numpy, a stub context, synthetic arrays): an honest split passes
+  (also one with a head that holds nothing), each forgery fails.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ import torch
 
 from testbed.policies import scorers
 from testbed.policies.compose import declared
-from testbed.policies.policy import PRESETS, Policy, preset, pyramid_keep, safeguard_count
+from testbed.policies.policy import HEAD_FIELDS, PRESETS, Policy, preset, pyramid_keep, safeguard_count
 from tests import _arrays
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
-HEAD_FIELDS = {"heads", "alpha"}
 KW = dict(window=16, group=16, evict_window=16)
 
 
@@ -109,14 +110,14 @@ def test_the_safeguard_is_kvpress_arithmetic():
 
 def test_per_head_fields_only_for_adaptive_arms():
     for name in PRESETS:
-        assert not HEAD_FIELDS & set(preset(name).config()), name
+        assert not set(HEAD_FIELDS) & set(preset(name).config()), name
     proto = json.loads((REPO / "protocols" / "frontier.json").read_text())["live"]
     budget = dict(prefill=proto["prefill"], steps=proto["steps"], **SMOL, tolerance=proto.get("budget_tolerance", 0.01))
     kw = dict(window=proto["window"], group=proto["group"], evict_window=proto["evict_window"], budget=budget)
     for entry in proto["policies"]:
         if isinstance(entry, dict):
             pol = declared(entry, **kw)
-            assert not HEAD_FIELDS & set(pol.config()), entry["name"]
+            assert not set(HEAD_FIELDS) & set(pol.config()), entry["name"]
             if pol.scored:  # "heads": "uniform" said out loud is the same policy
                 assert declared({**entry, "selection": {**entry["selection"], "heads": "uniform"}}, **kw) == pol
     ada = declared({"name": "snapkv_ada_half", "selection": {"kind": "snapkv", "mode": "prefill", "heads": "adaptive"},
@@ -125,8 +126,9 @@ def test_per_head_fields_only_for_adaptive_arms():
                     "budget": {"fp16_fraction": 0.5}}, **kw)
     cfg = ada.config()
     assert cfg["heads"] == "adaptive" and cfg["alpha"] == 0.2
-    # the bytes are the held tokens summed over heads, as the uniform arm's: the same kept count
-    assert ada.keep == uni.keep and ada.cache_bytes(2048, 30, 3, 64, 1792) == uni.cache_bytes(2048, 30, 3, 64, 1792)
+    # the bytes are the held tokens summed over heads, as the uniform arm's: the same kept count (that an
+    # actual cache's held tokens come to those bytes: test_heads_share_the_layers_count_and_bytes)
+    assert ada.keep == uni.keep
     # the audit's own mapping of the declaration gives the same fields
     from testbed.audit_checks.live_quality import declared_policy
 
@@ -225,6 +227,9 @@ def test_heads_share_the_layers_count_and_bytes():
     assert uneven  # random heads do differ: tokens moved between them
     # bytes of the held tokens only, per (layer, KV head): the total is the uniform arm's
     assert cache.stored_bytes() == uni.stored_bytes() == _bytes([2 * (140 + T)] * 4)
+    # the closed form a budget reads (Policy.cache_bytes) against bytes counted from sequence 0's held tokens
+    held = _bytes([int(x.head_counts()[0].sum()) for x in cache.layers])
+    assert held == _ada(140).cache_bytes(P + T, 4, 2, 16, P) == cache.stored_bytes()
     assert not torch.equal(lp, uni_lp)
 
 
@@ -298,6 +303,66 @@ def test_a_concentrated_head_gives_tokens_to_a_diffuse_one():
     assert layer.head_counts()[0].tolist() == [safeguard_count(80, 0.95), 160 - safeguard_count(80, 0.95)]
 
 
+def test_stored_bytes_refuses_sequences_of_unequal_counts():
+    """Per sequence bytes need every sequence to hold the same count: a layer whose two sequences hold
+    counts differing by 2 (the batch's total still divisible by 2) is refused, not averaged."""
+    from testbed.policies.scored import ScoredLayer
+
+    g = torch.Generator().manual_seed(5)
+    layer = ScoredLayer(_ada(20, alpha=0.0, scorer="knorm"), scorers.get("knorm"), layer_idx=0)
+    keys = torch.randn(2, 2, 64, 8, generator=g) * torch.tensor([1.0, 3.0])[None, :, None, None]
+    layer.update(keys, torch.randn(2, 2, 64, 8, generator=g))
+    assert layer.kept_valid is not None and layer.head_counts().sum(-1).tolist() == [40, 40]
+    assert layer.stored_bytes() == 16 + 40 * (2 * 8 * 4 + 8)
+    layer.kept_valid[0, 0, :2] = False  # sequence 0 drops two held tokens: 38 against 40, 78 in all
+    assert layer.batch_bytes() % 2 == 0
+    with pytest.raises(RuntimeError, match=r"hold \[38, 40\] tokens"):
+        layer.stored_bytes()
+
+
+USER_TAIL = """
+import torch
+
+
+class Tail:
+    MODES = ("prefill",)
+    KEPT_FIRST = (2, 6)  # the prefill's first 2 and last 6 tokens: kept by every head
+
+    def score(self, keys, positions, layer):
+        return -keys.norm(dim=-1)
+"""
+
+
+def test_a_user_scorers_kept_first_is_honoured_and_checked(tmp_path):
+    """A user's scorer's ``KEPT_FIRST`` is read off its loaded class, as a built-in's off its own: the
+    layer ranks those tokens above every score (kept by every head, though they score lowest here),
+    and a keep that cannot hold them is refused when the cache's layer is made (compose cannot see the
+    class: it does not load the protocol's files)."""
+    from testbed.policies.scored import ScoredLayer
+
+    (tmp_path / "tail.py").write_text(USER_TAIL)
+    entry = {"name": "u", "selection": {"kind": "tail.py:Tail", "mode": "prefill", "heads": "adaptive", "alpha": 0,
+                                        "keep": 7}}
+    small = declared(entry, **KW)  # accepted: 2 + 6 > 7 shows only once the class is loaded
+    with pytest.raises(ValueError, match=r"ranks the 8 tokens each head always keeps .* keep must hold them, got 7"):
+        ScoredLayer(small, scorers.get("tail.py:Tail", base=tmp_path), layer_idx=0)
+    pol = declared({**entry, "selection": {**entry["selection"], "keep": 12}}, **KW)
+    layer = ScoredLayer(pol, scorers.get("tail.py:Tail", base=tmp_path), layer_idx=0)
+    g = torch.Generator().manual_seed(8)
+    keys = torch.randn(1, 2, 40, 8, generator=g)
+    keys[:, :, [0, 1, 34, 35, 36, 37, 38, 39]] *= 100  # the lowest scores of every head
+    layer.update(keys, torch.randn(1, 2, 40, 8, generator=g))
+    counts = layer.head_counts()[0]
+    assert int(counts.sum()) == 24
+    for hh in range(2):
+        held = set(layer.kept_index[0, hh, : int(counts[hh])].tolist())
+        assert {0, 1, 34, 35, 36, 37, 38, 39} <= held
+    # the same statement refuses a built-in's: expected_attention's sink of 4 and a window of 6 in a keep of 8
+    with pytest.raises(ValueError, match="ranks the 10 tokens each head always keeps"):
+        declared({"name": "x", "selection": {"kind": "expected_attention", "mode": "prefill", "keep": 8, "window": 6,
+                                             "heads": "adaptive"}}, **KW)
+
+
 # -- kvpress as the peer -----------------------------------------------------------------------------------
 
 
@@ -316,11 +381,15 @@ def _held_pairs(layer, bi: int, prefill: int) -> set:
             for i in layer.kept_index[bi, hh][valid[hh]].tolist() if i < prefill}
 
 
-def _against_kvpress(q, k, scale, ours, keep: int, alpha: float) -> tuple[int, int, int]:
+def _against_kvpress(q, k, scale, ours, keep: int, alpha: float) -> dict:
     """kvpress's ``AdaKVPress(SnapKVPress)`` ``compress`` on one layer's prefill keys ``k`` and the
     attention matrix of its queries ``q`` (its pruned tokens read back from ``masked_key_indices``)
-    against testbed's layer ``ours``: (kept tokens, swaps, tokens moved between heads). Every swap is
-    asserted a near tie of the scores (1e-5 relative, the audit's tolerance for attention scores)."""
+    against testbed's layer ``ours``: ``kept`` tokens, ``swaps``, tokens ``moved`` between heads (held
+    beyond ``keep`` by a head), the heads' ``counts`` and the layer's ``margin``: the smallest relative
+    gap, over sequences, between the lowest token kept beyond its head's safeguard and the highest
+    dropped one (how near the heads' competition came to a tie). Asserted here, per sequence: every
+    swap a near tie of the scores (1e-5 relative, the audit's tolerance for attention scores), every
+    head at least its safeguard, the heads' counts summing to ``H x keep``, the margin not negative."""
     from kvpress import AdaKVPress, SnapKVPress
     from kvpress.utils import compute_n_kept
 
@@ -334,19 +403,46 @@ def _against_kvpress(q, k, scale, ours, keep: int, alpha: float) -> tuple[int, i
     kept_by_them = torch.ones(b, h, n, dtype=torch.bool)
     kept_by_them[module.masked_key_indices] = False  # the pruned (batch, head, token) triples
     score = scorers.get("snapkv").attention_score(q, k, scale, torch.zeros(b, h, n), None).double()
-    kept = swaps = moved = 0
+    rank = score.clone()
+    rank[..., n - scorers.kept_first("snapkv")[1]:] = float("inf")  # the window: above every score
+    safe = safeguard_count(keep, alpha)
+    out = {"kept": 0, "swaps": 0, "moved": 0, "counts": [], "margin": float("inf")}
     for bi in range(b):
         theirs, mine = _pairs(kept_by_them[bi]), _held_pairs(ours, bi, n)
         assert len(theirs) == len(mine) == h * keep
-        moved += sum(max(0, sum(1 for x in mine if x[0] == hh) - keep) for hh in range(h))
+        counts = [sum(1 for x in mine if x[0] == hh) for hh in range(h)]
+        assert sum(counts) == h * keep and min(counts) >= safe
+        out["counts"] += counts
+        out["moved"] += sum(max(0, c - keep) for c in counts)
         a = sorted(theirs - mine, key=lambda p: score[bi, p[0], p[1]])
         c = sorted(mine - theirs, key=lambda p: score[bi, p[0], p[1]])
         for x, y in zip(a, c):
-            swaps += 1
+            out["swaps"] += 1
             sx, sy = score[bi, x[0], x[1]], score[bi, y[0], y[1]]
             assert abs(sx - sy) <= 1e-5 * max(abs(sx), abs(sy)), f"kvpress kept {x}, testbed {y}: not a near tie"
-        kept += len(theirs)
-    return kept, swaps, moved
+        held = torch.zeros(h, n, dtype=torch.bool)
+        for hh, t in mine:
+            held[hh, t] = True
+        beyond = torch.cat([rank[bi, hh][held[hh]].sort(descending=True).values[safe:] for hh in range(h)])
+        beyond = beyond[torch.isfinite(beyond)]
+        dropped = rank[bi][~held]
+        if beyond.numel() and dropped.numel():
+            lo, hi = float(beyond.min()), float(dropped.max())
+            out["margin"] = min(out["margin"], (lo - hi) / max(abs(lo), abs(hi)))
+        out["kept"] += len(theirs)
+    assert out["margin"] >= 0, f"a dropped token scored above one kept beyond its head's safeguard: {out['margin']}"
+    return out
+
+
+def _summed(per_layer: list[dict], keep: int) -> dict:
+    """The layers' results together; asserts the facts docs/live.md states of them: the heads' split
+    is uneven (tokens moved between heads, a count on either side of ``keep``) and no swap."""
+    out = {"kept": sum(x["kept"] for x in per_layer), "swaps": sum(x["swaps"] for x in per_layer),
+           "moved": sum(x["moved"] for x in per_layer), "counts": sum((x["counts"] for x in per_layer), []),
+           "margin": min(x["margin"] for x in per_layer)}
+    assert out["moved"] > 0 and min(out["counts"]) < keep < max(out["counts"]), out  # an uneven split compared
+    assert out["swaps"] == 0, f"{out['swaps']} near-tie swaps in {out['kept']} kept tokens"
+    return out
 
 
 @pytest.mark.parametrize("keep,alpha", [(140, 0.2), (100, 0.2), (200, 0.5), (90, 0.0)])
@@ -363,14 +459,9 @@ def test_adaptive_snapkv_keeps_what_kvpress_adakvpress_keeps(keep, alpha):
     ids = torch.randint(0, 256, (2, P), generator=torch.Generator().manual_seed(5))
     _, cache = _run(model, _ada(keep, alpha), torch.cat([ids, ids[:, :1]], 1), P)
     shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=P)
-    kept = swaps = moved = 0
-    for layer in range(L):
-        got = _against_kvpress(shared.tails[layer], shared.keys[layer].float(), shared.scales[layer],
-                               cache.layers[layer], keep, alpha)
-        kept, swaps, moved = kept + got[0], swaps + got[1], moved + got[2]
-    assert kept == L * 2 * H * keep
-    assert moved  # the heads' counts do differ from keep: the test compares an uneven split
-    assert swaps == 0, f"{swaps} near-tie swaps in {kept} kept tokens"
+    got = _summed([_against_kvpress(shared.tails[layer], shared.keys[layer].float(), shared.scales[layer],
+                                    cache.layers[layer], keep, alpha) for layer in range(L)], keep)
+    assert got["kept"] == L * 2 * H * keep
 
 
 @pytest.mark.slow
@@ -389,16 +480,13 @@ def test_adaptive_snapkv_keeps_what_kvpress_keeps_on_smollm2(smollm2, keep, alph
     text = " ".join(topics[k] for k in sorted(topics)[20:40])
     ids = tok(text, return_tensors="pt").input_ids[:, :384]
     shared, _ = shared_prefill(model, forward_kwargs(model), ids, query_tail=384)
-    kept = swaps = moved = 0
+    per_layer = []
     for layer in (0, 14, 29):
         q, k, scale = shared.tails[layer], shared.keys[layer].float(), shared.scales[layer]
         ours = ScoredLayer(_ada(keep, alpha), scorers.get("snapkv"), layer_idx=layer)
         ours.load_prefill(k, shared.values[layer].float(), q, scale)
-        got = _against_kvpress(q, k, scale, ours, keep, alpha)
-        kept, swaps, moved = kept + got[0], swaps + got[1], moved + got[2]
-    assert kept == 3 * 3 * keep
-    assert moved
-    assert swaps == 0, f"{swaps} near-tie swaps in {kept} kept tokens (moved between heads: {moved})"
+        per_layer.append(_against_kvpress(q, k, scale, ours, keep, alpha))
+    assert _summed(per_layer, keep)["kept"] == 3 * 3 * keep
 
 
 # -- end to end ----------------------------------------------------------------------------------------
@@ -445,7 +533,7 @@ def test_adaptive_arms_run_and_pass_the_audit(ada_run):
     rows = _rows(ada_run)
     ada, uni = rows["snapkv_ada"], rows["snapkv_pre"]
     assert ada["policy"]["heads"] == "adaptive" and ada["policy"]["alpha"] == 0.2
-    assert not HEAD_FIELDS & set(uni["policy"])
+    assert not set(HEAD_FIELDS) & set(uni["policy"])
     assert ada["bytes_final"] == uni["bytes_final"] == 30 * (16 + 3 * (100 + 16) * (8 * 64 + 8))
     ev = ada["evidence"]["arrays"]
     count = _arrays.load(ada_run, ev["kept.count"])
@@ -562,3 +650,176 @@ def test_adaptive_arms_in_the_retrieval_study(tmp_path):
     rows = [r for r in json.loads((out / "results.json").read_text())["rows"] if r.get("kind") == "policy"]
     assert {r["arm"] for r in rows} == {"snapkv_ada_k96", "knorm_ada_k96"}
     assert all(r["policy"]["heads"] == "adaptive" for r in rows)
+
+
+# -- the audit's adaptive checks on synthetic arrays (numpy only) ---------------------------------------
+
+
+class _AuditCtx:
+    """The audit context's few members its adaptive checks call (testbed.audit.Audit's)."""
+
+    def __init__(self):
+        self.failures: list[str] = []
+        self.numbers = 0
+        self.user_scorers: dict = {}
+
+    def fail(self, where, reason):
+        self.failures.append(reason)
+
+    def close(self, row, name, reported, derived):
+        self.numbers += 1
+        if reported != derived:
+            self.fail(row, f"{name}: reported {reported!r}, audit derives {derived!r}")
+        return reported == derived
+
+
+def _ada_rule(rank: np.ndarray, keep: int, safe: int) -> np.ndarray:
+    """[H, P] bool: each head's own top ``safe`` of ``rank`` (inf: always kept), then the layer's top of
+    the rest to ``H x keep`` in all; scores distinct here, so no ties to break."""
+    h, p = rank.shape
+    kept = np.zeros((h, p), dtype=bool)
+    order = np.argsort(-rank, axis=1, kind="stable")
+    for i in range(h):
+        kept[i, order[i, :safe]] = True
+    rest = sorted((-rank[i, t], t, i) for i in range(h) for t in range(p) if not kept[i, t])
+    for _, t, i in rest[: h * keep - int(kept.sum())]:
+        kept[i, t] = True
+    return kept
+
+
+def _pack(kept: np.ndarray, k: np.ndarray, v: np.ndarray, own: np.ndarray) -> dict:
+    """The evidence arrays of a kept mask ``[H, n]``: each head's tokens first, its empty slots after."""
+    h, n = kept.shape
+    count = kept.sum(axis=1).astype(np.int32)
+    slots = int(count.max())
+    idx = np.full((h, slots), -1, dtype=np.int32)
+    score = np.zeros((h, slots), dtype=np.float32)
+    fk = np.zeros((h, slots, k.shape[2]), dtype=np.float32)
+    fv = np.zeros_like(fk)
+    for i in range(h):
+        pos = np.flatnonzero(kept[i])
+        idx[i, : pos.size], score[i, : pos.size] = pos, own[i, pos]
+        fk[i, : pos.size], fv[i, : pos.size] = k[i, pos], v[i, pos]
+    return {"float.k": fk, "float.v": fv, "kept.index": idx, "kept.score": score, "kept.count": count,
+            "input.k": k, "input.v": v}
+
+
+def _knorm_case(keep=8, alpha=0.5, window=2, prefill=24, steps=3, scale=(1.0, 1.5, 2.5, 4.0), seed=0):
+    """A knorm adaptive layer: keys of head h scaled by ``scale[h]`` (a larger norm, a lower score: the
+    later heads give tokens to the first); returns (row, pol, live, kept mask [H, n], K, V, own scores)."""
+    rng = np.random.default_rng(seed)
+    h, n, d = len(scale), prefill + steps, 8
+    k = (rng.standard_normal((h, n, d)) * np.asarray(scale)[:, None, None]).astype(np.float32)
+    v = rng.standard_normal((h, n, d)).astype(np.float32)
+    own = (-np.sqrt(np.sum(k.astype(np.float64) ** 2, axis=-1))).astype(np.float32)
+    rank = own[:, :prefill].astype(np.float64)
+    if window:
+        rank[:, prefill - window:] = np.inf
+    kept = np.ones((h, n), dtype=bool)
+    kept[:, :prefill] = _ada_rule(rank, keep, min(safeguard_count(keep, alpha), prefill))
+    pol = {"scorer": "knorm", "scorer_mode": "prefill", "keep": keep, "alpha": alpha, "window": window, "seed": 0,
+           "_prefill": prefill}
+    live = {"model": "stub", "prefill": prefill, "steps": steps}
+    row = {"study": "s", "model_dims": {"layers": 1, "kv_heads": h, "head_dim": d}}
+    return row, pol, live, kept, k, v, own
+
+
+def _audit_adaptive(row, pol, live, a) -> _AuditCtx:
+    from testbed.audit_checks.live_quality import _adaptive_evidence
+
+    ctx = _AuditCtx()
+    _adaptive_evidence(row, ctx, pol, live, a, 0)
+    return ctx
+
+
+def test_the_audit_passes_a_head_that_holds_nothing():
+    """alpha 0 and no steps after the prefill: a head of large keys (knorm scores them lowest) holds no
+    token; the audit's evidence checks pass it instead of raising on the empty head."""
+    row, pol, live, kept, k, v, own = _knorm_case(keep=4, alpha=0.0, window=0, steps=0, scale=(1, 1, 1, 50))
+    a = _pack(kept, k, v, own)
+    assert a["kept.count"].tolist()[3] == 0 and a["kept.count"].sum() == 4 * 4
+    ctx = _audit_adaptive(row, pol, live, a)
+    assert ctx.failures == [] and ctx.numbers > 0
+    kept[0, np.flatnonzero(kept[0])[0]] = False  # one token fewer: the layer's sum no longer holds
+    kept[3, 0] = True
+    kept[3, 1] = True
+    ctx = _audit_adaptive(row, pol, live, _pack(kept, k, v, own))
+    assert any("kept.count" in f for f in ctx.failures), ctx.failures
+
+
+def _swap(kept: np.ndarray, hh: int, drop: int, take: int) -> np.ndarray:
+    out = kept.copy()
+    assert out[hh, drop] and not out[hh, take]
+    out[hh, drop], out[hh, take] = False, True
+    return out
+
+
+def test_the_audits_adaptive_checks_pass_the_honest_split_and_fail_each_forgery():
+    """The audit's adaptive evidence checks (``_adaptive_evidence``, ``_check_adaptive``) on a knorm
+    layer built here: the honest split (uneven: the heads of smaller keys take tokens from the others)
+    passes; a head moved below its safeguard (count), a head that drops its own top token for a lower
+    one (kept set), a filled slot after a head's count and a dropped window token each fail."""
+    row, pol, live, kept, k, v, own = _knorm_case()
+    P, safe = live["prefill"], safeguard_count(pol["keep"], pol["alpha"])
+    counts = kept.sum(axis=1)
+    assert counts.sum() == 4 * (8 + 3) and counts[0] > 8 + 3 > counts[3] == safe + 3  # tokens moved; head 3 at its floor
+    ctx = _audit_adaptive(row, pol, live, _pack(kept, k, v, own))
+    assert ctx.failures == [] and ctx.numbers > 0
+
+    def fails(mask=None, a=None) -> list[str]:
+        return _audit_adaptive(row, pol, live, _pack(mask, k, v, own) if a is None else a).failures
+
+    # head 3 gives its 2 non-window prefill tokens to head 0's best dropped ones: the sum holds, head 3 is short
+    poor = kept.copy()
+    mine = [t for t in np.flatnonzero(kept[3, :P]) if t < P - 2]
+    poor[3, mine] = False
+    rank0 = np.where(kept[0, :P], -np.inf, own[0, :P])
+    poor[0, np.argsort(-rank0, kind="stable")[: len(mine)]] = True
+    assert poor.sum() == kept.sum() and poor[3].sum() < safe + 3
+    assert any("fewer than its safeguard" in f for f in fails(poor)), fails(poor)
+    # head 3 drops its own best-scored (non-window) token for its best dropped one: the count holds
+    best = max(mine, key=lambda t: own[3, t])
+    take = max(np.flatnonzero(~kept[3, :P]), key=lambda t: own[3, t])
+    assert any("below its safeguard" in f for f in fails(_swap(kept, 3, best, take)))
+    # a slot after a head's count that is not empty
+    a = _pack(kept, k, v, own)
+    short = int(np.argmin(a["kept.count"]))
+    a["kept.index"][short, a["kept.count"][short]] = 0
+    assert any("not empty" in f for f in fails(a=a))
+    a = _pack(kept, k, v, own)
+    a["float.k"][short, -1, 0] = 1.0
+    assert any("not empty" in f for f in fails(a=a))
+    # head 0 drops the window's last token for its best dropped one
+    take = max(np.flatnonzero(~kept[0, :P]), key=lambda t: own[0, t])
+    assert any("newest 2 tokens" in f for f in fails(_swap(kept, 0, P - 1, take)))
+
+
+def test_the_audits_adaptive_kept_set_holds_a_scorers_kept_first():
+    """``_check_adaptive`` with tova's own scores (its last prefill token always kept, scored here
+    below every other, so only that rule keeps it): the honest split passes, a head that drops that
+    token for its best dropped one fails."""
+    from testbed.audit_checks.live_quality import TOLERANCES, _check_adaptive
+
+    rng = np.random.default_rng(4)
+    h, P, steps, keep, alpha = 3, 20, 2, 6, 0.2
+    own = rng.random((h, P + steps)).astype(np.float32) * np.array([[1.0], [2.0], [4.0]], dtype=np.float32)
+    own[:, P - 1] = -1.0
+    rank = own[:, :P].astype(np.float64)
+    rank[:, P - 1] = np.inf
+    kept = np.ones((h, P + steps), dtype=bool)
+    kept[:, :P] = _ada_rule(rank, keep, safeguard_count(keep, alpha))
+    assert len(set(kept.sum(axis=1).tolist())) > 1
+    pol = {"scorer": "tova", "scorer_mode": "prefill", "keep": keep, "alpha": alpha, "window": 0}
+    live = {"prefill": P, "steps": steps}
+    tol = TOLERANCES["score_attention"]
+
+    def fails(mask) -> list[str]:
+        a = _pack(mask, np.zeros((h, P + steps, 2), np.float32), np.zeros((h, P + steps, 2), np.float32), own)
+        ctx = _AuditCtx()
+        _check_adaptive({}, ctx, pol, live, own, a["kept.index"], a["kept.score"], a["kept.count"], tol["rtol"],
+                        tol["atol"])
+        return ctx.failures
+
+    assert fails(kept) == []
+    take = max(np.flatnonzero(~kept[0, :P]), key=lambda t: own[0, t])
+    assert any("always keeps" in f for f in fails(_swap(kept, 0, P - 1, take)))

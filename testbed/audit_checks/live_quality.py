@@ -39,6 +39,12 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
   the prefill, the empty slots after each head's count empty, the bytes from the held tokens only,
   and for a scorer it re-derives at the prefill, the kept set: each head's own top safeguard, the
   rest the layer's top scores over every head (near ties within the float32 tolerances);
+- for a scored selection whose kept set a storage stores (``store``, ``store_window``) or whose dropped
+  prefill tokens a low-precision rest keeps (``rest``, MiKV): the kept count from the budget (``as``: a
+  preset's bytes per token; every count tried, the bytes not being monotone in it), the bytes from the
+  storage's own closed form, one token per forward, and at the evidence layer the kept set as above,
+  then the inputs at ``kept.index`` (and the prefill's other tokens, in order) re-encoded as the
+  storage (and the rest) stores a sequence of that length, byte for byte;
 - once per study: exactly one row per (segment, arm) the protocol implies, the segments' token ids
   against their recorded hashes, disjoint evenly spaced segment starts.
 
@@ -185,14 +191,70 @@ def _pyramid_dims(live: dict) -> dict:
     return dims
 
 
+def as_bytes(budget, live: dict):
+    """A budget ``{"as": preset}``: that preset's whole-cache bytes per token at the segment's end (a
+    policy the audit's table knows that keeps every token), as ``{"bytes_per_token": b}``."""
+    if not (isinstance(budget, dict) and set(budget) == {"as"}):
+        return budget
+    arm = budget["as"]
+    if arm not in POLICY_TABLE or POLICY_TABLE[arm][0] == "drop" or "oracle" in arm:
+        raise ValueError(f"a budget as {arm!r}: not a preset the audit knows that keeps every token")
+    n = live["prefill"] + live["steps"]
+    dims = MODELS.get(live.get("model"))
+    if dims is None:
+        raise ValueError(f"a budget in bytes needs a model of the audit's table, not {live.get('model')!r}")
+    return {"bytes_per_token": policy_bytes(policy_of(arm, {k: v for k, v in live.items() if k != "policies"}), n,
+                                            dims) / n}
+
+
+def store_policy(pol: dict) -> dict:
+    """A stored kept set's storage: a uniform policy of no sink, the middle ``store``, the float32
+    window ``store_window``, the selection's groups, fed the held tokens as its own sequence."""
+    return {"middle": pol["store"], "sink": 0, "window": pol["store_window"], "group": pol["group"],
+            "feature_group": pol["feature_group"], "key_axis": pol["key_axis"], "sink_select": "first"}
+
+
+def stored_layer_bytes(pol: dict, held: int, h: int, d: int) -> int:
+    """One layer's bytes of a kept set of ``held`` tokens per KV head stored by its storage: the header,
+    the storage's float32 window and packed arrays, an int32 index and a float32 score per held token."""
+    st = store_policy(pol)
+    _, p, f = _spans(st, held)
+    return HEADER + f * 2 * h * d * 4 + _packed_bytes(st, p, h, d) + h * held * SCORED_EXTRA
+
+
+def rest_policy(pol: dict) -> dict:
+    """A quantized rest's storage (MiKV): a uniform policy of the middle ``rest``, no sink, no window, the
+    selection's groups, fed the prefill tokens the selection does not keep as its own sequence."""
+    return {"middle": pol["rest"], "sink": 0, "window": 0, "group": pol["group"], "feature_group": pol["feature_group"],
+            "key_axis": pol["key_axis"], "sink_select": "first"}
+
+
+def rest_bytes(pol: dict, h: int, d: int) -> int:
+    """One layer's bytes of a quantized rest (no header): the prefill's tokens beyond ``keep``, whole
+    groups packed, the remainder float32."""
+    if not pol.get("rest"):
+        return 0
+    rp = rest_policy(pol)
+    _, p, f = _spans(rp, max(0, pol["_prefill"] - pol["keep"]))
+    return f * 2 * h * d * 4 + _packed_bytes(rp, p, h, d)
+
+
+def _stored_budget_keep(target: float, pol: dict, live: dict, dims: dict) -> int:
+    """The largest kept count of at most the prefill whose stored bytes at the segment's end fit."""
+    P, T = live["prefill"], live["steps"]
+    # every count is tried: a flush or a rest's float32 remainder makes the bytes fall as well as rise
+    return next((k for k in range(P, 0, -1) if policy_bytes({**pol, "keep": k}, P + T, dims) <= target), 0)
+
+
 def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA, beta: int | None = None,
-                 w: int = 0) -> int:
+                 w: int = 0, store: dict | None = None) -> int:
     """The audit's own statement of a budget's kept count: the largest count whose whole-cache
     bytes at the end of the segment (prefill + steps) do not exceed the budget (bytes per token, or
-    that fraction of a float16 cache's; or the tokens given), for a model of the audit's table; of a
-    pyramid (``beta`` set), the largest mean whose per-layer counts, each with every decode token,
-    fit the budget summed over the layers."""
-    (kind, value), = budget.items()
+    that fraction of a float16 cache's; or the tokens given; or a preset's bytes per token, ``as``), for
+    a model of the audit's table; of a pyramid (``beta`` set), the largest mean whose per-layer counts,
+    each with every decode token, fit the budget summed over the layers; of a kept set stored by a
+    storage (``store``: the policy's fields), the largest count whose stored bytes fit."""
+    (kind, value), = as_bytes(budget, live).items()
     if kind == "tokens":
         return int(value)
     dims = MODELS.get(live.get("model"))
@@ -201,6 +263,8 @@ def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA, beta:
     layers, h, d = dims["layers"], dims["kv_heads"], dims["head_dim"]
     n = live["prefill"] + live["steps"]
     target = value * n if kind == "bytes_per_token" else value * n * layers * 4 * h * d
+    if store is not None:
+        return _stored_budget_keep(target, store, live, dims)
     if beta is not None:  # the prefill tokens per KV head, over every layer, the budget pays for
         P, T = live["prefill"], live["steps"]
         room = int((target - layers * HEADER) // (h * (8 * d + extra))) - layers * T
@@ -212,7 +276,7 @@ def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA, beta:
     held = int((target / layers - HEADER) // (h * (8 * d + extra)))
     return held if mode == "online" else held - live["steps"]
 DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature_group": 32, "key_axis": "channel",
-                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill", "key_rope": "post"}
+                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill", "key_rope": "post", "rest": None}
 
 
 def policy_names(live: dict) -> list:
@@ -241,11 +305,24 @@ def declared_policy(entry: dict, live: dict) -> dict:
                              "audit knows")
         up = s["layers"] == "pyramid"
         w = SNAPKV_WINDOW if s["kind"] == "snapkv" else 0  # the prefill tokens the scorer keeps first
-        if "budget" in entry:
-            keep = _budget_keep(entry["budget"], s["mode"], live, beta=s["beta"] if up else None, w=w)
         out = {"middle": "drop", "sink": 0, "window": s["window"] or 0, "group": group, "feature_group": t["feature_group"],
                "key_axis": t["key_axis"], "sink_select": "first", "scorer": s["kind"], "scorer_mode": s["mode"],
                "keep": keep, "seed": s["seed"], "_prefill": live.get("prefill")}
+        if t["middle"] != "float32":  # the kept set stored as a uniform storage stores a sequence of its length
+            if t["middle"] not in ("int2", "int3", "int4", "int8", "mxfp8", "mxfp4") or s["mode"] != "prefill":
+                raise ValueError(f"declared policy {entry.get('name')!r}: a kept set stored as {t['middle']!r} is not "
+                                 "one the audit knows (a quantized middle, a prefill-mode selection)")
+            out.update({"store": t["middle"],
+                        "store_window": live.get("window", 128) if t["window"] is None else t["window"]})
+        if t["rest"] is not None:  # the tokens not kept stored quantized (MiKV)
+            if t["rest"] not in ("int2", "int3", "int4", "int8", "mxfp8", "mxfp4") or s["mode"] != "prefill":
+                raise ValueError(f"declared policy {entry.get('name')!r}: a rest stored as {t['rest']!r} is not one the "
+                                 "audit knows (a quantized middle, a prefill-mode selection)")
+            out["rest"] = t["rest"]
+        if "budget" in entry:
+            keep = _budget_keep(entry["budget"], s["mode"], live, beta=s["beta"] if up else None, w=w,
+                                store=out if out.get("store") or out.get("rest") else None)
+            out["keep"] = keep
         if up:  # the per-layer counts from the declared mean, the prefill and the model's layers
             out.update({"layers": "pyramid", "beta": s["beta"],
                         "layer_keep": pyramid(keep, live["prefill"], _pyramid_dims(live)["layers"], s["beta"], w)})
@@ -443,16 +520,22 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         ctx.fail(row, "kept.index: the kept tokens are not distinct positions in arrival order within the segment")
         return
     at = idx.astype(np.int64)[..., None]
-    for name, x in (("k", k), ("v", v)):
-        got = a.get(f"float.{name}")
-        want = np.take_along_axis(x, at, axis=1)
-        if got is None or got.shape != want.shape or got.tobytes() != want.tobytes():
-            ctx.fail(row, f"float.{name}: the kept K/V are not the recorded inputs at kept.index")
-    extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "input.k", "input.v",
-                                             "prefill.q", "rope.inv_freq"))
-    if extra:
-        ctx.fail(row, f"a scored selection stores float K/V, indices and scores only, found {extra}")
-    total = sum(int(a[x].nbytes) for x in ("float.k", "float.v", "kept.index", "kept.score"))
+    if pol.get("store"):  # the kept tokens, in order, stored as the storage stores a sequence of that length
+        total = _stored_kept(row, ctx, pol, a, at, k, v)
+        total += _rest_evidence(row, ctx, pol, live, a, idx, k, v) if pol.get("rest") else 0
+    else:
+        for name, x in (("k", k), ("v", v)):
+            got = a.get(f"float.{name}")
+            want = np.take_along_axis(x, at, axis=1)
+            if got is None or got.shape != want.shape or got.tobytes() != want.tobytes():
+                ctx.fail(row, f"float.{name}: the kept K/V are not the recorded inputs at kept.index")
+        rest = _rest_evidence(row, ctx, pol, live, a, idx, k, v) if pol.get("rest") else 0
+        extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "input.k", "input.v",
+                                                 "prefill.q", "rope.inv_freq") and not (pol.get("rest") and
+                                                                                        x.startswith("rest.")))
+        if extra:
+            ctx.fail(row, f"a scored selection stores float K/V, indices and scores only, found {extra}")
+        total = sum(int(a[x].nbytes) for x in ("float.k", "float.v", "kept.index", "kept.score")) + rest
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
     w, last = pol.get("window", 0), (live["prefill"] if pol["scorer_mode"] == "prefill" else n)
     if w and not all(np.all(np.isin(np.arange(last - w, last), idx[hh])) for hh in range(idx.shape[0])):
@@ -465,6 +548,57 @@ def _scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     own = _own_scores(row, ctx, pol, live, a, layer)
     if own is not None:
         _check_kept(row, ctx, pol, live, own[0], idx, score, own[1], atol=own[2])
+
+
+def _rest_evidence(row, ctx, pol: dict, live: dict, a: dict, idx: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
+    """A quantized rest (MiKV): the prefill tokens not in ``kept.index``, per head in order, are the rest
+    storage's sequence; its packed groups re-encoded and its float32 remainder equal the stored
+    ``rest.*`` arrays byte for byte. Returns their bytes."""
+    P = live["prefill"]
+    h = k.shape[0]
+    out = np.ones((h, P), dtype=bool)
+    for hh in range(h):
+        out[hh, idx[hh][(idx[hh] >= 0) & (idx[hh] < P)]] = False
+    m = int(out[0].sum())
+    if not np.all(out.sum(axis=1) == m):
+        ctx.fail(row, "kept.index: the heads keep different counts of the prefill")
+        return 0
+    rp = rest_policy(pol)
+    _, p, f = _spans(rp, m)
+    want = {}
+    for name, label, x in (("k", "key", k), ("v", "value", v)):
+        seq = x[:, :P][out].reshape(h, m, x.shape[2])
+        want[f"rest.sink.{name}"], want[f"rest.float.{name}"] = seq[:, :0], seq[:, p:]
+        if p:
+            want.update({f"rest.{label}.{arr}": w for arr, w in encode_tensor(seq[:, :p], _middle_config(rp, name)).items()
+                         if arr != "header"})
+    stored = {x: y for x, y in a.items() if x.startswith("rest.")}
+    ctx.numbers += len(want)
+    for line in payload_differences(stored, want, f"the recorded prefill inputs not kept ({m} per head)"):
+        ctx.fail(row, line)
+    return sum(int(y.nbytes) for y in stored.values())
+
+
+def _stored_kept(row, ctx, pol: dict, a: dict, at: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
+    """A kept set stored by its storage: the recorded inputs at ``kept.index`` (``at``), in order, form the
+    storage's sequence; its packed tokens re-encoded with the audit's encoders and its float32 window
+    equal the stored arrays byte for byte, and no other array is stored. Returns the stored bytes."""
+    st = store_policy(pol)
+    held = at.shape[1]
+    _, p, f = _spans(st, held)
+    want = {}
+    for name, label, x in (("k", "key", k), ("v", "value", v)):
+        seq = np.take_along_axis(x, at, axis=1)
+        want[f"sink.{name}"], want[f"float.{name}"] = seq[:, :0], seq[:, p:]
+        if p:
+            want.update({f"{label}.{arr}": w for arr, w in encode_tensor(seq[:, :p], _middle_config(st, name)).items()
+                         if arr != "header"})
+    stored = {x: y for x, y in a.items() if not x.startswith(("input.", "rest.") if pol.get("rest") else "input.")
+              and x not in ("kept.index", "kept.score", "prefill.q", "rope.inv_freq")}
+    ctx.numbers += len(want)
+    for line in payload_differences(stored, want, f"the recorded inputs at kept.index (packed kept tokens [0, {p}))"):
+        ctx.fail(row, line)
+    return sum(int(y.nbytes) for y in stored.values()) + int(a["kept.index"].nbytes) + int(a["kept.score"].nbytes)
 
 
 def _adaptive_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
@@ -505,8 +639,8 @@ def _adaptive_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         ctx.fail(row, "kept.index: a head's slots after its count are not empty (index -1, zero K, V and score)")
         return
     for hh in range(h):
-        got = idx[hh, : count[hh]]
-        if np.any(np.diff(got) <= 0) or got.min() < 0 or got.max() >= n:
+        got = idx[hh, : count[hh]]  # empty for a head that holds nothing (alpha 0 and no steps)
+        if got.size and (np.any(np.diff(got) <= 0) or got.min() < 0 or got.max() >= n):
             ctx.fail(row, f"kept.index: head {hh}'s kept tokens are not distinct positions in arrival order within the "
                           "segment")
             return
@@ -758,8 +892,11 @@ def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, he
         if len(pol["layer_keep"]) != full:
             raise ValueError(f"a pyramid of {len(pol['layer_keep'])} layers on a model of {full} full layers")
         return sum(HEADER + h * scored_held(pol, n, i) * (8 * d + SCORED_EXTRA) for i in range(full))
+    if pol.get("scorer") and pol.get("store"):  # the kept set stored by its storage (and a quantized rest)
+        return full * (stored_layer_bytes(pol, scored_held(pol, n), h, d) + rest_bytes(pol, h, d)) + sliding_bytes(n, dims)
     if pol.get("scorer"):
-        return full * (HEADER + h * scored_held(pol, n) * (8 * d + SCORED_EXTRA)) + sliding_bytes(n, dims)
+        return (full * (HEADER + h * scored_held(pol, n) * (8 * d + SCORED_EXTRA) + rest_bytes(pol, h, d))
+                + sliding_bytes(n, dims))
     s, p, f = _spans(pol, n)
     heavy = 0
     if pol.get("heavy"):
@@ -899,6 +1036,8 @@ def quanto_bytes(n: int, prefill: int, residual: int, bits: int, group: int, dim
 def next_change(pol: dict, n: int):
     if pol["middle"] == "float32":
         return math.inf
+    if pol.get("store"):  # a stored kept set flushes at held counts the prefill sets: one token per forward
+        return 1
     if pol.get("scorer"):  # online: the append that first holds more than keep evicts after its attention
         return math.inf if pol["scorer_mode"] == "prefill" else max(1, pol["keep"] + 1 - n)
     if pol["middle"] == "drop":  # the cache masks what each token of a chunk would have evicted
@@ -1276,7 +1415,7 @@ def check(row: dict, ctx) -> None:
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
                     "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope",
-                    "layers", "beta", "layer_keep", "heads", "alpha"):
+                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

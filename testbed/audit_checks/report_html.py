@@ -358,6 +358,8 @@ def _family(r):
         if pol.get("scorer_mode") != "prefill":
             return pol["scorer"]
         how = ["prefill"] + ["pyramid"] * (pol.get("layers") == "pyramid") + ["adaptive"] * (pol.get("heads") == "adaptive")
+        how += [pol["store"]] if pol.get("store") else []  # a kept set stored quantized: its storage
+        how += [f"rest {pol['rest']}"] if pol.get("rest") else []  # the dropped tokens kept at low precision (MiKV)
         return f"{pol['scorer']} ({', '.join(how)})"
     return "streaming" if pol.get("middle") == "drop" else "quantization"
 

@@ -61,7 +61,7 @@ import numpy as np
 from . import report_format as fmt
 from .capture import MODELS, check_software, compare_fields, read_json
 from .common import HEADER_BYTES
-from .live_quality import SCORED_EXTRA, check_grid, policy_names, policy_of, scored_held
+from .live_quality import SCORED_EXTRA, as_bytes, check_grid, policy_bytes, policy_names, policy_of, scored_held
 from .stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
@@ -205,7 +205,7 @@ def budget_problem(entry: dict, pol: dict, view: dict) -> str | None:
     whole cache's bytes (per layer the header and, per KV head and held token, float32 K and V and,
     for a scored selection, an int32 index and a float32 score) above the budget, or more than the
     study's ``budget_tolerance`` below it."""
-    (kind, value), = entry["budget"].items()
+    (kind, value), = as_bytes(entry["budget"], view).items()  # {"as": preset}: that preset's bytes per token
     if kind == "tokens":
         return None
     dims = MODELS[MODEL]
@@ -217,6 +217,8 @@ def budget_problem(entry: dict, pol: dict, view: dict) -> str | None:
     else:  # a sink_window selection: the first S and the newest W, float32 K and V only
         held, extra = min(n, pol["sink"] + pol["window"]), 0
     got = layers * (HEADER_BYTES + h * held * (8 * d + extra))
+    if pol.get("store") or pol.get("rest"):  # a kept set stored quantized, a rest kept at low precision
+        got = policy_bytes(pol, n, dims)
     if got > target:
         return f"{got:,} bytes at the trial's end ({n} tokens) exceed the budget's {target:,.1f}"
     if (target - got) / target > view.get("budget_tolerance", 0.01):

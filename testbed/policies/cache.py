@@ -1135,8 +1135,8 @@ def _full_layer(policy: Policy, record: bool, layer_idx: int, direct: bool, scor
         if policy.scorer_mode not in getattr(scorer, "MODES", scorers.MODES):
             raise ValueError(f"policy {policy.name}: scorer {policy.scorer} decides {' or '.join(scorer.MODES)}, "
                              f"not {policy.scorer_mode!r}")
-        return ScoredLayer(policy, scorer, record=record,
-                           layer_idx=layer_idx, mask_hook=_scored_mask, select_hook=_scored_select)
+        return ScoredLayer(policy, scorer, record=record, layer_idx=layer_idx, mask_hook=_scored_mask,
+                           select_hook=_scored_select, storage=PolicyLayer)
     return PolicyLayer(policy, record=record, layer_idx=layer_idx, direct=direct)
 
 

@@ -41,7 +41,8 @@ from .policy import (ADA_ALPHA, HEAD_SCHEDULES, HEADER_BYTES, LAYER_SCHEDULES, P
                      pyramid_keep, scored_held)
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
-           "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill"]
+           "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill", "as_bytes",
+           "stored_bytes"]
 
 # which tokens a selection keeps: every one, or the first S and the newest W
 SELECTIONS = ("all", "sink_window")
@@ -106,6 +107,7 @@ class Storage:
     alloc: str | None = None
     alloc_from: str = "prefill"
     key_rope: str = "post"
+    rest: str | None = None
 
 
 def compose(name: str, selection: Selection, storage: Storage, description: str = "", *,
@@ -128,11 +130,17 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
     if s.kind not in SELECTIONS and not (s.kind in scorers.SCORERS or scorers.is_user_scorer(s.kind)):
         raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, a scorer "
                          f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
-    if s.kind not in SELECTIONS:  # a scored selection: the top-keep tokens, float32
-        if t.middle != "float32" or t.window or t.low is not None or t.key_rope != "post":
+    if s.kind not in SELECTIONS:  # a scored selection: the top-keep tokens, float32 or stored by a storage
+        store = t.middle != "float32"  # the kept set stored as a uniform storage stores a sequence of its length
+        if store and (t.middle == "drop" or s.mode != "prefill" or s.layers != "uniform" or s.heads != "uniform"):
+            raise ValueError(f"policy {name}: a scored selection's kept tokens stored as {t.middle!r} need a quantized "
+                             f"middle and a prefill-mode selection of one count at every layer and KV head (mode "
+                             f"'prefill', layers and heads 'uniform'), got mode {s.mode!r}, layers {s.layers!r}, "
+                             f"heads {s.heads!r}")
+        if (t.window and not store) or t.low is not None or t.key_rope != "post":
             raise ValueError(f"policy {name}: a scored selection keeps its tokens float32 (storage middle 'float32', "
-                             f"no window, no low scheme, post-RoPE keys), got middle {t.middle!r}, window {t.window}, "
-                             f"key_rope {t.key_rope!r}")
+                             f"no window) or stored by a quantized middle (its window R float32), with no low scheme "
+                             f"and post-RoPE keys, got middle {t.middle!r}, window {t.window}, key_rope {t.key_rope!r}")
         if s.sink or s.heavy or s.sink_select != "first":
             raise ValueError(f"policy {name}: a scored selection keeps its top-scored tokens and its newest window only "
                              "(no sink or heavy hitters)")
@@ -149,26 +157,22 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         if s.layers == "pyramid" and need and min(layer_keep or (s.keep,)) <= need:
             raise ValueError(f"policy {name}: {s.kind} keeps its last {need} prefill tokens first; every layer's keep "
                              f"must exceed {need}, got {list(layer_keep)}")
-        if s.heads == "uniform" and s.alpha != ADA_ALPHA:
-            raise ValueError(f"policy {name}: alpha belongs to a per-head schedule (heads 'adaptive'), got alpha "
-                             f"{s.alpha!r} with heads 'uniform'")
-        if s.heads == "adaptive":
-            if s.mode != "prefill":
-                raise ValueError(f"policy {name}: adaptive per-head budgets (Ada-KV, kvpress's AdaKVPress) cut the "
-                                 f"prefill once; mode must be 'prefill', got {s.mode!r}")
-            first = scorers.kept_first(s.kind) if s.kind in scorers.SCORERS else (0, 0)
-            must = first[0] + max(first[1], s.window)  # the tokens of each head ranked above every score
-            if min(layer_keep or (s.keep,)) < must:
-                raise ValueError(f"policy {name}: an adaptive selection ranks the {must} tokens each head always keeps "
-                                 f"(window {s.window}, and {s.kind}'s own {first[0]} first / {first[1]} last) above "
-                                 f"every score; keep must hold them, got {list(layer_keep) or s.keep}")
-        return Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
-                      keep=s.keep, seed=s.seed, description=description,
-                      **({"layers": s.layers, "beta": s.beta, "layer_keep": tuple(layer_keep)}
-                         if s.layers != "uniform" else {}),
-                      **({"heads": s.heads, "alpha": s.alpha} if s.heads != "uniform" else {}))
+        # the per-head schedule's own checks (prefill only, alpha on an adaptive arm) are Policy._check_heads'
+        pol = Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
+                     keep=s.keep, seed=s.seed, description=description,
+                     **({"store": t.middle, "store_window": t.window} if store else {}),
+                     **({"rest": t.rest} if t.rest is not None else {}),
+                     **({"layers": s.layers, "beta": s.beta, "layer_keep": tuple(layer_keep)}
+                        if s.layers != "uniform" else {}),
+                     **({"heads": s.heads, "alpha": s.alpha} if s.heads != "uniform" or s.alpha != ADA_ALPHA else {}))
+        if s.kind in scorers.SCORERS:  # a user's class is read when its file is loaded (the cache's ScoredLayer)
+            pol.always_kept(scorers.kept_first(s.kind))
+        return pol
     if s.keep or s.seed or s.mode != "online" or s.beta != 20:
         raise ValueError(f"policy {name}: keep, mode, seed and beta belong to a scored selection (kind a scorer)")
+    if t.rest is not None:
+        raise ValueError(f"policy {name}: storage rest (how a scored selection's dropped tokens are stored) belongs to "
+                         "a scored selection")
     if s.kind == "sink_window":
         if t.middle != "float32" or t.low is not None:
             raise ValueError(f"policy {name}: a sink_window selection keeps its tokens float32 (storage middle "
@@ -195,7 +199,7 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
     if p.scored:
         return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed, layers=p.layers,
                           beta=p.beta, heads=p.heads, alpha=p.alpha),
-                Storage("float32", 0, p.group, p.feature_group, p.key_axis))
+                Storage(p.store or "float32", p.store_window, p.group, p.feature_group, p.key_axis, rest=p.rest))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis, key_rope=p.key_rope))
@@ -266,6 +270,8 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
         sel.setdefault("window", evict_window)
     elif kind == "all" and sto.get("middle", "float32") != "drop":
         sto.setdefault("window", window)
+    elif kind != "sink_window" and sto.get("middle", "float32") not in ("float32", "drop"):
+        sto.setdefault("window", window)  # a scored selection's kept set stored quantized: its float32 window R
     sto.setdefault("group", group)
     pyramid = sel.get("layers", "uniform") == "pyramid"
     if pyramid and kind in SELECTIONS:
@@ -279,9 +285,6 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
     if pyramid and sel.get("mode", "online") != "prefill":
         raise ValueError(f"{where} ({name}).selection: a pyramid of per-layer budgets cuts the prefill once "
                          f"(PyramidKV, kvpress); mode must be 'prefill', got {sel.get('mode', 'online')!r}")
-    if sel.get("heads", "uniform") == "adaptive" and kind not in SELECTIONS and sel.get("mode", "online") != "prefill":
-        raise ValueError(f"{where} ({name}).selection: adaptive per-head budgets (heads 'adaptive': Ada-KV, kvpress's "
-                         f"AdaKVPress) cut the prefill once; mode must be 'prefill', got {sel.get('mode', 'online')!r}")
     beta = sel.get("beta", 20)
     if pyramid and (isinstance(beta, bool) or not isinstance(beta, int) or beta < 1):
         raise ValueError(f"{where} ({name}).selection.beta: the pyramid's steepness must be an integer >= 1, got {beta!r}")
@@ -294,6 +297,8 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
                              "budget, not both")
         if budget is None:
             raise ValueError(f"{where} ({name}): a budget needs the study's context and model dimensions")
+        entry = {**entry, "budget": as_bytes(entry["budget"], budget, window=window, group=group,
+                                            evict_window=evict_window, where=f"{where} ({name}).budget")}
         if kind == "sink_window":  # the first S and the newest W, float32 K and V only: W from the budget
             held = budget_keep(entry["budget"], mode="online", where=f"{where} ({name}).budget", extra=0, **budget)
             if held <= sel.get("sink", 0):
@@ -301,8 +306,15 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
                                  f"beside the sink of {sel.get('sink', 0)}")
             sel["window"] = held - sel.get("sink", 0)
         else:
+            store = rest = None
+            if sto.get("middle", "float32") not in ("float32", "drop"):  # the kept set's storage prices each token
+                store = Policy(name + ".store", sto["middle"], 0, sto["window"], sto["group"],
+                               sto.get("feature_group", 32), sto.get("key_axis", "channel"))
+            if sto.get("rest") is not None:  # the tokens not kept, stored quantized (MiKV)
+                rest = Policy(name + ".rest", sto["rest"], 0, 0, sto["group"], sto.get("feature_group", 32),
+                              sto.get("key_axis", "channel"))
             sel["keep"] = budget_keep(entry["budget"], mode=sel.get("mode", "online"),
-                                      where=f"{where} ({name}).budget", **budget,
+                                      where=f"{where} ({name}).budget", **budget, store=store, rest=rest,
                                       **({"pyramid_beta": beta, "pyramid_window": window_of} if pyramid else {}))
     layer_keep = ()
     if pyramid and isinstance(sel.get("keep"), int) and sel["keep"] >= 1:
@@ -316,6 +328,29 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
 # a budget names one of these: bytes per token of the whole cache, that as a fraction of a float16
 # cache's, or the kept tokens per (layer, KV head) directly
 BUDGET_KINDS = ("bytes_per_token", "fp16_fraction", "tokens")
+# {"as": preset}: the bytes per token of that preset (at the protocol's R, G, W, S) at the segment's end
+
+
+def as_bytes(given, budget: dict, *, window: int, group: int, evict_window: int, where: str = "budget"):
+    """A budget ``{"as": name}`` as ``{"bytes_per_token": b}``: b the whole-cache bytes per token of the
+    preset ``name`` (a policy of every token: a uniform, mixed or heavy-hitter middle, at the protocol's
+    R and G) at the end of the segment (``prefill + steps`` tokens), for the study's model; any other
+    budget unchanged."""
+    if not (isinstance(given, dict) and len(given) == 1 and "as" in given):
+        return given
+    arm = given["as"]
+    try:
+        pol = preset(arm, window=window, group=group, evict_window=evict_window) if isinstance(arm, str) else None
+    except ValueError:
+        pol = None
+    if pol is None or pol.scored or pol.evicts or pol.oracle:
+        raise ValueError(f"{where}.as: expected the name of a preset that keeps every token (a uniform, mixed or "
+                         f"heavy-hitter middle), got {arm!r}")
+    if budget.get("layers") is None:
+        raise ValueError(f"{where}.as: a budget in bytes is derived for a model of the study's known models without "
+                         "sliding layers (their bytes are the audit's); give {\"tokens\": K} for this one")
+    n = budget["prefill"] + budget["steps"]
+    return {"bytes_per_token": pol.cache_bytes(n, budget["layers"], budget["kv_heads"], budget["head_dim"]) / n}
 
 
 def scored_bytes(keep: int, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
@@ -333,7 +368,8 @@ def scored_bytes(keep: int, mode: str, prefill: int, steps: int, layers: int, kv
 
 def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
                 tolerance: float = 0.01, where: str = "budget", extra: int = SCORED_TOKEN_EXTRA,
-                pyramid_beta: int | None = None, pyramid_window: int = 0) -> int:
+                pyramid_beta: int | None = None, pyramid_window: int = 0, store: Policy | None = None,
+                rest: Policy | None = None) -> int:
     """The kept count per (layer, KV head) that lands a scored selection within ``tolerance`` below
     ``budget`` at the end of the segment: the largest whose bytes do not exceed it. ``ValueError``
     when no count does (the budget is below one token, above every token, or between two counts).
@@ -341,7 +377,11 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
     With ``pyramid_beta`` (a pyramid, prefill mode): the largest mean ``keep`` whose per-layer counts
     (:func:`~testbed.policies.policy.pyramid_keep` at ``pyramid_beta`` and ``pyramid_window``)
     summed over the layers, with every decode token at every layer, do not exceed the budget: the
-    budget is the whole cache's, however its layers share it."""
+    budget is the whole cache's, however its layers share it.
+
+    With ``store`` (a prefill-mode selection whose kept tokens that uniform policy stores): the
+    largest count whose held tokens at the end, stored so (:meth:`Policy.layer_bytes` of ``store``)
+    with ``extra`` bytes each beside, do not exceed it."""
     if not isinstance(budget, dict) or len(budget) != 1 or next(iter(budget)) not in BUDGET_KINDS:
         raise ValueError(f"{where}: give exactly one of {list(BUDGET_KINDS)}, got {budget!r}")
     (kind, value), = budget.items()
@@ -357,6 +397,9 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
         raise ValueError(f"{where}.{kind}: a budget in bytes is derived for a model of the study's known models "
                          "without sliding layers (their bytes are the audit's); give {\"tokens\": K} for this one")
     target = value * n if kind == "bytes_per_token" else value * n * layers * 2 * kv_heads * head_dim * 2
+    if store is not None or rest is not None:
+        return _stored_budget_keep(target, store, prefill=prefill, steps=steps, layers=layers, kv_heads=kv_heads,
+                                   head_dim=head_dim, tolerance=tolerance, where=where, extra=extra, rest=rest)
     if pyramid_beta is not None:
         return _pyramid_budget_keep(target, prefill=prefill, steps=steps, layers=layers, kv_heads=kv_heads,
                                     head_dim=head_dim, tolerance=tolerance, where=where, extra=extra,
@@ -374,6 +417,44 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
         raise ValueError(f"{where}: the nearest kept count ({keep}) lands {(target - got) / target:.2%} below the "
                          f"budget at {n} tokens, more than the tolerance {tolerance:.2%}")
     return keep
+
+
+def stored_bytes(keep: int, store: Policy | None, *, prefill: int, steps: int, layers: int, kv_heads: int,
+                 head_dim: int, extra: int = SCORED_TOKEN_EXTRA, rest: Policy | None = None) -> int:
+    """Whole-cache bytes at the end of a segment of a prefill-mode selection keeping ``keep`` prefill
+    tokens whose held tokens ``store`` stores (one header per layer; None: float32), with ``extra`` bytes
+    per held token and KV head beside (index and score); with ``rest``, the prefill tokens not kept
+    stored by that policy as a sequence of their own (MiKV), its header not counted."""
+    held = scored_held(keep, "prefill", prefill + steps, prefill)
+    kept = (store.layer_bytes(held, kv_heads, head_dim) if store is not None
+            else HEADER_BYTES + kv_heads * held * 2 * head_dim * 4)
+    other = rest.layer_bytes(max(0, prefill - keep), kv_heads, head_dim) - HEADER_BYTES if rest is not None else 0
+    return layers * (kept + kv_heads * held * extra + other)
+
+
+def _stored_budget_keep(target: float, store: Policy | None, *, prefill: int, steps: int, layers: int, kv_heads: int,
+                        head_dim: int, tolerance: float, where: str, extra: int, rest: Policy | None = None) -> int:
+    """:func:`budget_keep` of a kept set stored by ``store`` (or a quantized ``rest``): the largest count of at
+    most the prefill whose bytes fit ``target``."""
+    n = prefill + steps
+
+    def cost(k: int) -> int:
+        return stored_bytes(k, store, prefill=prefill, steps=steps, layers=layers, kv_heads=kv_heads,
+                            head_dim=head_dim, extra=extra, rest=rest)
+
+    # the bytes are not monotone in the count: a storage's flush packs G float32 tokens, and a rest's
+    # float32 remainder (fewer than G tokens) comes and goes with the count: every count is tried
+    lo = next((k for k in range(prefill, 0, -1) if cost(k) <= target), 0)
+    if lo < 1 or (lo == prefill and (target - cost(prefill)) / target > tolerance):
+        fp16 = layers * 2 * kv_heads * head_dim * 2
+        raise ValueError(f"{where}: {target / n:,.1f} bytes per token ({target / n / fp16:.4f} of float16's) is out of "
+                         f"reach of a prefill selection stored as {(store or rest).middle} at {n} tokens (keeping 1 to {prefill} "
+                         f"prefill tokens costs {cost(1) / n:,.1f} to {cost(prefill) / n:,.1f} per token)")
+    got = cost(lo)
+    if (target - got) / target > tolerance:
+        raise ValueError(f"{where}: the nearest kept count ({lo}) lands {(target - got) / target:.2%} below the "
+                         f"budget at {n} tokens, more than the tolerance {tolerance:.2%}")
+    return lo
 
 
 def _pyramid_budget_keep(target: float, *, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,

@@ -61,7 +61,7 @@ from ..quant.constants import HEADER_BYTES
 
 __all__ = ["Policy", "PRESETS", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS", "HEAD_SCHEDULES",
            "HEAD_FIELDS", "ADA_ALPHA", "safeguard_count",
-           "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA",
+           "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA", "STORE_SCHEMES", "STORE_FIELDS",
            "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "preset", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "heavy_count", "HEAVY_TOKEN_EXTRA", "EQUAL_BYTES_VERSUS", "equal_bytes_budget",
            "equal_bytes_versus"]
@@ -97,6 +97,10 @@ HEAD_FIELDS = ("heads", "alpha")
 ADA_ALPHA = 0.2
 # bytes per kept token per KV head of a scored selection beside its float32 K and V: int32 index, float32 score
 SCORED_TOKEN_EXTRA = 8
+# a prefill-mode scored selection's kept tokens stored by a uniform storage (``store``: its middle, ``store_window``:
+# its float32 window R; groups of ``group``): in a row's policy config only when set
+STORE_SCHEMES = ("float32", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4")
+STORE_FIELDS = ("store", "store_window")
 # which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), the
 # oldest (content-blind: a float32 sink of C tokens at the same bytes, the control), or the most
 # attended over the whole segment (the oracle: a float32 pass over the segment in advance, impossible
@@ -243,6 +247,9 @@ class Policy:
     layer_keep: tuple = ()
     heads: str = "uniform"
     alpha: float = ADA_ALPHA
+    store: str | None = None
+    store_window: int = 0
+    rest: str | None = None
 
     def __post_init__(self):
         if self.key_rope not in KEY_ROPE:
@@ -255,6 +262,8 @@ class Policy:
         if self.scorer is not None:
             self._check_scored()
             return
+        if self.store is not None or self.store_window or self.rest is not None:
+            raise ValueError(f"policy {self.name}: store, store_window and rest belong to a scored selection (set scorer)")
         if self.keep or self.seed or self.scorer_mode != "online" or self.layers != "uniform" or self.layer_keep \
                 or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA:
             raise ValueError(f"policy {self.name}: keep, seed, scorer_mode and a per-layer or per-head schedule belong "
@@ -323,6 +332,43 @@ class Policy:
                                  f"2**24), got {v!r}")
         self._check_layers()
         self._check_heads()
+        self._check_store()
+
+    def _check_store(self) -> None:
+        if self.rest is not None:
+            if self.rest not in STORE_SCHEMES[1:]:
+                raise ValueError(f"policy {self.name}: rest (how the tokens the selection does not keep are stored) must be "
+                                 f"one of {list(STORE_SCHEMES[1:])}, got {self.rest!r}")
+            if self.scorer_mode != "prefill" or self.layers != "uniform" or self.heads != "uniform" or self.window:
+                raise ValueError(f"policy {self.name}: a quantized rest (MiKV) is built for a prefill-mode selection of one "
+                                 "count at every layer and KV head, no window")
+        if self.store is None:
+            if self.store_window:
+                raise ValueError(f"policy {self.name}: store_window belongs to a stored kept set (set store)")
+            return
+        if self.store not in STORE_SCHEMES:
+            raise ValueError(f"policy {self.name}: store (the kept tokens' storage) must be one of "
+                             f"{list(STORE_SCHEMES)}, got {self.store!r}")
+        if not isinstance(self.store_window, int) or isinstance(self.store_window, bool) or self.store_window < 0:
+            raise ValueError(f"policy {self.name}: store_window must be a non-negative integer, got {self.store_window!r}")
+        if self.scorer_mode != "prefill" or self.layers != "uniform" or self.heads != "uniform":
+            raise ValueError(f"policy {self.name}: a kept set stored quantized is cut once at the prefill, the same count "
+                             f"at every layer and KV head (mode 'prefill', layers and heads 'uniform'), got mode "
+                             f"{self.scorer_mode!r}, layers {self.layers!r}, heads {self.heads!r}")
+        self.storage_policy()  # validates group, feature_group and key_axis
+
+    def storage_policy(self) -> "Policy":
+        """A stored kept set's storage (``store`` set): the uniform policy that stores the kept tokens of
+        each (layer, KV head), in arrival order, as it would store a sequence of that length (its middle
+        ``store``, the newest ``store_window`` float32, groups of ``group``)."""
+        return Policy(self.name + ".store", self.store, 0, self.store_window, self.group, self.feature_group,
+                      self.key_axis)
+
+    def rest_policy(self) -> "Policy":
+        """A quantized rest's storage (``rest`` set, MiKV): the uniform policy that stores the prefill tokens
+        the selection does not keep, in arrival order, as a sequence of that length (no window: whole
+        groups of ``group`` packed, the fewer than ``group`` left float32)."""
+        return Policy(self.name + ".rest", self.rest, 0, 0, self.group, self.feature_group, self.key_axis)
 
     def _check_heads(self) -> None:
         if self.heads not in HEAD_SCHEDULES:
@@ -378,6 +424,21 @@ class Policy:
     def per_layer(self) -> bool:
         """A scored selection whose kept count varies over layers (``layers="pyramid"``)."""
         return bool(self.layer_keep)
+
+    def always_kept(self, kept_first=(0, 0)) -> tuple[int, int]:
+        """``(first, last)``: the prefill's first and last tokens each KV head of an adaptive selection
+        ranks above every score: its scorer's own (``kept_first``, the scorer's
+        :attr:`~testbed.policies.scorers.Scorer.KEPT_FIRST`, built-in or a user's loaded class) and the
+        policy's ``window``, the more of the two at the end. Raises ``ValueError`` when a layer's keep
+        cannot hold them."""
+        first, last = (int(x) for x in kept_first)
+        last = max(last, self.window)
+        if self.adaptive and min(self.layer_keep or (self.keep,)) < first + last:
+            raise ValueError(f"policy {self.name}: an adaptive selection ranks the {first + last} tokens each head "
+                             f"always keeps (window {self.window}, and {self.scorer}'s own {kept_first[0]} first / "
+                             f"{kept_first[1]} last) above every score; keep must hold them, got "
+                             f"{list(self.layer_keep) or self.keep}")
+        return first, last
 
     def keep_of(self, layer: int | None) -> int:
         """The kept count of ``layer`` (every layer's ``keep`` under a uniform schedule)."""
@@ -471,6 +532,11 @@ class Policy:
         if not self.adaptive:  # the uniform per-head count: rows read as they did before per-head budgets existed
             for key in HEAD_FIELDS:
                 del out[key]
+        if self.store is None:  # a kept set of float32 tokens: rows read as they did before stored kept sets existed
+            for key in STORE_FIELDS:
+                del out[key]
+        if self.rest is None:  # the rest dropped: rows read as they did before a quantized rest existed
+            del out["rest"]
         return out
 
     def with_(self, **changes) -> "Policy":
@@ -504,6 +570,8 @@ class Policy:
         have evicted, which is exact for any chunk -- and a float32 one never."""
         if self.middle == "float32":
             return math.inf
+        if self.store is not None:  # a stored kept set flushes at held counts the prefill's length sets: one token
+            return math.inf if self.store == "float32" else 1  # per forward (a float32 storage never changes)
         if self.scored:  # online: the append that makes the cache exceed keep evicts, after its own attention
             return math.inf if self.scorer_mode == "prefill" else max(1, self.keep + 1 - n)
         if self.evicts:  # the append that makes the cache exceed S + W evicts (without a mask)
@@ -534,7 +602,12 @@ class Policy:
             if prefill is None:
                 raise ValueError(f"policy {self.name}: a scored selection's bytes depend on the prefill length")
             held = self.scored_held(n, prefill, layer)
-            return HEADER_BYTES + heads * held * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
+            rest = 0  # a quantized rest: the prefill tokens not kept, stored as a sequence of that length (no header)
+            if self.rest is not None:
+                rest = self.rest_policy().layer_bytes(max(0, prefill - self.keep_of(layer)), heads, head_dim) - HEADER_BYTES
+            if self.store is not None:  # the storage's bytes for the held tokens (one header), index and score
+                return self.storage_policy().layer_bytes(held, heads, head_dim) + heads * held * SCORED_TOKEN_EXTRA + rest
+            return HEADER_BYTES + heads * held * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA) + rest
         if self.mixed:
             raise ValueError(f"policy {self.name}: a mixed policy's layer bytes depend on its allocation; use cache_bytes")
         spans = self.kept_spans(n)

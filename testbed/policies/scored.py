@@ -52,10 +52,16 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .causal import accumulated_attention
-from .policy import HEADER_BYTES, Policy, safeguard_count
+from .policy import HEADER_BYTES, SCORED_TOKEN_EXTRA, Policy, safeguard_count
 from .scorers import Scorer, keep_adaptive, keep_top
 
-__all__ = ["ScoredLayer"]
+__all__ = ["ScoredLayer", "held_first"]
+
+
+def held_first(held: torch.Tensor, slots: int) -> torch.Tensor:
+    """Indices along the last axis of ``held`` (bool, ``[..., N]``) that put each row's held slots
+    first, in their order (a stable sort of "not held"), the first ``slots`` of them."""
+    return torch.sort((~held).to(torch.int8), dim=-1, stable=True).indices[..., :slots]
 
 
 class ScoredLayer(DynamicLayer):
@@ -65,8 +71,13 @@ class ScoredLayer(DynamicLayer):
     is_croppable = False
 
     def __init__(self, policy: Policy, scorer: Scorer, record: bool = False, layer_idx: int | None = None,
-                 mask_hook=None, select_hook=None):
+                 mask_hook=None, select_hook=None, storage=None):
         super().__init__()
+        # storage(policy): the uniform storage layer (testbed.policies.cache.PolicyLayer, handed in: cache
+        # imports this module) that stores a kept set (policy.store) or the rest (policy.rest)
+        if (policy.store is not None or policy.rest is not None) and storage is None:
+            raise ValueError(f"policy {policy.name}: a stored kept set or rest needs its storage layer class")
+        self.storage = storage
         # select_hook(layer): the attention call that follows reports its queries (observe_prefill) to a
         # scorer of attention, which decides then
         self.select_hook = select_hook
@@ -81,10 +92,19 @@ class ScoredLayer(DynamicLayer):
         if layer_idx is None:
             raise ValueError("a scored layer needs its layer index (scorers may depend on it)")
         self.policy, self.scorer, self.record, self.layer_idx = policy, scorer, record, layer_idx
+        # an adaptive layer's (first, last) prefill tokens ranked above every score: the scorer's KEPT_FIRST (a
+        # user's class too) and the window; refused here, before any token, when keep cannot hold them
+        self.always = policy.always_kept(getattr(scorer, "KEPT_FIRST", (0, 0))) if policy.adaptive else (0, 0)
         self.recorded_k: list[torch.Tensor] = []
         self.recorded_v: list[torch.Tensor] = []
         self.seen = 0
         self.kept_k = self.kept_v = self.kept_index = self.kept_score = None
+        # a stored kept set (policy.store): after the prefill's cut, the kept K/V live in this uniform
+        # storage layer (codes, a float32 window), fed the kept tokens as its own sequence, then each later one
+        self.stored = None
+        # a quantized rest (policy.rest, MiKV): the prefill tokens the cut does not keep, in arrival order,
+        # stored by this uniform storage layer (no window) instead of dropped; read before the kept ones
+        self.rest = None
         # [B, H, N] bool: which slots hold a kept token (an adaptive selection's heads hold different
         # counts); None while every slot does
         self.kept_valid = None
@@ -115,7 +135,7 @@ class ScoredLayer(DynamicLayer):
             score = torch.zeros(b, h, t, dtype=torch.float32, device=k_new.device)
         else:
             score = self._checked(self.scorer.score(k_new, positions, self.layer_idx), (b, h, t))
-        held = self.kept_k.shape[-2]
+        held = self.held_tokens()
         if (t > 1 and held < self.seen) or self.kept_valid is not None:
             # tokens were dropped: the causal mask by position would be wrong; heads of unequal counts: every
             # call hides each head's empty slots
@@ -128,14 +148,29 @@ class ScoredLayer(DynamicLayer):
                 visible = visible.to(self.kept_valid.device).expand(b, h, t, held + t).clone()
                 visible[..., :held] &= self.kept_valid[:, :, None, :]
             self.mask_hook(self, visible)
-        keys = torch.cat([self.kept_k, k_new], dim=-2)
-        values = torch.cat([self.kept_v, v_new], dim=-2)
+        if self.stored is not None:  # the held tokens decoded from the storage, then the new ones (stored too)
+            keys, values = self.stored.update(k_new, v_new)
+            if self.rest is not None:  # the rest first
+                rk, rv = self._rest_kv()
+                keys, values = torch.cat([rk, keys], dim=-2), torch.cat([rv, values], dim=-2)
+        elif self.rest is not None:  # the rest decoded from its storage, the kept tokens, the new ones
+            rk, rv = self._rest_kv()
+            keys = torch.cat([rk, self.kept_k, k_new], dim=-2)
+            values = torch.cat([rv, self.kept_v, v_new], dim=-2)
+        else:
+            keys = torch.cat([self.kept_k, k_new], dim=-2)
+            values = torch.cat([self.kept_v, v_new], dim=-2)
         out = keys.to(key_states.dtype), values.to(value_states.dtype)  # what this call's queries attend
         index = torch.cat([self.kept_index, positions.expand(b, h, t)], dim=-1)
         scores = torch.cat([self.kept_score, score], dim=-1)
         first = self.seen == 0
         self.seen += t
         if not (first or self.policy.scorer_mode == "online"):  # after a prefill-only decision: keep all
+            if self.stored is not None:  # the storage holds the K/V already
+                self.kept_index, self.kept_score = index, scores
+                return out
+            if self.rest is not None:  # keys and values hold the rest too: the kept ones are the held and new ones
+                keys, values = torch.cat([self.kept_k, k_new], dim=-2), torch.cat([self.kept_v, v_new], dim=-2)
             self.kept_k, self.kept_v, self.kept_index, self.kept_score = keys, values, index, scores
             if self.kept_valid is not None:
                 self.kept_valid = torch.cat([self.kept_valid, self.kept_valid.new_ones(b, h, t)], dim=-1)
@@ -166,11 +201,23 @@ class ScoredLayer(DynamicLayer):
         at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
         self.kept_index, self.kept_score = torch.gather(index, 2, keep), torch.gather(scores, 2, keep)
+        if self.policy.rest is not None:  # the tokens not kept, in arrival order, as the rest storage's sequence
+            b, h, n, d = keys.shape
+            rest = torch.ones(b, h, n, dtype=torch.bool, device=keys.device)
+            rest.scatter_(-1, keep, False)
+            left = n - keep.shape[-1]
+            self.rest = self.storage(self.policy.rest_policy())
+            self.rest.update(keys[rest].view(b, h, left, d), values[rest].view(b, h, left, d))
+        if self.policy.store is not None:  # the kept tokens, in arrival order, as the storage's own sequence
+            # no layer index: the storage takes no mask of its own (it keeps every token it is given)
+            self.stored = self.storage(self.policy.storage_policy())
+            self.stored.update(self.kept_k, self.kept_v)
+            self.kept_k = self.kept_v = None
 
     def _keep_adaptive(self, keys, values, index, scores, rank) -> None:
         """Ada-KV at the prefill (the module's docstring): the layer's ``keep x H`` tokens per sequence,
         stored per head in arrival order, the empty slots after each head's count zeroed and masked."""
-        first, last = getattr(self.scorer, "KEPT_FIRST", (0, 0))
+        first, last = self.always
         n = rank.shape[-1]
         if first or last:  # kvpress scores them above every token of the layer
             pos = torch.arange(n, device=rank.device)
@@ -179,8 +226,7 @@ class ScoredLayer(DynamicLayer):
         kept = keep_adaptive(rank, keep, safeguard_count(keep, self.policy.alpha))
         count = kept.sum(dim=-1)  # [B, H]
         slots = int(count.max())
-        # each head's kept positions first, in arrival order (a stable sort of "dropped" puts them there)
-        at = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[..., :slots]
+        at = held_first(kept, slots)  # each head's kept positions first, in arrival order
         valid = torch.arange(slots, device=rank.device) < count[..., None]
         kk = torch.gather(keys, 2, at[..., None].expand(-1, -1, -1, keys.shape[-1]))
         vv = torch.gather(values, 2, at[..., None].expand(-1, -1, -1, values.shape[-1]))
@@ -189,6 +235,13 @@ class ScoredLayer(DynamicLayer):
         self.kept_index = torch.where(valid, torch.gather(index, 2, at), torch.full_like(at, -1))
         self.kept_score = torch.where(valid, torch.gather(scores, 2, at), torch.zeros((), dtype=scores.dtype))
         self.kept_valid = None if bool(valid.all()) else valid
+
+    def _rest_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest's K and V decoded from its stored bytes (packed groups, then the float32 remainder)."""
+        r = self.rest
+        if not r.mid_k.tokens:
+            return r.tail_k, r.tail_v
+        return torch.cat([r.mid_k.decode(), r.tail_k], dim=-2), torch.cat([r.mid_v.decode(), r.tail_v], dim=-2)
 
     def head_counts(self) -> torch.Tensor:
         """``[B, H]`` int64: the tokens each (sequence, KV head) holds."""
@@ -250,7 +303,10 @@ class ScoredLayer(DynamicLayer):
         return self.seen  # positions continue from here, also after an eviction
 
     def held_tokens(self) -> int:
-        return 0 if not self.is_initialized else self.kept_k.shape[-2]
+        rest = self.rest.held_tokens() if self.rest is not None else 0
+        if self.stored is not None:
+            return self.stored.held_tokens() + rest
+        return 0 if not self.is_initialized else self.kept_k.shape[-2] + rest
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.held_tokens() + query_length, 0
@@ -278,17 +334,25 @@ class ScoredLayer(DynamicLayer):
         of every held token (an adaptive layer's empty slots are not held)."""
         if not self.is_initialized:
             return 0
+        if self.stored is not None:  # the storage's arrays (its header not counted), indices as int32, scores
+            return (self.stored.batch_bytes() + self.kept_score.numel() * self.kept_score.element_size()
+                    + self.kept_index.numel() * 4 + (self.rest.batch_bytes() if self.rest is not None else 0))
         if self.kept_valid is not None:
-            return int(self.kept_valid.sum()) * (2 * self.kept_k.shape[-1] * 4 + 4 + 4)
+            return int(self.kept_valid.sum()) * (2 * self.kept_k.shape[-1] * 4 + SCORED_TOKEN_EXTRA)
         return (sum(x.numel() * x.element_size() for x in (self.kept_k, self.kept_v, self.kept_score))
-                + self.kept_index.numel() * 4)
+                + self.kept_index.numel() * 4 + (self.rest.batch_bytes() if self.rest is not None else 0))
 
     def stored_bytes(self) -> int:
         """Bytes this layer stores for one sequence (every sequence holds the same count, summed over
         its heads)."""
         if not self.is_initialized:
             return 0
-        total, batch = self.batch_bytes(), self.kept_k.shape[0]
+        if self.kept_valid is not None:  # an adaptive layer: each sequence's heads share keep x H alike
+            held = self.kept_valid.sum((1, 2))
+            if bool((held != held[0]).any()):
+                raise RuntimeError(f"layer {self.layer_idx}: the sequences hold {held.tolist()} tokens: their counts "
+                                   "differ")
+        total, batch = self.batch_bytes(), self.kept_index.shape[0]
         if total % batch:
             raise RuntimeError(f"layer {self.layer_idx}: {total} bytes over {batch} sequences: their counts differ")
         return total // batch + HEADER_BYTES
@@ -307,15 +371,22 @@ class ScoredLayer(DynamicLayer):
                    "kept.index": self.kept_index[0, :, :slots].to(torch.int32), "kept.score": self.kept_score[0, :, :slots],
                    "kept.count": count.to(torch.int32)}
             if self.kept_valid is not None:  # each head's held slots first: the prefill's, then every later token
-                order = torch.sort((~self.kept_valid[0]).to(torch.int8), dim=-1, stable=True).indices[:, :slots]
+                order = held_first(self.kept_valid[0], slots)
                 for key in ("float.k", "float.v"):
                     x = getattr(self, "kept_" + key[-1])[0]
                     out[key] = torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[-1]))
                 out["kept.index"] = torch.gather(self.kept_index[0], 1, order).to(torch.int32)
                 out["kept.score"] = torch.gather(self.kept_score[0], 1, order)
+        elif self.stored is not None:  # the storage's arrays (sink.*, key.*, value.*, float.*), indices, scores
+            out = {**self.stored.evidence(), "kept.index": self.kept_index[0].to(torch.int32),
+                   "kept.score": self.kept_score[0]}
+            if self.rest is not None:
+                out.update({"rest." + k: v for k, v in self.rest.evidence().items()})
         else:
             out = {"float.k": self.kept_k[0], "float.v": self.kept_v[0],
                    "kept.index": self.kept_index[0].to(torch.int32), "kept.score": self.kept_score[0]}
+            if self.rest is not None:  # the rest's stored arrays (rest.key.codes, rest.float.k, ...)
+                out.update({"rest." + k: v for k, v in self.rest.evidence().items()})
         if self.record:
             out["input.k"] = torch.cat(self.recorded_k, dim=-2)
             out["input.v"] = torch.cat(self.recorded_v, dim=-2)
