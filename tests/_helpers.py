@@ -207,3 +207,36 @@ def oracle_kwargs(pol, config, batch: int, tokens: int, seed: int = 0) -> dict:
     shape = (batch, int(config.num_key_value_heads), tokens)
     return {"received": [torch.rand(shape, generator=g, dtype=torch.float64)
                          for _ in range(int(config.num_hidden_layers))]}
+
+
+def tiny_live_run(tmp_path_factory, name: str, arms: list, **live) -> Path:
+    """A one-segment SmolLM2 live run of ``arms`` (smollm2_quality.json with ``live`` overriding its
+    live block: prefill, steps, budget_tolerance, ...; evidence at layer 7, R = G = W = 16, no
+    peers); skips when the model is not installed. Returns the run folder."""
+    import json
+
+    import pytest
+
+    from testbed.sources import capture
+
+    try:
+        capture.load_model()
+    except capture.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}")
+    base = tmp_path_factory.mktemp(name)
+    proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
+    proto.update(name=name, default=False)
+    proto["live"].update({"evidence_layer": 7, "segments": 1, "batch": 1, "window": 16, "group": 16,
+                          "evict_window": 16, "policies": arms, "peers": [], **live})
+    path = base / f"{name}.json"
+    path.write_text(json.dumps(proto))
+    out = base / "run"
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
+    return out
+
+
+def rows_by_arm(run: Path) -> dict:
+    """A run's results.json rows by arm name."""
+    import json
+
+    return {r["arm"]: r for r in json.loads((run / "results.json").read_text())["rows"]}

@@ -23,9 +23,10 @@ import pytest
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from testbed.policies.compose import declared, decompose, compose
+from testbed.policies.compose import compose, declared, decompose
 from testbed.policies.policy import Policy, preset
 from tests import _arrays
+from tests._helpers import rows_by_arm, tiny_live_run
 
 REPO = Path(__file__).resolve().parent.parent
 KW = dict(window=16, group=16, evict_window=16)
@@ -268,27 +269,10 @@ ARMS = ["int2", "int3",
 
 @pytest.fixture(scope="module")
 def evq_run(tmp_path_factory):
-    from testbed.run import main as run_main
-    from testbed.sources import capture
-
-    try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}")
-    base = tmp_path_factory.mktemp("evq")
-    proto = json.loads((REPO / "protocols" / "smollm2_quality.json").read_text())
-    proto.update(name="evq_tiny", default=False)
-    proto["live"].update({"evidence_layer": 7, "segments": 1, "prefill": 160, "steps": 16, "batch": 1, "window": 16,
-                          "group": 16, "evict_window": 16, "policies": ARMS, "peers": [], "budget_tolerance": 0.03})
-    path = base / "evq_tiny.json"
-    path.write_text(json.dumps(proto))
-    out = base / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    return out
+    return tiny_live_run(tmp_path_factory, "evq_tiny", ARMS, prefill=160, steps=16, budget_tolerance=0.03)
 
 
-def _rows(run: Path) -> dict:
-    return {r["arm"]: r for r in json.loads((run / "results.json").read_text())["rows"]}
+_rows = rows_by_arm
 
 
 @pytest.mark.slow

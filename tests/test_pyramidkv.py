@@ -29,6 +29,7 @@ from testbed.policies import scorers
 from testbed.policies.compose import budget_keep, declared
 from testbed.policies.policy import PRESETS, Policy, preset, pyramid_keep
 from tests import _arrays
+from tests._helpers import rows_by_arm, tiny_live_run
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
@@ -258,27 +259,10 @@ ARMS = [{"name": "knorm_pyr", "selection": {"kind": "knorm", "mode": "prefill", 
 
 @pytest.fixture(scope="module")
 def pyramid_run(tmp_path_factory):
-    from testbed.run import main as run_main
-    from testbed.sources import capture
-
-    try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}")
-    base = tmp_path_factory.mktemp("pyramid")
-    proto = json.loads((REPO / "protocols" / "smollm2_quality.json").read_text())
-    proto.update(name="pyramid_tiny", default=False)
-    proto["live"].update({"evidence_layer": 7, "segments": 1, "prefill": 80, "steps": 24, "batch": 1, "window": 16,
-                          "group": 16, "evict_window": 16, "policies": ARMS, "peers": [], "budget_tolerance": 0.1})
-    path = base / "pyramid_tiny.json"
-    path.write_text(json.dumps(proto))
-    out = base / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    return out
+    return tiny_live_run(tmp_path_factory, "pyramid_tiny", ARMS, prefill=80, steps=24, budget_tolerance=0.1)
 
 
-def _rows(run: Path) -> dict:
-    return {r["arm"]: r for r in json.loads((run / "results.json").read_text())["rows"]}
+_rows = rows_by_arm
 
 
 @pytest.mark.slow
