@@ -505,8 +505,6 @@ def ada_run(tmp_path_factory):
     return tiny_live_run(tmp_path_factory, "adakv_tiny", ARMS, prefill=160, steps=16, budget_tolerance=0.1)
 
 
-_rows = rows_by_arm
-
 
 @pytest.mark.slow
 def test_adaptive_arms_run_and_pass_the_audit(ada_run):
@@ -514,7 +512,7 @@ def test_adaptive_arms_run_and_pass_the_audit(ada_run):
 
     ok, failures, _ = audit(ada_run)
     assert ok, failures[:5]
-    rows = _rows(ada_run)
+    rows = rows_by_arm(ada_run)
     ada, uni = rows["snapkv_ada"], rows["snapkv_pre"]
     assert ada["policy"]["heads"] == "adaptive" and ada["policy"]["alpha"] == 0.2
     assert not set(HEAD_FIELDS) & set(uni["policy"])
@@ -557,7 +555,7 @@ def test_a_forged_per_head_split_fails(ada_run, tmp_path, arm, forgery):
 
     run = tmp_path / "copy"
     shutil.copytree(ada_run, run)
-    row = _rows(run)[arm]
+    row = rows_by_arm(run)[arm]
     ev = row["evidence"]["arrays"]
     a = {k: _arrays.load(run, v) for k, v in ev.items()}
     count, idx, P = a["kept.count"], a["kept.index"], 160

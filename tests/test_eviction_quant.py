@@ -272,8 +272,6 @@ def evq_run(tmp_path_factory):
     return tiny_live_run(tmp_path_factory, "evq_tiny", ARMS, prefill=160, steps=16, budget_tolerance=0.03)
 
 
-_rows = rows_by_arm
-
 
 @pytest.mark.slow
 def test_stored_arms_run_at_their_budget_and_pass_the_audit(evq_run):
@@ -281,7 +279,7 @@ def test_stored_arms_run_at_their_budget_and_pass_the_audit(evq_run):
 
     ok, failures, _ = audit(evq_run)
     assert ok, failures[:5]
-    rows = _rows(evq_run)
+    rows = rows_by_arm(evq_run)
     for arm, versus in (("snapkv_int4_at_int2", "int2"), ("random_int4_at_int2", "int2"), ("ea_int4_at_int3", "int3")):
         got, target = rows[arm]["bytes_final"], rows[versus]["bytes_final"]
         assert got <= target and (target - got) / target < 0.01, (arm, got, target)
@@ -337,7 +335,7 @@ def test_a_forged_stored_kept_set_fails(evq_run, tmp_path, forgery):
     run = tmp_path / "copy"
     shutil.copytree(evq_run, run)
     arm = "knorm_int4"
-    row = _rows(run)[arm]
+    row = rows_by_arm(run)[arm]
     ev = row["evidence"]["arrays"]
     a = {k: _arrays.load(run, v) for k, v in ev.items()}
     if forgery == "kept_set":
@@ -361,7 +359,7 @@ def test_a_forged_stored_kept_set_fails(evq_run, tmp_path, forgery):
         want = "kept set"
     elif forgery == "rest_codes":
         arm = "knorm_mikv"
-        ev = _rows(run)[arm]["evidence"]["arrays"]
+        ev = rows_by_arm(run)[arm]["evidence"]["arrays"]
         codes = _arrays.load(run, ev["rest.value.codes"]).copy()
         codes[1, 3, 0] ^= 0x03
         _forge_array(run, ev["rest.value.codes"], codes)

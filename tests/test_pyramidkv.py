@@ -262,8 +262,6 @@ def pyramid_run(tmp_path_factory):
     return tiny_live_run(tmp_path_factory, "pyramid_tiny", ARMS, prefill=80, steps=24, budget_tolerance=0.1)
 
 
-_rows = rows_by_arm
-
 
 @pytest.mark.slow
 def test_pyramid_arms_run_and_pass_the_audit(pyramid_run):
@@ -271,7 +269,7 @@ def test_pyramid_arms_run_and_pass_the_audit(pyramid_run):
 
     ok, failures, _ = audit(pyramid_run)
     assert ok, failures[:5]
-    rows = _rows(pyramid_run)
+    rows = rows_by_arm(pyramid_run)
     pyr, uni = rows["knorm_pyr"], rows["knorm_pre"]
     # mean 40 of an 80-token prefill, beta 2, no window: 60 at layer 0 down to 20 at layer 29
     counts = pyr["policy"]["layer_keep"]
