@@ -240,3 +240,12 @@ def rows_by_arm(run: Path) -> dict:
     import json
 
     return {r["arm"]: r for r in json.loads((run / "results.json").read_text())["rows"]}
+
+
+def audited_rows(run: Path) -> dict:
+    """The run's rows by arm, after asserting that the whole run passes the audit."""
+    from testbed.audit import audit
+
+    ok, failures, _ = audit(run)
+    assert ok, failures[:5]
+    return rows_by_arm(run)

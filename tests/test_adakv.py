@@ -34,7 +34,7 @@ from testbed.policies import scorers
 from testbed.policies.compose import declared
 from testbed.policies.policy import HEAD_FIELDS, PRESETS, Policy, preset, pyramid_keep, safeguard_count
 from tests import _arrays
-from tests._helpers import rows_by_arm, tiny_live_run
+from tests._helpers import audited_rows, rows_by_arm, tiny_live_run
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
@@ -508,11 +508,7 @@ def ada_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_adaptive_arms_run_and_pass_the_audit(ada_run):
-    from testbed.audit import audit
-
-    ok, failures, _ = audit(ada_run)
-    assert ok, failures[:5]
-    rows = rows_by_arm(ada_run)
+    rows = audited_rows(ada_run)
     ada, uni = rows["snapkv_ada"], rows["snapkv_pre"]
     assert ada["policy"]["heads"] == "adaptive" and ada["policy"]["alpha"] == 0.2
     assert not set(HEAD_FIELDS) & set(uni["policy"])

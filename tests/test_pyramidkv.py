@@ -29,7 +29,7 @@ from testbed.policies import scorers
 from testbed.policies.compose import budget_keep, declared
 from testbed.policies.policy import PRESETS, Policy, preset, pyramid_keep
 from tests import _arrays
-from tests._helpers import rows_by_arm, tiny_live_run
+from tests._helpers import audited_rows, tiny_live_run
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
@@ -265,11 +265,7 @@ def pyramid_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_pyramid_arms_run_and_pass_the_audit(pyramid_run):
-    from testbed.audit import audit
-
-    ok, failures, _ = audit(pyramid_run)
-    assert ok, failures[:5]
-    rows = rows_by_arm(pyramid_run)
+    rows = audited_rows(pyramid_run)
     pyr, uni = rows["knorm_pyr"], rows["knorm_pre"]
     # mean 40 of an 80-token prefill, beta 2, no window: 60 at layer 0 down to 20 at layer 29
     counts = pyr["policy"]["layer_keep"]
