@@ -137,7 +137,7 @@ class Audit:
     @staticmethod
     def row_label(row: dict) -> str:
         bits = [f"row {row.get('_index', '?')}", str(row.get("study")), str(row.get("analysis")), str(row.get("case"))]
-        for key in ("arm", "scheme", "rotation", "path", "ablation", "layer", "head"):
+        for key in ("arm", "query", "scheme", "rotation", "path", "ablation", "layer", "head"):
             if row.get(key) is not None:
                 bits.append(f"{key}={row[key]}")
         return "results.json " + " ".join(bits)

@@ -93,7 +93,7 @@ MASS_BAND_ARRAYS = ("stats.tau",)
 EXACT_ARRAYS = ("token_ids", "query_positions", "header")
 # The fields that say which row a result is (together they are unique within a run).
 IDENTITY = ("study", "analysis", "case", "arm", "scheme", "rotation", "path", "ablation", "scope", "layer", "head",
-            "kv_head", "draw")
+            "kv_head", "draw", "query")
 NOT_COMPARED = ("timings.json", "report.md", "results.csv", "results.json")
 TOP = 10
 

@@ -24,6 +24,12 @@ Tasks (``TASKS``):
   boundaries (while the haystack has enough); one, at ``depth``, is asked for, the others are
   distractors placed by the seed. It tests that the right needle is retrieved, not merely a number
   that looks like one.
+- ``"multi_query"`` (issue #45 step 6, SCBench / KVzip's multi-query setting): the haystack and
+  needles of ``multi_kv`` (the first at ``depth``, the others placed by the seed), but every needle
+  is asked for, one question after the other about ONE prefill compressed once: the token ids after
+  the prefill are question 1, answer 1, question 2, answer 2, ... in the needles' order (the
+  trial's ``queries``). A policy that kept what the first question needed may have dropped what a
+  later one needs: the study scores each answer separately, by question order.
 
 A trial is a function of (tokenizer, task, length, depth, seed): for one seed the haystack is the
 same at every depth, only the needle moves. :func:`grid` gives every trial of a study its own seed
@@ -64,9 +70,10 @@ from .schema import Key, ProtocolError, Spec, check_value
 from .sources.capture import MODEL_ID, MODELS
 
 __all__ = ["TASKS", "QUESTIONS", "SPEC", "PEER", "validate", "make_trial", "grid", "needles_of", "wilson", "mcnemar",
-           "mcnemar_exact_p", "MAX_LENGTH", "budget_context", "trial_policies"]
+           "mcnemar_exact_p", "MAX_LENGTH", "budget_context", "trial_policies", "MULTI", "tail_of", "interleaved"]
 
-TASKS = ("passkey", "kv_needle", "multi_kv")
+TASKS = ("passkey", "kv_needle", "multi_kv", "multi_query")
+MULTI = ("multi_kv", "multi_query")  # the tasks of several needles
 # where the question goes: after the compressed prefill, through the arm's cache (kvpress's protocol),
 # or inside the prefill that is compressed (SnapKV's favourable case)
 QUESTIONS = ("after", "inside")
@@ -104,13 +111,14 @@ PEER = Spec("retrieval peer", "A cache users know, run as one more arm: transfor
 RETRIEVAL_PRESETS = tuple(n for n in PRESETS if not (preset(n).mixed or preset(n).oracle))
 SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value needles) through the cache policies: "
             "does the model still answer from a needle it read at a given depth? Protocol key \"retrieval\".", {
-    "tasks": Key(("list", ("choice", TASKS), 1), "passkey, kv_needle, multi_kv (see testbed.retrieval)"),
+    "tasks": Key(("list", ("choice", TASKS), 1), "passkey, kv_needle, multi_kv, multi_query (see testbed.retrieval)"),
     "lengths": Key(("list", ("range", int, 64, MAX_LENGTH), 1), "prefill lengths in tokens (haystack and needles)"),
     "depths": Key(("list", ("range", float, 0.0, 1.0), 1), "where the asked needle sits: the fraction of the haystack "
                                                            "before it (0 first, 1 last)"),
     "trials": Key(("range", int, 1, 10_000), "trials per (task, length, depth) cell, each its own needle", 8),
     "seed": Key(("range", int, 0, 2**32 - 1), "the study seed; each trial's seed is derived from it", 0),
-    "needles": Key(("range", int, 2, 16), "needles of a multi_kv trial (one asked, the rest distractors)", 4),
+    "needles": Key(("range", int, 2, 16), "needles of a multi_kv trial (one asked, the rest distractors) and of a "
+                                          "multi_query trial (each asked in turn)", 4),
     "policies": Key(("list", (str, dict), 1),
                     "cache policies, one arm each: a preset's name (one of "
                     f"{', '.join(RETRIEVAL_PRESETS)}) or a policy declared by its fields, as in the live study (the "
@@ -130,7 +138,8 @@ SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value ne
                     "position, which every arm shares); one set of rows per placement", ["after"]),
     "budget_tolerance": Key(("range", float, 0.0, 0.5), "how far below its budget a declared policy's derived kept "
                                                         "count may land at the end of a trial", 0.01),
-}, rules=("with multi_kv, every length is at least 64 tokens per needle",
+}, rules=("with multi_kv or multi_query, every length is at least 64 tokens per needle",
+          "multi_query asks its questions after the compressed prefill: its study's question is [\"after\"]",
           "every policy can be built with window, group, sink and evict_window",
           "a declared policy's budget is derived per trial at its end (prefill + question + answer tokens), the "
           "prefill being the haystack (question after) or the haystack and the question (inside); a budget no "
@@ -168,12 +177,17 @@ def validate(params: Any, where: str) -> dict:
     check_value(p["depths"], ("list", float, 1), f"{where}.depths")  # 1 and 1.0 are one depth, listed twice
     for i, peer in enumerate(p["peers"]):
         PEER.check(peer, f"{where}.peers[{i}]")
-    if "multi_kv" in p["tasks"]:
+    multi = [t for t in MULTI if t in p["tasks"]]
+    if multi:
         need = 64 * p["needles"]
         for i, n in enumerate(p["lengths"]):
             if n < need:
-                raise ProtocolError(f"{where}.lengths[{i}]: {n} tokens cannot hold multi_kv's {p['needles']} needles "
+                raise ProtocolError(f"{where}.lengths[{i}]: {n} tokens cannot hold {multi[0]}'s {p['needles']} needles "
                                     f"and a haystack (at least 64 tokens per needle: {need})")
+    if "multi_query" in p["tasks"] and p["question"] != ["after"]:
+        raise ProtocolError(f"{where}.question: {p['question']}: multi_query asks its questions one after the other "
+                            "after the compressed prefill, so its study's question must be [\"after\"] (run the "
+                            "question inside in a study without multi_query)")
     if len(set(p["question"])) != len(p["question"]):
         raise ProtocolError(f"{where}.question: a placement is listed twice: {p['question']}")
     for i, name in enumerate(p["policies"]):
@@ -244,7 +258,7 @@ def needles_of(task: str, seed: int, needles: int = 4) -> list[dict]:
     if task == "passkey":
         value = str(10_000 + draws.below(90_000))
         return [{"key": None, "value": value, "text": PASSKEY_NEEDLE.format(value=value)}]
-    count = 1 if task == "kv_needle" else needles
+    count = 1 if task == "kv_needle" else needles  # multi_kv, multi_query
     if count < 1 or count > len(_ADJECTIVES) * len(_NOUNS):
         raise ValueError(f"needles must be positive, got {count}")
     _, sevens, _ = _pydoc()
@@ -310,7 +324,9 @@ def make_trial(tokenizer, task: str, length: int, depth: float, seed: int, *, ne
     (exactly ``length`` ids: the tokenizer's default prefix, if any, the haystack and the needles),
     ``needle_ids`` (the asked needle) with ``needle_start`` / ``needle_end`` such that
     ``prefill_ids[needle_start:needle_end] == needle_ids``, ``question_ids``, ``answer_ids`` and
-    ``meta``. ``needles`` counts multi_kv's needles; its distractors go to distinct boundaries other
+    ``meta`` (and, for multi_query, ``queries``: each needle's ``question_ids`` and ``answer_ids``
+    in asking order, the first the ones above; ``meta["queries"]`` their keys, values, needle spans
+    and token counts). ``needles`` counts multi_kv's and multi_query's needles; its distractors go to distinct boundaries other
     than the asked one's, drawn by the seed, while there are enough (then needles share boundaries,
     each its own line, the asked one first). Raises ``ValueError`` when ``length`` cannot hold the needles
     and a haystack of at least one token per needle.
@@ -365,9 +381,33 @@ def make_trial(tokenizer, task: str, length: int, depth: float, seed: int, *, ne
     if task == "multi_kv":
         meta["distractors"] = [{"key": f["key"], "value": f["value"], "start": positions[i],
                                 "end": positions[i] + len(needle_ids[i])} for i, f in enumerate(facts) if i]
-    return {"prefill_ids": prefill, "needle_ids": list(needle_ids[0]), "needle_start": start,
-            "needle_end": start + len(needle_ids[0]), "question_ids": list(encode(question)),
-            "answer_ids": list(encode(answer)), "meta": meta}
+    out = {"prefill_ids": prefill, "needle_ids": list(needle_ids[0]), "needle_start": start,
+           "needle_end": start + len(needle_ids[0]), "question_ids": list(encode(question)),
+           "answer_ids": list(encode(answer)), "meta": meta}
+    if task == "multi_query":  # every needle asked, in the needles' order, the first being the one above
+        out["queries"] = [{"question_ids": list(encode(KV_QUESTION.format(key=f["key"]))),
+                           "answer_ids": list(encode(" " + f["value"]))} for f in facts]
+        meta["queries"] = [{"key": f["key"], "value": f["value"], "start": positions[i],
+                            "end": positions[i] + len(needle_ids[i]),
+                            "question_tokens": len(out["queries"][i]["question_ids"]),
+                            "answer_tokens": len(out["queries"][i]["answer_ids"])} for i, f in enumerate(facts)]
+    return out
+
+
+def tail_of(trial: dict) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """What follows a trial's prefill: (every question's ids, every answer's ids, the layout): one
+    question and its answer, or multi_query's questions and answers, question k + answer k fed after
+    answer k - 1. The layout is each query's (question tokens, answer tokens) in that order."""
+    queries = trial.get("queries") or [{"question_ids": trial["question_ids"], "answer_ids": trial["answer_ids"]}]
+    qs = [i for q in queries for i in q["question_ids"]]
+    ans = [i for q in queries for i in q["answer_ids"]]
+    return qs, ans, [(len(q["question_ids"]), len(q["answer_ids"])) for q in queries]
+
+
+def interleaved(trial: dict) -> list[int]:
+    """The ids after the prefill in the order they are fed: question 1, answer 1, question 2, ..."""
+    queries = trial.get("queries") or [{"question_ids": trial["question_ids"], "answer_ids": trial["answer_ids"]}]
+    return [i for q in queries for i in q["question_ids"] + q["answer_ids"]]
 
 
 def grid(tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int, *,

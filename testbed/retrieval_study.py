@@ -40,6 +40,12 @@ the protocol's policies and its quanto peers (transformers' ``QuantizedCache``).
 statistical units: accuracy per (task, length, arm) with a Wilson 95 % interval, and the exact
 McNemar test of each arm against the reference over the same trials.
 
+multi_query (:mod:`testbed.retrieval`): the prefill holds several needles and is compressed once;
+then question 1, answer 1, question 2, answer 2, ... go through the arm's cache in one
+teacher-forced pass, each answer scored separately (a row per question, its ``query`` 1 on); the
+greedy pass is one conversation, the model's own answer to question k staying in the cache before
+question k + 1. report.md gives the exact match by question order.
+
 Units: one per (batch of trials, question placement, arm), the reference of each first. Trials are
 batched only where their prefill, question and answer token counts are equal (no padding anywhere).
 """
@@ -63,7 +69,7 @@ from .schema import ProtocolError
 from .sources.capture import (INSTALL_HINT, MODEL_ID, MODELS, CaptureUnavailable, forward_kwargs, hardware_info,
                               load_model, software_info)
 
-__all__ = ["estimate_bytes", "plan", "batch_units", "run_unit", "report", "summarize", "arms_of", "arm_names",
+__all__ = ["estimate_bytes", "plan", "batch_units", "run_unit", "report", "summarize", "by_order", "arms_of", "arm_names",
            "unit_arms", "check_units", "arm_schedule", "CHUNK", "REFERENCE", "ANALYSIS"]
 
 ANALYSIS = "retrieval"
@@ -130,11 +136,12 @@ def estimate_bytes(p: dict) -> int:
 
 
 def _batches(trials: list[dict], size: int) -> list[list[dict]]:
-    """Trials grouped by (task, length, question tokens, answer tokens) in grid order, then cut
-    into batches of at most ``size``."""
+    """Trials grouped by (task, length, question tokens, answer tokens and, for multi_query, each
+    query's) in grid order, then cut into batches of at most ``size``."""
     groups: dict[tuple, list] = {}
     for t in trials:
-        groups.setdefault((t["task"], t["length"], len(t["question_ids"]), len(t["answer_ids"])), []).append(t)
+        key = (t["task"], t["length"], len(t["question_ids"]), len(t["answer_ids"]), tuple(map(tuple, t.get("layout", ()))))
+        groups.setdefault(key, []).append(t)
     return [ts[i:i + size] for ts in groups.values() for i in range(0, len(ts), size)]
 
 
@@ -159,18 +166,19 @@ def plan(proto: dict, ctx, protocol_path=None) -> tuple[dict, list[dict]]:
     for c in cells:
         tr = retrieval.make_trial(tokenizer, c["task"], c["length"], c["depth"], c["seed"], needles=p["needles"])
         cid = case_id(c["index"])
-        ids = np.asarray(tr["prefill_ids"] + tr["question_ids"] + tr["answer_ids"], dtype=np.int32)
+        questions, answers, layout = retrieval.tail_of(tr)  # multi_query: every question and answer
+        ids = np.asarray(tr["prefill_ids"] + retrieval.interleaved(tr), dtype=np.int32)
         arrays = {"token_ids": store.save(f"{study}/{cid}/token_ids", ids),
                   "needle_ids": store.save(f"{study}/{cid}/needle_ids", np.asarray(tr["needle_ids"], dtype=np.int32))}
         meta = {"source": "retrieval", "model": MODEL_ID, "task": c["task"], "length": c["length"], "depth": c["depth"],
                 "trial": c["trial"], "seed": c["seed"], "needle_start": tr["needle_start"], "needle_end": tr["needle_end"],
-                "question_tokens": len(tr["question_ids"]), "answer_tokens": len(tr["answer_ids"]),
+                "question_tokens": len(questions), "answer_tokens": len(answers),
                 **{k: v for k, v in tr["meta"].items() if k not in ("task", "seed", "length", "depth")}}
         cases[cid] = {"id": cid, "causal": True, "layout": [], "tokens_per_frame": None, "head_map": None, "meta": meta,
                       "arrays": arrays}
         trials.append({"case": cid, "task": c["task"], "length": c["length"], "depth": c["depth"], "trial": c["trial"],
-                       "seed": c["seed"], "question_ids": tr["question_ids"], "answer_ids": tr["answer_ids"],
-                       "ids": ids.tolist()})
+                       "seed": c["seed"], "question_ids": questions, "answer_ids": answers,
+                       "ids": ids.tolist(), **({"layout": layout} if "queries" in tr else {})})
     ctx.progress(f"[{study}] {len(trials)} trials built ({time.perf_counter() - t0:.1f} s)")
     arms = arm_names(p)
     ctx.extra_files[f"{study}/retrieval_manifest.json"] = (json.dumps({
@@ -250,6 +258,36 @@ def _greedy(model, kw, cache, question: torch.Tensor, schedule: list[int], n_a: 
     return torch.stack(gen, 1)
 
 
+def _answer_starts(layout: list[tuple[int, int]]) -> list[int]:
+    """Where each answer starts among the ids after the prefill (question 1, answer 1, question 2, ...)."""
+    out, pos = [], 0
+    for n_q, n_a in layout:
+        out.append(pos + n_q)
+        pos += n_q + n_a
+    return out
+
+
+def _greedy_queries(model, kw, cache, what, tail: torch.Tensor, start: int,
+                    layout: list[tuple[int, int]]) -> tuple[torch.Tensor, int]:
+    """multi_query's greedy pass, one conversation: question 1 read (in the arm's schedule from
+    position ``start``), its answer generated greedily, then question 2 read after the generated
+    answer (its last token fed with the question), and so on: the model's own answers stay in the
+    cache, as in a conversation. Returns every generated token in asking order [B, answers] and the
+    forwards run."""
+    gens, forwards, pos, last = [], 0, start, None
+    for s, (n_q, n_a) in zip(_answer_starts(layout), layout):
+        question = tail[:, s - n_q:s]
+        if last is not None:  # the previous generated answer's last token, not yet fed
+            question = torch.cat([last[:, -1:], question], 1)
+        schedule = arm_schedule(what, pos, question.shape[1])
+        gen = _greedy(model, kw, cache, question, schedule, n_a)
+        forwards += len(schedule) + n_a - 1
+        pos += question.shape[1] + n_a - 1
+        gens.append(gen)
+        last = gen
+    return torch.cat(gens, 1), forwards
+
+
 def _new_cache(model, what, p: dict):
     cfg = model.config
     if what is None:
@@ -290,7 +328,11 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
     ids = torch.tensor([t["ids"] for t in batch], dtype=torch.int64)
     P = batch[0]["length"]
     n_q, n_a = len(batch[0]["question_ids"]), len(batch[0]["answer_ids"])
-    answer = ids[:, P + n_q:]
+    layout = [tuple(x) for x in batch[0].get("layout", ())]  # multi_query: each query's (question, answer) tokens
+    if layout:  # every answer token, in asking order, from the interleaved ids after the prefill
+        answer = ids[:, [P + s + i for s, (_, a) in zip(_answer_starts(layout), layout) for i in range(a)]]
+    else:
+        answer = ids[:, P + n_q:]
     # what the prefill holds, and what goes through the arm's cache after it
     pre = P + n_q if inside else P
     question = ids[:, pre:pre] if inside else ids[:, P:P + n_q]  # what is read after the prefill
@@ -319,46 +361,65 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
         tf_schedule = arm_schedule(what, pre, fed.shape[1])
         q_schedule = arm_schedule(what, pre, question.shape[1])
         with policy_attention(model) if isinstance(what, Policy) else contextlib.nullcontext():
-            logp = _teacher_forced(model, kw, cache, fed, tf_schedule, question.shape[1])
-            if inside:  # the first answer token from the shared prefill's last position
-                first = _logp_rows(shared.last[:, None])
-                logp = first if logp is None else torch.cat([first, logp], 1)
-            del cache
-            cache2 = _new_cache(model, what, p)
-            shared.load_into(cache2)
-            generated = _greedy(model, kw, cache2, question, q_schedule, n_a, shared.last if inside else None)
-            del cache2
+            if layout:  # multi_query: one teacher-forced pass over every question and answer, then greedy
+                logp = _teacher_forced(model, kw, cache, fed, tf_schedule, 1)
+                del cache
+                cache2 = _new_cache(model, what, p)
+                shared.load_into(cache2)
+                generated, q_forwards = _greedy_queries(model, kw, cache2, what, ids[:, P:], P, layout)
+                del cache2
+            else:
+                logp = _teacher_forced(model, kw, cache, fed, tf_schedule, question.shape[1])
+                if inside:  # the first answer token from the shared prefill's last position
+                    first = _logp_rows(shared.last[:, None])
+                    logp = first if logp is None else torch.cat([first, logp], 1)
+                del cache
+                cache2 = _new_cache(model, what, p)
+                shared.load_into(cache2)
+                generated = _greedy(model, kw, cache2, question, q_schedule, n_a, shared.last if inside else None)
+                del cache2
     seconds = time.perf_counter() - t0
+    if layout:  # the fed position before each answer token predicts it: row j of logp predicts tail token j + 1
+        rows_at = torch.tensor([s + i - 1 for s, (_, a) in zip(_answer_starts(layout), layout) for i in range(a)])
+        logp = logp[:, rows_at]
+        forwards = len(tf_schedule) + q_forwards
+    else:
+        forwards = len(tf_schedule) + len(q_schedule) + n_a - 1
     lp = logp.gather(-1, answer.unsqueeze(-1)).squeeze(-1)
     am = logp.argmax(-1)
-    forwards = len(tf_schedule) + len(q_schedule) + n_a - 1
     ctx.timings.append({"study": study, "case": case, "arm": arm, "op": "decode", "repeat": 0,
                         "seconds": seconds, "trials": len(batch), "forwards": forwards})
     kind = "reference" if what is None else "policy" if isinstance(what, Policy) else "peer"
     marked = p.get("question", ["after"]) != ["after"]  # rows name their placement where the study has several
     rows = []
+    # the answers a row scores: the one answer, or each multi_query answer (its row's "query", 1 on)
+    spans = [(None, 0, n_a)] if not layout else [(k + 1, sum(a for _, a in layout[:k]), layout[k][1])
+                                                 for k in range(len(layout))]
     for j, t in enumerate(batch):
-        prefix = f"{study}/{t['case']}/{arm}" + ("+inside" if inside else "")
-        lpj = lp[j].numpy().astype(np.float32)
-        amj = am[j].numpy().astype(np.int32)
-        genj = generated[j].numpy().astype(np.int32)
-        ans = answer[j].numpy().astype(np.int32)
-        row = {"study": study, "analysis": ANALYSIS, "case": t["case"], "source": "retrieval", "model": MODEL_ID,
-               "task": t["task"], "length": t["length"], "depth": t["depth"], "trial": t["trial"], "seed": t["seed"],
-               "arm": arm, "kind": kind, "answer_tokens": int(n_a),
-               "answer_logprob": float(np.sum(lpj.astype(np.float64))),
-               "tf_tokens_correct": int((amj == ans).sum()), "tf_em": int(bool((amj == ans).all())),
-               "greedy_tokens_correct": int((genj == ans).sum()), "greedy_em": int(bool((genj == ans).all())),
-               "arrays": {"logprob": store.save(f"{prefix}/logprob", lpj), "argmax": store.save(f"{prefix}/argmax", amj),
-                          "generated": store.save(f"{prefix}/generated", genj)}}
-        if marked:
-            row["question"] = question_at
-        if isinstance(what, Policy):
-            row["policy"] = what.config()
-        elif kind == "peer":
-            row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": PEER_GROUP,
-                           "residual_length": p["window"]}
-        rows.append(row)
+        for query, a0, na in spans:
+            prefix = (f"{study}/{t['case']}/{arm}" + ("+inside" if inside else "")
+                      + ("" if query is None else f"+q{query}"))
+            lpj = lp[j, a0:a0 + na].numpy().astype(np.float32)
+            amj = am[j, a0:a0 + na].numpy().astype(np.int32)
+            genj = generated[j, a0:a0 + na].numpy().astype(np.int32)
+            ans = answer[j, a0:a0 + na].numpy().astype(np.int32)
+            row = {"study": study, "analysis": ANALYSIS, "case": t["case"], "source": "retrieval", "model": MODEL_ID,
+                   "task": t["task"], "length": t["length"], "depth": t["depth"], "trial": t["trial"],
+                   "seed": t["seed"], "arm": arm, "kind": kind, **({} if query is None else {"query": query}),
+                   "answer_tokens": int(na), "answer_logprob": float(np.sum(lpj.astype(np.float64))),
+                   "tf_tokens_correct": int((amj == ans).sum()), "tf_em": int(bool((amj == ans).all())),
+                   "greedy_tokens_correct": int((genj == ans).sum()), "greedy_em": int(bool((genj == ans).all())),
+                   "arrays": {"logprob": store.save(f"{prefix}/logprob", lpj),
+                              "argmax": store.save(f"{prefix}/argmax", amj),
+                              "generated": store.save(f"{prefix}/generated", genj)}}
+            if marked:
+                row["question"] = question_at
+            if isinstance(what, Policy):
+                row["policy"] = what.config()
+            elif kind == "peer":
+                row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": PEER_GROUP,
+                               "residual_length": p["window"]}
+            rows.append(row)
     em = sum(r["tf_em"] for r in rows)
     note = (f"{arm}{' (question inside)' if inside else ''}, {batch_note(unit, len(batch), 'trials')}: {em}/{len(rows)} "
             f"exact, {forwards} forwards, {seconds:.1f} s")
@@ -400,6 +461,51 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def by_order(rows: list[dict]) -> list[dict]:
+    """multi_query's rows per (arm, length) over trials: for each question index (1 on, the asking
+    order) the trials whose answer is teacher-forced exact, the trials with every answer exact, the
+    mean answer log-prob over trials and questions, and McNemar of the last question's exact matches
+    against the first's on the same trials (b: the first right and the last wrong; c: the reverse)."""
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        cells.setdefault((r["arm"], r["length"]), {}).setdefault(r["case"], {})[r["query"]] = r
+    out = []
+    for (arm, length), trials in cells.items():
+        n = max(q for t in trials.values() for q in t)
+        hits = {c: [bool(t[q]["tf_em"]) if q in t else False for q in range(1, n + 1)] for c, t in trials.items()}
+        out.append({"arm": arm, "length": length, "trials": len(trials), "questions": n,
+                    "correct": [sum(h[k] for h in hits.values()) for k in range(n)],
+                    "all": sum(all(h) for h in hits.values()),
+                    "mean_logprob": float(np.mean([r["answer_logprob"] for t in trials.values() for r in t.values()])),
+                    "mcnemar": retrieval.mcnemar([h[-1] for h in hits.values()], [h[0] for h in hits.values()])})
+    return out
+
+
+def _by_order(rows: list[dict], params: dict) -> list[str]:
+    from tabulate import tabulate
+
+    summary = by_order(rows)
+    n = max(e["questions"] for e in summary)
+    table = []
+    for e in sorted(summary, key=lambda e: e["length"]):  # stable: arms in row order within a length
+        m = e["mcnemar"]
+        table.append([e["arm"], str(e["length"]), str(e["trials"])]
+                     + [f"{100 * k / e['trials']:.1f} %" for k in e["correct"]]
+                     + [f"{100 * e['all'] / e['trials']:.1f} %", f"{e['mean_logprob']:.3f}",
+                        f"{_p_text(m['p'])} ({m['b']}/{m['c']})"])
+    headers = (["arm", "length", "trials"] + [f"question {k}" for k in range(1, n + 1)]
+               + [f"all {n}", "mean answer log-prob", f"McNemar p question {n} vs 1 (b/c)"])
+    return ["Task multi_query, teacher-forced exact match by question order:",
+            tabulate(table, headers=headers, tablefmt="github", disable_numparse=True),
+            f"multi_query: one prefill holds {params['needles']} needles and is compressed once (a policy applies to "
+            "it as to any prefill); then question 1 and its answer are fed through the arm's cache, then question 2 "
+            "and its answer after them, and so on, each answer scored on its own (question k asks for the k-th "
+            "needle, the first at the trial's depth, the others where the seed put them). A cache that kept what the "
+            "first question needed may have dropped what a later one needs. The greedy pass is one conversation: the "
+            "model's own answers stay in the cache. McNemar compares the last question's teacher-forced exact matches "
+            "with the first's on the same trials (b: the first right and the last wrong; c: the reverse)."]
+
+
 def _p_text(v: float) -> str:
     return f"{v:.4f}" if v >= 1e-4 else f"{v:.1e}"
 
@@ -410,10 +516,13 @@ def report(rows: list[dict], params: dict) -> str:
     if not rows:
         return "(no rows: the retrieval study was excluded; see the manifest's excluded entries)"
     parts = []
-    summary = summarize(rows)
+    summary = summarize([r for r in rows if "query" not in r])
     placements = list(dict.fromkeys(r.get("question", "after") for r in rows))
     marked = any("question" in r for r in rows)
     for task, question in ((t, q) for t in dict.fromkeys(r["task"] for r in rows) for q in placements):
+        if task == "multi_query":
+            parts += _by_order([r for r in rows if r["task"] == task], params)
+            continue
         table = []
         arms = list(dict.fromkeys(r["arm"] for r in rows if r["task"] == task))
         for arm in arms:

@@ -68,7 +68,7 @@ def occurrences(seq: list[int], sub: list[int]) -> list[int]:
 
 def lengths_for(tok, task):
     # the byte tokenizer makes ~4x the tokens of the BPE: its short lengths hold fewer characters
-    short = 256 if task == "multi_kv" else 64
+    short = 256 if task in retrieval.MULTI else 64
     return (short, 1000) if isinstance(tok, ByteTokenizer) else (short, 1000, retrieval.MAX_LENGTH)
 
 
@@ -164,11 +164,11 @@ def test_needle_position_follows_depth(tok, task):
     # it is the only needle (multi_kv's distractors before it are counted in its position)
     places = [t["meta"]["depth_actual"] for t in trials]
     assert places == sorted(places)
-    if task != "multi_kv":
+    if task not in retrieval.MULTI:
         assert starts == sorted(starts)
     # the same haystack at every depth: only the needle moved
     hay = [t["prefill_ids"][:t["needle_start"]] + t["prefill_ids"][t["needle_end"]:] for t in trials]
-    if task != "multi_kv":  # (multi_kv's distractors move with the asked needle's boundary)
+    if task not in retrieval.MULTI:  # (the other needles move with the asked needle's boundary)
         assert all(h == hay[0] for h in hay)
     # depth 1: the needle ends within the last line of the haystack (far from the start)
     assert trials[-1]["needle_end"] >= 0.8 * length
@@ -421,11 +421,11 @@ def test_the_audit_rederives_every_seed_and_needle_of_a_grid():
     trial of a grid of every task (issue #48: what binds a trial to its grid slot)."""
     from testbed.audit_checks import retrieval as audit_side
 
-    p = {"tasks": ["passkey", "kv_needle", "multi_kv"], "lengths": [256, 512], "depths": [0.0, 0.25, 1.0],
-         "trials": 3, "seed": 11, "needles": 3}
+    p = {"tasks": ["passkey", "kv_needle", "multi_kv", "multi_query"], "lengths": [256, 512],
+         "depths": [0.0, 0.25, 1.0], "trials": 3, "seed": 11, "needles": 3}
     run_side = retrieval.grid(p["tasks"], p["lengths"], p["depths"], p["trials"], p["seed"], needles=p["needles"])
     audit = audit_side.expected_trials(p)
-    assert len(run_side) == len(audit) == 54
+    assert len(run_side) == len(audit) == 72
     for c, w in zip(run_side, audit):
         assert (c["task"], c["length"], c["depth"], c["trial"], c["seed"]) == \
             (w["task"], w["length"], w["depth"], w["trial"], w["seed"])

@@ -36,6 +36,13 @@ For every (trial, arm) row, from the stored arrays and the frozen protocol:
   cut to the length), a unit's tokens bounded by its UTF-8 bytes (a token covers at least one
   byte); the units are the filler sentences (passkey) or the lines of ``pydoc_data.topics`` from
   the seed's first unit on (kv tasks);
+- a multi_query trial (:func:`_bind_queries`): each query's key and value (``meta.queries``) are the
+  ones its seed draws in the needles' order, query 1's needle is the stored ``needle_ids``, each
+  query's answer ids (cut from the ids after the prefill, question 1, answer 1, question 2, ..., by
+  the recorded counts, which add up to the case's) occur in its own needle's span of the prefill,
+  the spans sit where the depth and the other needles put them; its rows are one per (trial, query
+  1..needles, arm), each scored against its own answer, the greedy cross-check applied to a query
+  whose earlier generated answers are all exact (the greedy pass keeps the model's own answers);
 - the study's ``retrieval_manifest.json`` (:func:`_check_manifest`): the model's name, GGUF file
   name and SHA-256 against the audit's own table (``capture.MODELS``), the software against the
   run's environment, the arms and the trial count against the frozen protocol and the rows.
@@ -45,8 +52,9 @@ forward passes (checked for shape, dtype, finiteness and sign only), and the tok
 tokenizer: that the needle, question and haystack ids encode the recorded texts is not checked (the
 audit has no tokenizer); the binding above makes a trial's ids its own grid slot's only as far as
 the answer's ids, the needle's place and the per-character ids go.
-The report's accuracies, Wilson intervals and McNemar p-values are re-derived from these rows in
-``report_tables`` below with :mod:`stats`.
+The report's accuracies, Wilson intervals and McNemar p-values (and multi_query's exact match by
+question order, with McNemar of the last question against the first) are re-derived from these
+rows in ``report_tables`` below with :mod:`stats`.
 """
 
 from __future__ import annotations
@@ -135,7 +143,7 @@ def needles_of(task: str, seed: int, needles: int) -> list[dict]:
     if task == "passkey":
         value = str(10_000 + below(90_000))
         return [{"key": None, "value": value, "text": PASSKEY_NEEDLE.format(value=value)}]
-    if task not in ("kv_needle", "multi_kv"):
+    if task not in ("kv_needle", "multi_kv", "multi_query"):
         raise ValueError(f"unknown task {task!r}")
     count = 1 if task == "kv_needle" else needles
     sevens = corpus()[1]
@@ -247,8 +255,31 @@ def _trial(ctx, study: str, cid: str) -> dict:
         ctx.numbers += 1
         for problem in trial_problems(trial):
             ctx.fail(where, problem)
-        return {"meta": meta, "answer": ids[P + nq:].astype(np.int64), "answer_tokens": na, "question_tokens": nq}
+        out = {"meta": meta, "answer": ids[P + nq:].astype(np.int64), "answer_tokens": na, "question_tokens": nq}
+        if meta.get("task") == "multi_query":
+            out["answers"] = _query_answers(ctx, where, meta, ids[P:].astype(np.int64), nq, na)
+        return out
     return ctx.cached(("retrieval_trial", study, cid), build)
+
+
+def _query_answers(ctx, where: str, meta: dict, tail: np.ndarray, nq: int, na: int) -> list[np.ndarray]:
+    """A multi_query trial's answers in asking order, cut from the ids after its prefill (question
+    1, answer 1, question 2, ...) by ``meta.queries``' token counts, which must add up to the case's
+    question and answer tokens."""
+    qs = meta.get("queries")
+    counts = [(q.get("question_tokens"), q.get("answer_tokens")) for q in qs if isinstance(q, dict)] \
+        if isinstance(qs, list) else []
+    ctx.numbers += 1
+    if (not counts or len(counts) != len(qs)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for c in counts for x in c)
+            or sum(q for q, _ in counts) != nq or sum(a for _, a in counts) != na):
+        raise ValueError(f"{where}: meta.queries must give each query's positive question_tokens and answer_tokens, "
+                         f"adding up to question_tokens {nq} and answer_tokens {na}")
+    out, pos = [], 0
+    for q, a in counts:
+        out.append(tail[pos + q:pos + q + a])
+        pos += q + a
+    return out
 
 
 def check_study(ctx, study: str, p: dict) -> bool:
@@ -284,10 +315,12 @@ def check_study(ctx, study: str, p: dict) -> bool:
             ctx.fail(f"{where} {w['case']}", f"cannot be bound to its grid slot ({type(e).__name__}: {str(e)[:200]})")
             continue
         if answer is not None:
-            spelled.append((w["case"], *answer))
+            spelled += [(w["case"], *a) for a in answer]
     _check_spelling(ctx, where, spelled)
     arms = arms_of(p)
-    if p["question"] == ["after"]:
+    if "multi_query" in p["tasks"]:
+        _check_query_grid(ctx, study, where, want, arms, p["needles"])
+    elif p["question"] == ["after"]:
         check_grid(ctx, study, where, names, arms, "trial")
     else:
         _check_placed_grid(ctx, study, where, names, arms, p["question"])
@@ -296,6 +329,26 @@ def check_study(ctx, study: str, p: dict) -> bool:
     except Exception as e:  # noqa: BLE001 - a forged manifest must give a FAIL line, never a crash
         ctx.fail(f"{study}/retrieval_manifest.json", f"cannot be checked ({type(e).__name__}: {str(e)[:200]})")
     return True
+
+
+def _check_query_grid(ctx, study: str, where: str, trials: list[dict], arms, needles: int) -> None:
+    """Exactly one row per (trial, query, arm) of a study with multi_query (its question after the
+    prefill only): a multi_query trial one per question index 1 to ``needles``, another trial one
+    without a query."""
+    seen: dict[tuple, int] = {}
+    for r in ctx.results.get("rows", []):
+        if isinstance(r, dict) and r.get("study") == study:
+            key = (r.get("case"), r.get("query"), r.get("arm"))
+            seen[key] = seen.get(key, 0) + 1
+    want = {(t["case"], q, a) for t in trials for a in arms
+            for q in (range(1, needles + 1) if t["task"] == "multi_query" else [None])}
+    for key in sorted(want - set(seen), key=repr):
+        ctx.fail(where, f"row for trial {key[0]}{'' if key[1] is None else f' query {key[1]}'} arm {key[2]} is missing")
+    for key in sorted(set(seen) - want, key=repr):
+        ctx.fail(where, f"row for trial {key[0]} query {key[1]!r} arm {key[2]} is not one the protocol implies")
+    for key, count in sorted(seen.items(), key=repr):
+        if count > 1:
+            ctx.fail(where, f"trial {key[0]} query {key[1]!r} arm {key[2]} has {count} rows")
 
 
 def _check_placed_grid(ctx, study: str, where: str, cases, arms, placements) -> None:
@@ -342,13 +395,55 @@ def _binding(ctx, where: str, w: dict, rec: dict, meta: dict, p: dict):
         return None  # the trial's own check (_trial) has the FAIL line
     prefill, answer = ids[:length].astype(np.int64), ids[-n_a:].astype(np.int64)
     needle = needle.astype(np.int64)
+    if task == "multi_query":
+        return _bind_queries(ctx, where, w, meta, ids.astype(np.int64), needle, p, drift)
     ctx.numbers += 1
     if not any(np.array_equal(needle[i:i + n_a], answer) for i in range(needle.size - n_a + 1)):
         ctx.fail(where, f"answer ids {answer.tolist()} do not occur in the needle's ids: the needle states the answer "
                         f"({want['needle_text']!r} holds {want['answer_text']!r})")
     for problem in _placement(meta, w, prefill, int(needle.size), p, drift):
         ctx.fail(where, problem)
-    return want["answer_text"], answer
+    return [(want["answer_text"], answer)]
+
+
+def _bind_queries(ctx, where: str, w: dict, meta: dict, ids: np.ndarray, needle: np.ndarray, p: dict, drift: str):
+    """A multi_query trial against its grid slot: each query's key and value are the ones its seed
+    draws, in the needles' order; query 1's needle is the stored ``needle_ids`` at
+    ``[needle_start, needle_end)``; each query's answer ids (cut from the ids after the prefill by
+    its recorded counts) occur in its own needle's span of the prefill; the spans are where the
+    depth and the other needles put them (:func:`_placement`). Returns each answer's (text, ids)."""
+    facts, length = w["facts"], w["length"]
+    qs = meta.get("queries")
+    if not isinstance(qs, list) or len(qs) != len(facts) or not all(isinstance(q, dict) for q in qs):
+        ctx.fail(where, f"meta.queries: {len(facts)} expected (one per needle of the protocol)")
+        return None
+    try:
+        answers = _query_answers(ctx, where, meta, ids[length:], meta.get("question_tokens"), meta.get("answer_tokens"))
+    except ValueError as e:
+        ctx.fail(where, str(e).removeprefix(f"{where}: "))
+        return None
+    prefill = ids[:length]
+    out = []
+    for k, (q, f, answer) in enumerate(zip(qs, facts, answers)):
+        ctx.numbers += 1
+        if (q.get("key"), q.get("value")) != (f["key"], f["value"]):
+            ctx.fail(where, f"meta.queries[{k}]: {q.get('key')!r} = {q.get('value')!r}, the seed draws "
+                            f"{f['key']!r} = {f['value']!r} for question {k + 1}{drift}")
+        s, e = q.get("start"), q.get("end")
+        if not (isinstance(s, int) and isinstance(e, int) and 0 <= s < e <= prefill.size):
+            ctx.fail(where, f"meta.queries[{k}]: span [{s!r}, {e!r}) is not inside the prefill")
+            return None
+        if k == 0 and (s, e) != (meta.get("needle_start"), meta.get("needle_end")):
+            ctx.fail(where, f"meta.queries[0]: span [{s}, {e}) is not the asked needle's [{meta.get('needle_start')!r}, "
+                            f"{meta.get('needle_end')!r})")
+        span = prefill[s:e]
+        if not any(np.array_equal(span[i:i + answer.size], answer) for i in range(span.size - answer.size + 1)):
+            ctx.fail(where, f"query {k + 1}: answer ids {answer.tolist()} do not occur in its needle's ids "
+                            f"(prefill [{s}, {e})): the needle states the answer {' ' + f['value']!r}")
+        out.append((" " + f["value"], answer))
+    for problem in _placement(meta, w, prefill, int(needle.size), p, drift):
+        ctx.fail(where, problem)
+    return out
 
 
 def _placement(meta: dict, w: dict, prefill, needle_size: int, p: dict, drift: str) -> list[str]:
@@ -363,7 +458,9 @@ def _placement(meta: dict, w: dict, prefill, needle_size: int, p: dict, drift: s
     start = meta.get("needle_start")
     if not isinstance(start, int) or isinstance(start, bool):
         return []  # the trial's own check has the FAIL line
-    spans = []  # the distractors' [start, end)
+    spans = []  # the distractors' [start, end), or the other asked needles' of multi_query
+    if w["task"] == "multi_query":
+        spans = [(q["start"], q["end"]) for q in meta["queries"][1:]]  # checked inside the prefill by _bind_queries
     if w["task"] == "multi_kv":
         dis = meta.get("distractors")
         if not isinstance(dis, list) or len(dis) != len(w["facts"]) - 1:
@@ -486,6 +583,14 @@ def check(row: dict, ctx) -> None:
     for key in ("task", "length", "depth", "trial", "seed"):
         ctx.equal(row, key, row.get(key), meta.get(key))
     answer, n = trial["answer"], trial["answer_tokens"]
+    query = row.get("query")
+    if "answers" in trial:  # multi_query: the row scores one of the trial's answers (query 1 on, asking order)
+        if not (isinstance(query, int) and not isinstance(query, bool) and 1 <= query <= len(trial["answers"])):
+            raise ValueError(f"query {query!r}: a multi_query row names its question, 1 to {len(trial['answers'])}")
+        answer = trial["answers"][query - 1]
+        n = int(answer.size)
+    elif "query" in row:
+        raise ValueError(f"query {query!r}: only a multi_query row names a question index")
     arrays = row.get("arrays") if isinstance(row.get("arrays"), dict) else {}
     if set(arrays) != {"logprob", "argmax", "generated"}:
         raise ValueError(f"arrays {sorted(arrays)}: a row stores exactly logprob, argmax and generated")
@@ -503,7 +608,8 @@ def check(row: dict, ctx) -> None:
     ctx.equal(row, "tf_em", row.get("tf_em"), int(tf_hits == n))
     ctx.equal(row, "greedy_tokens_correct", row.get("greedy_tokens_correct"), greedy_hits)
     ctx.equal(row, "greedy_em", row.get("greedy_em"), int(greedy_hits == n))
-    _cross_checks(row, ctx, lp, argmax, generated, answer)
+    if query is None or _earlier_answered(ctx, row, trial, query):
+        _cross_checks(row, ctx, lp, argmax, generated, answer)
     question = row.get("question", "after")
     if p["question"] == ["after"]:
         if "question" in row:
@@ -513,7 +619,7 @@ def check(row: dict, ctx) -> None:
         ctx.fail(row, f"question {row.get('question')!r} is not one of the protocol's placements {p['question']}")
     if kind == "policy":
         got = row.get("policy") if isinstance(row.get("policy"), dict) else {}
-        view = trial_view(p, meta["length"], trial["question_tokens"], n, question)
+        view = trial_view(p, meta["length"], trial["question_tokens"], trial["answer_tokens"], question)
         want = policy_of(arm, view)
         for key, val in want.items():
             if key.startswith("_"):  # the audit's own working values (a live segment's prefill), not a field
@@ -534,6 +640,22 @@ def check(row: dict, ctx) -> None:
             ctx.equal(row, f"peer.{key}", got.get(key), val)
     elif "policy" in row or "peer" in row:
         raise ValueError("the reference row carries a policy or peer config")
+
+
+def _earlier_answered(ctx, row: dict, trial: dict, query: int) -> bool:
+    """Whether the greedy pass read what teacher forcing read before multi_query's ``query``: every
+    earlier query's generated tokens are its answer (the greedy pass keeps the model's own answers
+    in the cache), so the cross-check of generated against argmax holds for this one."""
+    for r in ctx.results.get("rows", []):
+        if (isinstance(r, dict) and r.get("study") == row.get("study") and r.get("case") == row.get("case")
+                and r.get("arm") == row.get("arm") and isinstance(r.get("query"), int) and r["query"] < query):
+            k = r["query"]
+            if k < 1:
+                return False
+            gen = ctx.load((r.get("arrays") or {}).get("generated"))
+            if gen.shape != trial["answers"][k - 1].shape or not np.array_equal(gen, trial["answers"][k - 1]):
+                return False
+    return True
 
 
 def _trial_ids(value, name: str, problems: list[str]) -> np.ndarray | None:
@@ -585,6 +707,40 @@ RETRIEVAL_HEADERS = ["arm", "length", "trials", "TF exact match", "Wilson 95 %",
                      "mean answer log-prob", "McNemar p vs reference (b/c)"]
 
 
+def _order_tables(rows, p: dict) -> list:
+    """multi_query's blocks: a table of (arm, length) over trials, the teacher-forced exact match of
+    each question index (the asking order), of every question, the mean answer log-prob over trials
+    and questions, and the exact McNemar p of the last question's exact matches against the first's
+    on the same trials; then the paragraph that says what the task is."""
+    one = lambda v: f"{100 * v:.1f}"  # noqa: E731
+    n = p["needles"]
+    trs = []
+    for length in sorted({r["length"] for r in rows}):
+        for arm in arms_of(p):
+            cell: dict = {}
+            for r in rows:
+                if r["arm"] == arm and r["length"] == length:
+                    cell.setdefault(r["case"], {})[r["query"]] = r
+            if not cell:
+                continue
+            t = len(cell)
+            hit = {c: [q in qs and qs[q]["tf_em"] == 1 for q in range(1, n + 1)] for c, qs in cell.items()}
+            per_q = [sum(h[k] for h in hit.values()) for k in range(n)]
+            every = sum(all(h) for h in hit.values())
+            b = sum(1 for h in hit.values() if h[0] and not h[-1])
+            c_ = sum(1 for h in hit.values() if h[-1] and not h[0])
+            lps = [r["answer_logprob"] for qs in cell.values() for r in qs.values()]
+            trs.append([fmt.text(arm), fmt.text(length), fmt.text(t)]
+                       + [(fmt.Num(k / t, one, exact=True), " %") for k in per_q]
+                       + [(fmt.Num(every / t, one, exact=True), " %"), fmt.fixed(math.fsum(lps) / len(lps), 3),
+                          (fmt.Num(mcnemar_p(b, c_), fmt.p_text), f" ({b}/{c_})")])
+    headers = (["arm", "length", "trials"] + [f"question {k}" for k in range(1, n + 1)]
+               + [f"all {n}", "mean answer log-prob", f"McNemar p question {n} vs 1 (b/c)"])
+    return [fmt.P("task multi_query", "Task multi_query, teacher-forced exact match by question order:"),
+            fmt.T("retrieval multi_query by question order", headers, 2, trs),
+            fmt.P("multi_query note", f"multi_query: one prefill holds {n} needles and is compressed once")]
+
+
 def report_tables(rows, p: dict) -> list:
     """Per task (and question placement, where the study runs the question inside: one table each,
     headed "Task T, question Q the compressed prefill:") a table of (arm, length) over trials:
@@ -598,6 +754,9 @@ def report_tables(rows, p: dict) -> list:
     marked = p.get("question", ["after"]) != ["after"]
     placements = fmt.ordered(r.get("question", "after") for r in rows)
     for task, question in ((t, q) for t in fmt.ordered(r["task"] for r in rows) for q in placements):
+        if task == "multi_query":
+            out += _order_tables([r for r in rows if r["task"] == task], p)
+            continue
         trs = []
         sel = [r for r in rows if r["task"] == task and r.get("question", "after") == question]
         for arm in arms_of(p):
