@@ -292,3 +292,41 @@ def test_forged_per_question_results_fail_the_audit(run, tmp_path, what):
     ok, failures, _ = audit(dst)
     assert not ok
     assert any(expect in f for f in failures), failures[:6]
+
+
+@pytest.mark.capture
+@pytest.mark.slow
+def test_replay_refuses_a_multi_query_study_by_name(run):
+    """replay rebuilds a retrieval unit's question and answer as the ids after the prefill in one
+    piece; a multi_query trial's are interleaved, so replay says it does not support the task yet
+    rather than feed the wrong tokens."""
+    from testbed.replay import BadInput, plan_units
+
+    with pytest.raises(BadInput, match="multi_query is not supported yet"):
+        plan_units(run)
+
+
+def test_accuracy_by_question_order_counts_each_question_over_trials():
+    """The run side's table by question order and the audit's expected cells, on rows whose exact
+    matches are written here: 4 trials x 4 questions of one arm; per question 4, 3, 1, 0 found;
+    all four found in none; the last question against the first: b = 4 (first right, last
+    wrong), c = 0, exact McNemar p = 2 * 0.5**4 = 0.125."""
+    from testbed.audit_checks import report_format as fmt
+
+    hits = {"t0": [1, 1, 1, 0], "t1": [1, 1, 0, 0], "t2": [1, 1, 0, 0], "t3": [1, 0, 0, 0]}
+    rows = [{"task": "multi_query", "arm": "dynamic_cache", "length": 512, "case": c, "query": k + 1, "tf_em": h[k],
+             "greedy_em": h[k], "answer_logprob": -float(k)} for c, h in hits.items() for k in range(4)]
+    (e,) = retrieval_study.by_order(rows)
+    assert (e["trials"], e["correct"], e["all"]) == (4, [4, 3, 1, 0], 0)
+    assert (e["mcnemar"]["b"], e["mcnemar"]["c"]) == (4, 0) and e["mcnemar"]["p"] == pytest.approx(0.125)
+    assert e["mean_logprob"] == pytest.approx(-1.5)
+    p = {**audit_side.DEFAULTS, "tasks": ["multi_query"], "policies": [], "needles": 4, "depths": [0.5]}
+    blocks = audit_side._order_tables(rows, p)
+    (table,) = [b for b in blocks if b["kind"] == "table"]
+    tol = {"atol": 0.0, "rtol": 0.0}
+    (line,) = table["rows"]
+    assert [fmt.render(c, tol) for c in line] == [
+        "dynamic_cache", "512", "4", "100.0 %", "75.0 %", "25.0 %", "0.0 %", "0.0 %", "-1.500", "0.1250 (4/0)"]
+    text = retrieval_study.report(rows, {"needles": 4, "trials": 4, "depths": [0.5]})
+    line = next(ln for ln in text.splitlines() if ln.startswith("| dynamic_cache"))
+    assert [c.strip() for c in line.strip("|").split("|")] == [fmt.render(c, tol) for c in table["rows"][0]]
