@@ -126,12 +126,14 @@ def check_units(p: dict, units: list[dict], where: str) -> None:
 def estimate_bytes(p: dict) -> int:
     """Peak bytes: the float32 model, the prefill's activations, the shared prefill's K/V held
     beside two caches of the batch (the arm's and its greedy copy, each at most float32 K/V), and
-    the log-probabilities of the answer positions."""
+    the log-probabilities of the answer positions (a multi_query trial's questions and answers
+    counted at up to 64 tokens per needle)."""
     dims = MODELS[MODEL_ID]
-    b, n = p["batch"], max(p["lengths"]) + 64
+    tail = 64 * p["needles"] if "multi_query" in p["tasks"] else 64
+    b, n = p["batch"], max(p["lengths"]) + tail
     activations = b * max(p["lengths"]) * dims.get("intermediate", 4 * 576) * 4 * 4 + (256 << 20)
     cache = 3 * 2 * dims["layers"] * dims["kv_heads"] * n * dims["head_dim"] * 4 * b
-    logits = b * CHUNK * dims["vocab"] * 4 * 2
+    logits = b * max(CHUNK, tail) * dims["vocab"] * 4 * 2
     return dims["parameters"] * 4 + activations + cache + logits
 
 
