@@ -135,7 +135,7 @@ def _live_units(arrays: Containers, manifest: dict, cases: dict, proto: dict, ba
     p = proto["live"]
     views, tokens = [], {}
     for prefix, prefill in live.context_views(p):
-        ids = [live.case_id(prefix, i) for i in range(p["segments"])]
+        ids = [live.case_id(prefix, i) for i in live.segment_indices(p)]
         views.append((prefill, ids))
         for sid in ids:
             rec = cases.get(sid)

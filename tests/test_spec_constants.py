@@ -15,7 +15,7 @@ from testbed.audit_checks import common
 from testbed.quant import constants
 from tests._helpers import REPO
 
-NAMES = ("HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS", "E8M0_NAN")
+NAMES = ("HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS", "E8M0_NAN", "FP16_MAX")
 
 
 def _assigned(path: Path) -> set[str]:

@@ -17,6 +17,7 @@ HEADER_BYTES = 16   # testbed's payload header: (N tokens, D features) as two li
 MX_BLOCK_SIZE = 32  # OCP MX v1.0: elements sharing one scale in every concrete MX format (k = 32)
 E8M0_BIAS = 127     # OCP MX v1.0, E8M0 scale: code c is 2**(c - 127); unbiased exponents -127..127
 E8M0_NAN = 255      # OCP MX v1.0, E8M0 scale: the NaN code
+FP16_MAX = 65504.0  # IEEE 754 binary16: the largest finite magnitude (a scale, zero or outlier value)
 
 # The audit's tolerances, one per kind of number (docs/audit.md). They are the audit's: nothing a
 # run wrote (its protocol copies included) can loosen them; a protocol may only tighten "derived".
@@ -70,8 +71,9 @@ TOLERANCES = {
 __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention",
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
+           "encode_dense_sparse", "decode_dense_sparse", "label_dense_sparse",
            "payload_differences", "MAX_ROW_SCORES", "row_tiles", "HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS",
-           "E8M0_NAN", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label", "no_duplicate_keys",
+           "E8M0_NAN", "FP16_MAX", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label", "no_duplicate_keys",
            "strict_json"]
 
 
@@ -378,6 +380,79 @@ def label_mx(cfg: dict) -> str:
             + ("_hadamard" if cfg.get("rotation") else ""))
 
 
+def _ds_count(cfg: dict, n: int, d: int) -> int:
+    """Outliers of one ``[n, d]`` span: ``floor(outliers * n * d + 1/2)``."""
+    return int(np.floor(float(cfg["outliers"]) * n * d + 0.5))
+
+
+def _ds_dense_cfg(cfg: dict) -> dict:
+    return {"kind": "int_grouped", "bits": cfg["bits"], "group_size": cfg["group_size"], "axis": cfg["axis"]}
+
+
+def encode_dense_sparse(x: np.ndarray, cfg: dict) -> dict:
+    """The audit's dense-and-sparse encoder (KVQuant's outliers over KIVI groups): per leading index
+    the ``floor(p * N * D + 1/2)`` largest magnitudes (ties: lower flat index first) as float16 values
+    at ascending flat indices (uint16 up to 65,536 elements per span, else int32); every other element
+    by :func:`encode_int_grouped`, each outlier's slot first set to the smallest non-outlier of its
+    group (0 in a group of outliers only)."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise ValueError(f"the dense-and-sparse encoder's input must be float32, got {x.dtype}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("the dense-and-sparse encoder's input holds a non-finite value")
+    *lead, n, d = x.shape
+    flat = x.reshape(*lead, n * d)
+    k = _ds_count(cfg, n, d)
+    top = np.argsort(-np.abs(flat), axis=-1, kind="stable")[..., :k]
+    index = np.sort(top, axis=-1)
+    picked = np.take_along_axis(flat, index, axis=-1)
+    if np.any(np.abs(picked) > FP16_MAX):
+        raise ValueError("an outlier's magnitude exceeds float16")
+    mask = np.zeros(flat.shape, dtype=bool)
+    np.put_along_axis(mask, index, True, axis=-1)
+    mask = mask.reshape(x.shape)
+    g, axis = cfg["group_size"], cfg["axis"]
+    red = -2 if axis == "channel" else -1
+    xp, mp = _pad_edge(x, red, g), _pad_edge(mask, red, g)
+    if axis == "channel":
+        shape = (*lead, xp.shape[-2] // g, g, d)
+    else:
+        shape = (*lead, n, xp.shape[-1] // g, g)
+    xg, mg = xp.reshape(shape), mp.reshape(shape)
+    low = np.where(mg, np.float32(np.inf), xg).min(axis=red, keepdims=True)
+    low = np.where(np.isinf(low), np.float32(0.0), low)
+    filled = np.where(mg, low, xg).reshape(xp.shape)
+    filled = filled[..., :n, :] if axis == "channel" else filled[..., :d]
+    out = encode_int_grouped(np.ascontiguousarray(filled, dtype=np.float32), _ds_dense_cfg(cfg))
+    out["outlier_values"] = picked.astype(np.float16)
+    out["outlier_index"] = index.astype(np.uint16 if n * d <= 65536 else np.int32)
+    return out
+
+
+def decode_dense_sparse(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
+    """The dense part decoded as grouped integers, then each float16 outlier written over its slot."""
+    *lead, n, d = shape
+    values, index = arrays["outlier_values"], arrays["outlier_index"]
+    k = _ds_count(cfg, n, d)
+    want = np.uint16 if n * d <= 65536 else np.int32
+    if values.dtype != np.float16 or values.shape != (*lead, k):
+        raise ValueError(f"outlier_values must be float16 {[*lead, k]}, got {values.dtype} {list(values.shape)}")
+    if index.dtype != want or index.shape != (*lead, k):
+        raise ValueError(f"outlier_index must be {np.dtype(want).name} {[*lead, k]}, got {index.dtype} "
+                         f"{list(index.shape)}")
+    idx = index.astype(np.int64)
+    if k and (idx.min() < 0 or idx.max() >= n * d or np.any(np.diff(idx, axis=-1) <= 0)):
+        raise ValueError("outlier indices must be ascending, distinct and inside the span")
+    x = decode_int_grouped(arrays, _ds_dense_cfg(cfg), shape).reshape(*lead, n * d).copy()
+    np.put_along_axis(x, idx, values.astype(np.float32), axis=-1)
+    return x.reshape(shape)
+
+
+def label_dense_sparse(cfg: dict) -> str:
+    """Bits, group size and the outlier fraction in units of 0.01 %."""
+    return f"int{cfg.get('bits')}_grouped_g{cfg.get('group_size')}_ds{float(cfg.get('outliers')) * 1e4:g}"
+
+
 class Scheme(NamedTuple):
     """What the audit knows of one quantizer kind, each written from the kind's documented definition:
     ``decode(arrays, cfg, shape) -> x_hat``; ``encode(x, cfg) -> arrays`` (header included), compared
@@ -394,6 +469,7 @@ class Scheme(NamedTuple):
 SCHEMES: dict[str, Scheme] = {
     "int_grouped": Scheme(decode_int_grouped, encode_int_grouped, label_int_grouped),
     "mx": Scheme(decode_mx, encode_mx_payload, label_mx),
+    "int_dense_sparse": Scheme(decode_dense_sparse, encode_dense_sparse, label_dense_sparse),
 }
 
 

@@ -1074,14 +1074,20 @@ def views(live: dict) -> list[tuple[str, dict]]:
     return [(f"c{n}", {**live, "prefill": int(n) - live["steps"]}) for n in contexts]
 
 
-def segment_ids(prefix: str, segments: int) -> list[str]:
-    return [f"{prefix}-seg{i:03d}" if prefix else f"seg{i:03d}" for i in range(segments)]
+def segment_indices(live: dict) -> list[int]:
+    """The segments a run of the protocol decodes: ``segment_range`` [first, stop] of them, else all."""
+    first, stop = live.get("segment_range") or (0, live["segments"])
+    return list(range(first, stop))
+
+
+def segment_ids(prefix: str, live: dict) -> list[str]:
+    return [f"{prefix}-seg{i:03d}" if prefix else f"seg{i:03d}" for i in segment_indices(live)]
 
 
 def view_of(live: dict, case) -> dict:
     """The protocol as the one context that case ``case`` belongs to."""
     for prefix, v in views(live):
-        if case in segment_ids(prefix, live["segments"]):
+        if case in segment_ids(prefix, live):
             return v
     raise ValueError(f"case {case!r} is not a segment the protocol implies")
 
@@ -1331,11 +1337,12 @@ def check_study(ctx, study: str, live: dict) -> bool:
     arms = ["dynamic_cache"] + policy_names(live) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
     where = f"results.json {study}"
     cases = ctx.results.get("cases", {}).get(study, {})
-    every = [sid for prefix, _ in views(live) for sid in segment_ids(prefix, live["segments"])]
+    every = [sid for prefix, _ in views(live) for sid in segment_ids(prefix, live)]
     if sorted(cases) != sorted(every):
         ctx.fail(where, f"segments {sorted(cases)[:4]}... are not the protocol's {len(every)} ({every[0]}..)")
     for prefix, v in views(live):
-        _check_segments(ctx, where, cases, segment_ids(prefix, live["segments"]), v["prefill"] + live["steps"] + 1)
+        _check_segments(ctx, where, cases, segment_ids(prefix, live), segment_indices(live),
+                        v["prefill"] + live["steps"] + 1)
     check_grid(ctx, study, where, every, arms, "segment")
     return True
 
@@ -1358,9 +1365,9 @@ def check_grid(ctx, study: str, where: str, cases, arms, unit: str) -> None:
             ctx.fail(where, f"{unit} {key[0]} arm {key[1]} has {count} rows")
 
 
-def _check_segments(ctx, where: str, cases: dict, segs: list, length: int) -> None:
-    """The segments of one context: token ids of ``length`` tokens matching their hash, disjoint,
-    evenly spaced."""
+def _check_segments(ctx, where: str, cases: dict, segs: list, index: list, length: int) -> None:
+    """The segments of one context (``index``: their places among the protocol's segments): token
+    ids of ``length`` tokens matching their hash, disjoint, evenly spaced."""
     starts = []
     for sid in segs:
         rec = cases.get(sid, {})
@@ -1377,8 +1384,11 @@ def _check_segments(ctx, where: str, cases: dict, segs: list, length: int) -> No
             ctx.fail(f"{where} {sid}", "token_ids do not match their recorded sha256")
         starts.append(meta.get("start_token"))
     if len(starts) == len(segs) and all(isinstance(x, int) for x in starts):
-        stride = starts[1] if len(starts) > 1 else length
-        if starts != [i * stride for i in range(len(segs))] or stride < length:
+        if len(starts) > 1:
+            stride = (starts[1] - starts[0]) // (index[1] - index[0])
+        else:
+            stride = starts[0] // index[0] if index[0] else length
+        if starts != [i * stride for i in index] or stride < length:
             ctx.fail(where, f"segment starts {starts[:4]}... are not disjoint, evenly spaced windows of {length} tokens")
 
 
@@ -1466,7 +1476,7 @@ def check(row: dict, ctx) -> None:
                 i = int(np.argmax(kl))
                 ctx.fail(row, f"the float32 cache bound: kl[{i}] = {float(kl[i]):.6g} > {same:g}, though a float32 "
                               "cache holds the reference's own K/V (its KL is zero up to float32 rounding)")
-    first = segment_ids(row.get("case", "").rpartition("-")[0] if "-" in str(row.get("case")) else "", 1)[0]
+    first = segment_ids(row.get("case", "").rpartition("-")[0] if "-" in str(row.get("case")) else "", live)[0]
     if "evidence_layer" in live and live["evidence_layer"] is None:  # the protocol stores none
         if row.get("evidence") is not None:
             ctx.fail(row, "evidence arrays, though the protocol's evidence_layer is null")

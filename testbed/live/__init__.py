@@ -45,12 +45,13 @@ from .prefill import (OraclePasses, SharedPrefill, mass_candidates, measures_con
                       oracle_schedule, scored_needs, shared_prefill)
 from .run import batch_note, batch_units, cost_kind, plan, run_unit
 from .spec import (CORPUS, PEER, REFERENCE, SPEC, arms_of, case_id, check_model, context_views, estimate_bytes,
-                   peer_name, policies_of, validate)
+                   peer_name, policies_of, segment_indices, validate)
 from .summary import EQUAL_BYTES_NOTE, MIN_CI_SEGMENTS, bootstrap, comparator, equal_bytes, report, summarize
 
 __all__ = ["validate", "plan", "batch_units", "run_unit", "report", "policies_of", "scored_needs", "corpus_text",
            "segment_starts", "chunk_schedule", "quanto_bytes", "REFERENCE", "comparator", "equal_bytes",
-           "SPEC", "PEER", "CORPUS", "PRESETS", "check_model", "context_views", "case_id", "estimate_bytes", "peer_name",
+           "SPEC", "PEER", "CORPUS", "PRESETS", "check_model", "context_views", "case_id", "segment_indices", "estimate_bytes",
+           "peer_name",
            "arms_of", "forward", "run_arm", "dynamic_bytes", "warm_quanto", "SharedPrefill", "shared_prefill",
            "OraclePasses", "oracle_schedule", "oracle_passes", "mass_candidates", "measures_concentration",
            "cost_kind", "batch_note", "MIN_CI_SEGMENTS", "bootstrap", "summarize", "EQUAL_BYTES_NOTE"]

@@ -21,7 +21,7 @@ from .corpus import corpus_text, segment_starts
 from .decode import chunk_schedule, run_arm
 from .peers import dynamic_bytes, quanto_bytes, warm_quanto
 from .prefill import mass_candidates, measures_concentration, oracle_passes, scored_needs, shared_prefill
-from .spec import REFERENCE, arms_of, case_id, check_model, context_views, policies_of
+from .spec import REFERENCE, arms_of, case_id, check_model, context_views, policies_of, segment_indices
 
 
 def _summary(lp: np.ndarray, kl: np.ndarray, agree: np.ndarray) -> dict:
@@ -71,10 +71,13 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
         length = prefill + p["steps"] + 1
         starts = segment_starts(int(stream.numel()), p["segments"], length)
         progress(f"[{study}] corpus: {corpus_info['characters']:,} characters, {stream.numel():,} tokens "
-                 f"({time.perf_counter() - t0:.1f} s); {len(starts)} segments of {length} tokens")
-        seg_ids = [case_id(prefix, i) for i in range(len(starts))]
+                 f"({time.perf_counter() - t0:.1f} s); {len(starts)} segments of {length} tokens"
+                 + ("" if p["segment_range"] is None else f", this run segments {p['segment_range'][0]}.."
+                                                          f"{p['segment_range'][1] - 1}"))
+        picked = segment_indices(p)
+        seg_ids = [case_id(prefix, i) for i in picked]
         views.append((prefill, seg_ids))
-        for sid, s in zip(seg_ids, starts):
+        for sid, s in zip(seg_ids, [starts[i] for i in picked]):
             tok = stream[s:s + length].to(torch.int64)
             seg_tokens[sid] = tok.tolist()
             seg_starts[sid] = int(s)

@@ -35,6 +35,9 @@ SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-
                       "weights, loaded in float32)"),
     "corpus": Key(dict, "the corpus", see=CORPUS),
     "segments": Key(("range", int, 1, 4096), "disjoint segments, evenly spaced over the token stream"),
+    "segment_range": Key((list, type(None)), "[first, stop]: run only segments first..stop-1 of the segments "
+                                             "(their positions and ids unchanged), to split one study over several "
+                                             "runs of the same protocol otherwise; null: all", None),
     "prefill": Key((int, type(None)), "prefill tokens per segment (1..8190); null with contexts", None),
     "contexts": Key((list, type(None)), "several contexts in one study instead of one prefill: each a segment's "
                                         "tokens, prefill + steps (steps+1..8191), ascending; segments of one "
@@ -64,6 +67,7 @@ SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-
                                 "runs its own prefill", True),
 }, rules=("exactly one of prefill and contexts is given", "prefill + steps + 1 <= 8192 (the model's positions)",
           "evidence_layer is below the model's layer count",
+          "segment_range is [first, stop] with 0 <= first < stop <= segments",
           "every policy can be built with window, group, sink and evict_window"))
 
 
@@ -81,6 +85,12 @@ def validate(params, where: str) -> dict:
     p["corpus"] = corpus
     for i, peer in enumerate(p["peers"]):
         PEER.check(peer, f"{where}.peers[{i}]")
+    if p["segment_range"] is not None:
+        check_value(p["segment_range"], ("list", ("range", int, 0, 4096), 2), f"{where}.segment_range")
+        first, stop = (p["segment_range"] + [-1, -1])[:2]
+        if len(p["segment_range"]) != 2 or not 0 <= first < stop <= p["segments"]:
+            raise ProtocolError(f"{where}.segment_range: give [first, stop] with 0 <= first < stop <= segments "
+                                f"({p['segments']}), got {p['segment_range']}")
     if (p["prefill"] is None) == (p["contexts"] is None):
         raise ProtocolError(f"{where}: give exactly one of prefill (one context) and contexts (several)")
     if p["prefill"] is not None:
@@ -151,6 +161,12 @@ def case_id(prefix: str, i: int) -> str:
     return f"{prefix}-seg{i:03d}" if prefix else f"seg{i:03d}"
 
 
+def segment_indices(p: dict) -> range:
+    """The indices of the segments this run decodes: ``segment_range``'s, else all of them."""
+    first, stop = p.get("segment_range") or (0, p["segments"])
+    return range(first, stop)
+
+
 def policies_of(p: dict, where: str = "policies") -> list[Policy]:
     """The study's policies: presets at the protocol's R, G, W and S, or declared by their fields; a
     declared budget's kept count derived at the end of a segment of this context (``prefill``; with
@@ -186,7 +202,7 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     (:func:`testbed.sources.capture.estimate_dims`)."""
     dims = estimate_dims(p["model"], base)
     vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
-    b = min(p["batch"], p["segments"])
+    b = min(p["batch"], len(segment_indices(p)))
     prefill = max(pre for _, pre in context_views(p))
     n = prefill + p["steps"] + 1
     ref = b * p["steps"] * vocab * 4 * 2

@@ -5,6 +5,7 @@ property-based test matrix in ``tests/quant/``.
 """
 
 from .base import Packed, Quantizer, from_config, get, kinds, names, register, register_kind
+from .densesparse import DenseSparse
 from .intgrouped import Int2Grouped, Int3Grouped, Int4Grouped, Int8Grouped, IntGrouped
 from .mx import MX, MXFP4, MXFP8
 from .residual import ResidualWindow
@@ -13,5 +14,5 @@ from .rotation import SignedHadamard
 __all__ = [
     "Packed", "Quantizer", "from_config", "get", "kinds", "names", "register", "register_kind",
     "IntGrouped", "Int2Grouped", "Int3Grouped", "Int4Grouped", "Int8Grouped", "ResidualWindow",
-    "MX", "MXFP8", "MXFP4", "SignedHadamard",
+    "MX", "MXFP8", "MXFP4", "SignedHadamard", "DenseSparse",
 ]

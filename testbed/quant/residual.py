@@ -23,8 +23,9 @@ from .base import Packed, Quantizer, check_input, from_config, make_header
 __all__ = ["ResidualWindow"]
 
 # the order of a payload's arrays (as the original implementation wrote them)
-_ORDER = ["sink.k", "sink.v", "key.codes", "key.scale", "key.zero", "key.scales", "value.codes", "value.scale",
-          "value.zero", "value.scales", "recent.k", "recent.v"]
+_ORDER = ["sink.k", "sink.v", "key.codes", "key.scale", "key.zero", "key.scales", "key.outlier_values",
+          "key.outlier_index", "value.codes", "value.scale", "value.zero", "value.scales", "value.outlier_values",
+          "value.outlier_index", "recent.k", "recent.v"]
 
 
 @dataclass(frozen=True)

@@ -122,11 +122,65 @@ def bound_mx(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     return bound.reshape(xp.shape)[..., :d]
 
 
-NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped, "mx": nbytes_mx}
-ERROR_BOUND = {"int_grouped": bound_int_grouped, "mx": bound_mx}
+def _ds_outliers(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The dense-and-sparse outlier mask of ``x``: per leading index the ``floor(p * N * D + 1/2)``
+    largest magnitudes, ties to the lower flat index (ranked here by a key that sorts both at once)."""
+    *lead, n, d = x.shape
+    k = math.floor(cfg["outliers"] * n * d + 0.5)
+    flat = x.reshape(*lead, n * d).to(torch.float64).abs()
+    # rank by magnitude, then by flat index: every magnitude is distinct from the next key's
+    order = np.lexsort((np.arange(n * d) * np.ones(flat.shape), -flat.numpy()), axis=-1)
+    mask = np.zeros(flat.shape, dtype=bool)
+    np.put_along_axis(mask, order[..., :k], True, axis=-1)
+    return torch.from_numpy(mask).reshape(x.shape)
+
+
+def _ds_filled(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """``x`` with each outlier slot set to the smallest non-outlier of its group (0 if none), as documented."""
+    mask = _ds_outliers(x, cfg)
+    xt, mt = (x.transpose(-1, -2), mask.transpose(-1, -2)) if cfg["axis"] == "channel" else (x, mask)
+    n, g = xt.shape[-1], cfg["group_size"]
+    out = xt.clone()
+    for a in range(0, n, g):
+        grp, m = xt[..., a:a + g], mt[..., a:a + g]
+        # the edge padding repeats the last member, which changes no minimum
+        low = torch.where(m, torch.full_like(grp, math.inf), grp).amin(-1, keepdim=True)
+        low = torch.where(torch.isinf(low), torch.zeros_like(low), low)
+        out[..., a:a + g] = torch.where(m, low.expand_as(grp), grp)
+    return out.transpose(-1, -2) if cfg["axis"] == "channel" else out
+
+
+def nbytes_dense_sparse(cfg: dict, shape: tuple) -> int:
+    """The grouped-integer payload of the whole span, plus per leading index ``floor(p * N * D + 1/2)``
+    outliers of a float16 value and a uint16 index each (int32 above 65,536 elements per span)."""
+    *lead, n, d = shape
+    k = math.floor(cfg["outliers"] * n * d + 0.5)
+    return nbytes_int_grouped(cfg, shape) + math.prod(lead) * k * (2 + (2 if n * d <= 65536 else 4))
+
+
+def bound_dense_sparse(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """An outlier is off by its float16 rounding (half an ulp: ``2**-11 |x|``, ``2**-25`` among
+    subnormals); every other element by the grouped-integer bound of its group's non-outlier range."""
+    dense = bound_int_grouped(_ds_filled(x, cfg), cfg)
+    sparse = 2.0 ** -11 * x.to(torch.float64).abs() + 2.0 ** -25
+    return torch.where(_ds_outliers(x, cfg), sparse, dense)
+
+
+def dense_sparse_stable(x: torch.Tensor, cfg: dict) -> bool:
+    """Idempotence precondition: the decoded tensor has the same outliers (a near tie between the
+    last outlier and the first ordinary value can swap them) and the grid of its dense part holds."""
+    q = quant.from_config(cfg)
+    x1 = q.dequantize(q.quantize(x))
+    return bool(torch.equal(_ds_outliers(x1, cfg), _ds_outliers(x, cfg))) and int_grouped_grid_holds(
+        _ds_filled(x, cfg), cfg)
+
+
+NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped, "mx": nbytes_mx, "int_dense_sparse": nbytes_dense_sparse}
+ERROR_BOUND = {"int_grouped": bound_int_grouped, "mx": bound_mx, "int_dense_sparse": bound_dense_sparse}
 # MX is idempotent everywhere: a decoded block keeps its scale (its amax rounds into [2**emax, max] X,
 # or the scale was already clamped to 2**-127, where a smaller amax clamps to it again).
-IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds, "mx": lambda x, cfg: True}
+IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds, "mx": lambda x, cfg: True,
+                   "int_dense_sparse": dense_sparse_stable}
 _TABLES = {"bytes": ("NBYTES_FORMULA", NBYTES_FORMULA), "bound": ("ERROR_BOUND", ERROR_BOUND)}
 
 
