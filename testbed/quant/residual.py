@@ -23,9 +23,6 @@ from .base import Packed, Quantizer, check_input, from_config, make_header
 __all__ = ["ResidualWindow"]
 
 # the order of a payload's arrays (as the original implementation wrote them)
-_ORDER = ["sink.k", "sink.v", "key.codes", "key.scale", "key.zero", "key.scales", "key.outlier_values",
-          "key.outlier_index", "value.codes", "value.scale", "value.zero", "value.scales", "value.outlier_values",
-          "value.outlier_index", "recent.k", "recent.v"]
 
 
 @dataclass(frozen=True)
@@ -78,23 +75,26 @@ class ResidualWindow:
     def _pack(self, k: torch.Tensor, v: torch.Tensor) -> Packed:
         n, d = k.shape[-2], k.shape[-1]
         start, stop = self.spans(n)
-        tensors: dict[str, torch.Tensor] = {}
+        spans: dict[str, torch.Tensor] = {}
         windows = []
         if start > 0:
             windows += [("sink.k", k[..., :start, :]), ("sink.v", v[..., :start, :])]
         if stop > start:
             pk = self.key.quantize(k[..., start:stop, :], name="k")
             pv = self.value.quantize(v[..., start:stop, :], name="v")
-            tensors.update({f"key.{a}": t for a, t in pk.tensors.items() if a != "header"})
-            tensors.update({f"value.{a}": t for a, t in pv.tensors.items() if a != "header"})
+            spans.update({f"key.{a}": t for a, t in pk.tensors.items() if a != "header"})
+            spans.update({f"value.{a}": t for a, t in pv.tensors.items() if a != "header"})
         if stop < n:
             windows += [("recent.k", k[..., stop:, :]), ("recent.v", v[..., stop:, :])]
+        checked = {}
         for name, w in windows:  # the float32 windows: small, checked here (the spans by their quantizers)
             w = w.detach().to(torch.float32).contiguous()
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{name}: non-finite value in the float32 window")
-            tensors[name] = w
-        tensors = {name: tensors[name] for name in sorted(tensors, key=_ORDER.index)}
+            checked[name] = w
+        # the order of the arrays: sink, the key's and the value's arrays in their quantizer's order, recent
+        tensors = {**{a: checked[a] for a in ("sink.k", "sink.v") if a in checked}, **spans,
+                   **{a: checked[a] for a in ("recent.k", "recent.v") if a in checked}}
         tensors["header"] = make_header(n, d, k.device)
         cfg = self.config()
         cfg["quantized_span"] = [start, stop]
