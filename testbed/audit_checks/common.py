@@ -6,7 +6,9 @@ second implementation that must agree with the first.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -71,7 +73,8 @@ TOLERANCES = {
 __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "decode_residual_window", "softmax_attention",
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
-           "encode_dense_sparse", "decode_dense_sparse", "label_dense_sparse",
+           "encode_dense_sparse", "decode_dense_sparse", "label_dense_sparse", "hadamard_signs", "hadamard_rotate",
+           "hadamard_block",
            "payload_differences", "MAX_ROW_SCORES", "row_tiles", "HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS",
            "E8M0_NAN", "FP16_MAX", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label", "no_duplicate_keys",
            "strict_json"]
@@ -389,6 +392,42 @@ def _ds_dense_cfg(cfg: dict) -> dict:
     return {"kind": "int_grouped", "bits": cfg["bits"], "group_size": cfg["group_size"], "axis": cfg["axis"]}
 
 
+def hadamard_signs(d: int, seed: int) -> np.ndarray:
+    """The dense-and-sparse rotation's ``d`` signs (float64 ±1), by the audit: bit ``i`` (least
+    significant first within each byte) of ``SHA-256(b"testbed.hadamard:<seed>:<k>")``, ``k = 0, 1,
+    ..`` concatenated; a 1 bit is -1."""
+    stream = b"".join(hashlib.sha256(f"testbed.hadamard:{int(seed)}:{k}".encode()).digest()
+                      for k in range(-(-d // 256)))
+    bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8), bitorder="little")[:d]
+    return 1.0 - 2.0 * bits.astype(np.float64)
+
+
+def _walsh_hadamard(y: np.ndarray, n: int) -> np.ndarray:
+    """Each block of ``n`` along the last axis through the butterfly: at distance h = 1, 2, .., n/2,
+    a pair (a, b) becomes (a + b, a - b), in float64 (unscaled)."""
+    lead, d = y.shape[:-1], y.shape[-1]
+    h = 1
+    while h < n:
+        z = y.reshape(*lead, d // (2 * h), 2, h)
+        y = np.stack([z[..., 0, :] + z[..., 1, :], z[..., 0, :] - z[..., 1, :]], axis=-2).reshape(*lead, d)
+        h *= 2
+    return y
+
+
+def hadamard_block(d: int) -> int:
+    """The largest power of two dividing ``d``, at most 128."""
+    return min(d & -d, 128)
+
+
+def hadamard_rotate(x: np.ndarray, seed: int, inverse: bool = False) -> np.ndarray:
+    """``x R`` (or ``x R^T``) along the last axis, ``R = diag(s) blockdiag(H_n) / sqrt(n)``; float32 out."""
+    d = x.shape[-1]
+    n, s = hadamard_block(d), hadamard_signs(d, seed)
+    if inverse:
+        return ((_walsh_hadamard(x.astype(np.float64), n) * (1.0 / math.sqrt(n))) * s).astype(np.float32)
+    return (_walsh_hadamard(x.astype(np.float64) * s, n) * (1.0 / math.sqrt(n))).astype(np.float32)
+
+
 def encode_dense_sparse(x: np.ndarray, cfg: dict) -> dict:
     """The audit's dense-and-sparse encoder (KVQuant's outliers over KIVI groups): per leading index
     the ``floor(p * N * D + 1/2)`` largest magnitudes (ties: lower flat index first) as float16 values
@@ -400,6 +439,8 @@ def encode_dense_sparse(x: np.ndarray, cfg: dict) -> dict:
         raise ValueError(f"the dense-and-sparse encoder's input must be float32, got {x.dtype}")
     if not np.all(np.isfinite(x)):
         raise ValueError("the dense-and-sparse encoder's input holds a non-finite value")
+    if cfg.get("rotation"):
+        x = hadamard_rotate(x, cfg.get("seed", 0))
     *lead, n, d = x.shape
     flat = x.reshape(*lead, n * d)
     k = _ds_count(cfg, n, d)
@@ -445,12 +486,14 @@ def decode_dense_sparse(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
         raise ValueError("outlier indices must be ascending, distinct and inside the span")
     x = decode_int_grouped(arrays, _ds_dense_cfg(cfg), shape).reshape(*lead, n * d).copy()
     np.put_along_axis(x, idx, values.astype(np.float32), axis=-1)
-    return x.reshape(shape)
+    x = x.reshape(shape)
+    return hadamard_rotate(x, cfg.get("seed", 0), inverse=True) if cfg.get("rotation") else x
 
 
 def label_dense_sparse(cfg: dict) -> str:
     """Bits, group size and the outlier fraction in units of 0.01 %."""
-    return f"int{cfg.get('bits')}_grouped_g{cfg.get('group_size')}_ds{float(cfg.get('outliers')) * 1e4:g}"
+    return (f"int{cfg.get('bits')}_grouped_g{cfg.get('group_size')}_ds{float(cfg.get('outliers')) * 1e4:g}"
+            + ("_hadamard" if cfg.get("rotation") else ""))
 
 
 class Scheme(NamedTuple):

@@ -16,6 +16,17 @@ leading index (one head's ``[N, D]`` span, as one payload is quantized):
   The dense payload's arrays are stored as ``IntGrouped`` stores them (``codes``, ``scale``,
   ``zero``, ``header``).
 
+With ``rotation = "hadamard"`` (QuaRot's idea, KVQuant's pre-processing left aside), each row's
+last axis is first rotated by ``R = diag(s) · blockdiag(H_n) / sqrt(n)`` (:func:`rotate`): ``n``
+the largest power of two dividing ``D``, at most 128 (``D = 64``: one block of 64; ``D = 33``:
+blocks of 1, no rotation); ``H_n`` applied as the fast Walsh-Hadamard butterfly in float64 (stage
+``h = 1, 2, .., n/2``: each pair ``(a, b)`` at distance ``h`` becomes ``(a + b, a - b)``), then
+multiplied by ``1 / sqrt(n)`` and rounded once to float32; ``s`` a sign per channel drawn from
+SHA-256 (:func:`rotation_signs`), so the audit re-derives them without torch. Outliers, groups and
+codes are all taken in the rotated domain; decoding rotates back (``R^T``: the butterfly, the
+scale, then the signs) and rounds once to float32. The seed is the whole of the rotation's
+metadata: no array is stored for it.
+
 Decoding decodes the dense part (float32) and writes each outlier's float16 value back over its
 slot. Every byte is counted in ``nbytes``: the dense payload, 2 bytes per outlier value and 2 or 4
 per index. At ``N = 128`` tokens of ``D = 64`` (one flush of a 128-token window) 1 % of outliers
@@ -24,6 +35,7 @@ cost 82 × 4 bytes, 0.32 bits per element on top of the dense part's bits.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -34,7 +46,11 @@ from .base import Packed, Quantizer, check_input, register, register_kind
 from .constants import FP16_MAX, KIVI_GROUP_SIZE
 from .intgrouped import IntGrouped
 
-__all__ = ["DenseSparse", "outlier_count", "index_dtype", "UINT16_SPAN"]
+__all__ = ["DenseSparse", "outlier_count", "index_dtype", "UINT16_SPAN", "ROTATIONS", "rotation_signs", "block_of",
+           "rotate", "unrotate"]
+
+ROTATIONS = (None, "hadamard")
+MAX_BLOCK = 128
 
 UINT16_SPAN = 1 << 16  # flat indices of a span up to this many elements fit uint16
 _DENSE = ("codes", "scale", "zero", "header")
@@ -48,6 +64,50 @@ def outlier_count(fraction: float, n: int, d: int) -> int:
 def index_dtype(n: int, d: int) -> torch.dtype:
     """uint16 when every flat index of an ``[n, d]`` span fits it, else int32."""
     return torch.uint16 if n * d <= UINT16_SPAN else torch.int32
+
+
+def rotation_signs(d: int, seed: int) -> torch.Tensor:
+    """``d`` signs (float64, ±1): bit ``i`` (least significant first within each byte) of the stream
+    ``SHA-256(b"testbed.hadamard:<seed>:<k>")`` for ``k = 0, 1, ..`` concatenated; a 1 bit is -1."""
+    stream = b""
+    k = 0
+    while len(stream) * 8 < d:
+        stream += hashlib.sha256(f"testbed.hadamard:{int(seed)}:{k}".encode()).digest()
+        k += 1
+    bits = [(stream[i // 8] >> (i % 8)) & 1 for i in range(d)]
+    return torch.tensor([1.0 - 2.0 * b for b in bits], dtype=torch.float64)
+
+
+def block_of(d: int) -> int:
+    """The Hadamard block: the largest power of two dividing ``d``, at most 128."""
+    return min(d & -d, MAX_BLOCK)
+
+
+def _butterfly(y: torch.Tensor, n: int) -> torch.Tensor:
+    """The Walsh-Hadamard transform of each block of ``n`` along the last axis (float64, unscaled)."""
+    lead, d = y.shape[:-1], y.shape[-1]
+    h = 1
+    while h < n:
+        z = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = z[..., 0, :], z[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d)
+        h *= 2
+    return y
+
+
+def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x R`` along the last axis, float64 inside, float32 out."""
+    d = x.shape[-1]
+    n = block_of(d)
+    y = _butterfly(x.to(torch.float64) * rotation_signs(d, seed), n) * (1.0 / math.sqrt(n))
+    return y.to(torch.float32)
+
+
+def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
+    """``y R^T`` along the last axis (``H`` is symmetric): the butterfly, the scale, then the signs."""
+    d = y.shape[-1]
+    n = block_of(d)
+    return ((_butterfly(y.to(torch.float64), n) * (1.0 / math.sqrt(n))) * rotation_signs(d, seed)).to(torch.float32)
 
 
 def _fill_outliers(x: torch.Tensor, mask: torch.Tensor, group: int, axis: str) -> torch.Tensor:
@@ -83,12 +143,18 @@ class DenseSparse(Quantizer):
     group_size: int = KIVI_GROUP_SIZE
     axis: str = "channel"
     outliers: float = 0.01
+    rotation: str | None = None
+    seed: int = 0
 
     def __post_init__(self):
         IntGrouped(self.bits, self.group_size, self.axis)  # the dense part's rules and errors
         p = self.outliers
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 0.25:
             raise ValueError(f"outliers must be a fraction of the elements in [0, 0.25], got {p!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be None or 'hadamard', got {self.rotation!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
 
     @property
     def dense(self) -> IntGrouped:
@@ -101,17 +167,21 @@ class DenseSparse(Quantizer):
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}_ds{self.permyriad}_{self.axis}_g{self.group_size}"
+        return (f"int{self.bits}_ds{self.permyriad}" + ("_hadamard" if self.rotation else "")
+                + f"_{self.axis}_g{self.group_size}")
 
     @property
     def label(self) -> str:
-        """Bits, group size and the outlier fraction (in 0.01 %); the axis is the layout's."""
-        return f"int{self.bits}_grouped_g{self.group_size}_ds{self.permyriad}"
+        """Bits, group size, the outlier fraction (in 0.01 %) and ``_hadamard`` with the rotation; the
+        axis is the layout's."""
+        return f"int{self.bits}_grouped_g{self.group_size}_ds{self.permyriad}" + ("_hadamard" if self.rotation else "")
 
     def quantize_reference(self, x: torch.Tensor, *, name: str = "x") -> Packed:
         check_input(x, name)
         *lead, n, d = x.shape
         xf = x.detach().to(torch.float32)
+        if self.rotation:
+            xf = rotate(xf, self.seed)
         flat = xf.reshape(*lead, n * d)
         k = outlier_count(self.outliers, n, d)
         # stable sort of -|x|: equal magnitudes keep their flat order, so the lower index wins a tie
@@ -134,10 +204,15 @@ class DenseSparse(Quantizer):
         y = self.dense.dequantize(dense).to(torch.float32).reshape(*lead, n * d).clone()
         index = p.tensors["outlier_index"].to(torch.int64)
         y.scatter_(-1, index, p.tensors["outlier_values"].to(torch.float32))
-        return y.reshape(p.shape).to(p.dtype)
+        y = y.reshape(p.shape)
+        if self.rotation:
+            y = unrotate(y, self.seed)
+        return y.to(p.dtype)
 
 
 register_kind("int_dense_sparse", DenseSparse)
 for _bits in (2, 3):
     for _axis in ("channel", "token"):
         register(f"int{_bits}_ds100_{_axis}_g32", (lambda b=_bits, a=_axis: DenseSparse(b, 32, a, 0.01)))
+    register(f"int{_bits}_ds0_hadamard_channel_g32", (lambda b=_bits: DenseSparse(b, 32, "channel", 0.0, "hadamard")))
+    register(f"int{_bits}_ds100_hadamard_token_g32", (lambda b=_bits: DenseSparse(b, 32, "token", 0.01, "hadamard")))

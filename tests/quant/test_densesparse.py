@@ -94,3 +94,45 @@ def test_the_audit_refuses_a_malformed_sparse_part():
     want = common.encode_tensor(x.numpy(), cfg)
     assert common.payload_differences({**arrays, "outlier_values": forged}, want) != []
     assert common.payload_differences(arrays, want) == []
+
+
+def test_the_rotation_spreads_an_outlier_channel_over_per_token_groups():
+    """Values quantized per token with one channel 30x the others: a per-token group's range is set by
+    that channel, so plain int3 loses the rest; the rotation spreads it over the 64 channels first."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 96, 64, generator=g)
+    x[..., 17] *= 30.0
+    plain = DenseSparse(3, 32, "token", 0.0)
+    rotated = DenseSparse(3, 32, "token", 0.0, "hadamard")
+
+    def rel(q):
+        ordinary = torch.ones(64, dtype=torch.bool)
+        ordinary[17] = False
+        e = (q.dequantize(q.quantize(x)) - x)[..., ordinary]
+        return float(e.norm() / x[..., ordinary].norm())
+
+    assert rel(rotated) < 0.5 * rel(plain)
+    assert quant.get("int3_ds0_hadamard_channel_g32").quantize(x).nbytes == quant.IntGrouped(3, 32, "channel").quantize(
+        x).nbytes  # the seed is the rotation's only metadata: no array
+
+
+def test_the_rotation_is_orthogonal_and_its_signs_are_the_documented_ones():
+    import hashlib
+
+    from testbed.quant.densesparse import block_of, rotate, rotation_signs, unrotate
+
+    for d, n in ((64, 64), (72, 8), (33, 1), (384, 128)):
+        assert block_of(d) == n
+        bits = hashlib.sha256("testbed.hadamard:9:0".encode()).digest()
+        want = [1.0 - 2.0 * ((bits[i // 8] >> (i % 8)) & 1) for i in range(min(d, 256))]
+        assert rotation_signs(d, 9)[:256].tolist() == want
+        x = torch.randn(3, 10, d)
+        y = rotate(x, 9)
+        assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)  # norms kept
+        assert torch.allclose(unrotate(y, 9), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(rotation="signed_hadamard"), dict(seed=-1), dict(seed=1.5)])
+def test_bad_rotations_are_refused(bad):
+    with pytest.raises(ValueError):
+        DenseSparse(**{"bits": 3, "group_size": 32, "axis": "channel", "outliers": 0.0, "rotation": "hadamard", **bad})

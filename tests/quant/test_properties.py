@@ -158,17 +158,43 @@ def nbytes_dense_sparse(cfg: dict, shape: tuple) -> int:
     return nbytes_int_grouped(cfg, shape) + math.prod(lead) * k * (2 + (2 if n * d <= 65536 else 4))
 
 
+def _hadamard_matrix(d: int, seed: int) -> torch.Tensor:
+    """The documented rotation as a dense float64 matrix: ``diag(s) blockdiag(H_n) / sqrt(n)``, ``n`` the
+    largest power of two dividing ``d`` (at most 128), ``H`` Sylvester's, ``s_i = 1 - 2 * bit i`` of the
+    concatenated ``SHA-256(b"testbed.hadamard:<seed>:<k>")``, least significant bit first."""
+    import hashlib
+
+    n = min(d & -d, 128)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    stream = b"".join(hashlib.sha256(f"testbed.hadamard:{seed}:{k}".encode()).digest() for k in range(d // 256 + 1))
+    signs = torch.tensor([1.0 - 2.0 * ((stream[i // 8] >> (i % 8)) & 1) for i in range(d)], dtype=torch.float64)
+    return signs[:, None] * torch.block_diag(*([h / math.sqrt(n)] * (d // n)))
+
+
 def bound_dense_sparse(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     """An outlier is off by its float16 rounding (half an ulp: ``2**-11 |x|``, ``2**-25`` among
-    subnormals); every other element by the grouped-integer bound of its group's non-outlier range."""
+    subnormals); every other element by the grouped-integer bound of its group's non-outlier range.
+    With the rotation these hold in the rotated domain (of ``x R``, rounded to float32, give or take
+    an ulp); decoding multiplies the error by ``R^T``, so element ``i`` is off by at most the rotated
+    bounds of its block weighted by ``|R_ij| = 1/sqrt(n)``, plus the float32 rounding of the decode."""
+    if cfg.get("rotation"):
+        r = _hadamard_matrix(x.shape[-1], cfg.get("seed", 0))
+        xr = (x.to(torch.float64) @ r).to(torch.float32)
+        inner = bound_dense_sparse(xr, {**cfg, "rotation": None}) + 2.0 ** -22 * xr.to(torch.float64).abs()
+        return inner @ r.abs().T + 2.0 ** -23 * x.to(torch.float64).abs() + 2.0 ** -60
     dense = bound_int_grouped(_ds_filled(x, cfg), cfg)
     sparse = 2.0 ** -11 * x.to(torch.float64).abs() + 2.0 ** -25
     return torch.where(_ds_outliers(x, cfg), sparse, dense)
 
 
 def dense_sparse_stable(x: torch.Tensor, cfg: dict) -> bool:
-    """Idempotence precondition: the decoded tensor has the same outliers (a near tie between the
-    last outlier and the first ordinary value can swap them) and the grid of its dense part holds."""
+    """Idempotence precondition: no rotation, the decoded tensor has the same outliers (a near tie
+    between the last outlier and the first ordinary value can swap them) and the grid of its dense
+    part holds."""
+    if cfg.get("rotation"):  # a rotated decode rounds on the way back: its re-rotation need not land on the grid
+        return False
     q = quant.from_config(cfg)
     x1 = q.dequantize(q.quantize(x))
     return bool(torch.equal(_ds_outliers(x1, cfg), _ds_outliers(x, cfg))) and int_grouped_grid_holds(
