@@ -122,7 +122,7 @@ def heavy_imports(call: str, run: Path) -> tuple[str, list[str]]:
 
     code = (f"import sys, json\n{call}\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'scipy', 'numba') or m.startswith(("
-            "'testbed.quant', 'testbed.attention', 'testbed.metrics', 'testbed.ablation_core', 'testbed.run'))]\n"
+            "'testbed.quant', 'testbed.attention', 'testbed.metrics', 'testbed.ablation', 'testbed.run'))]\n"
             "print(json.dumps([str(ok), bad]))")
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
