@@ -217,11 +217,11 @@ def tiny_live_run(tmp_path_factory, name: str, arms: list, **live) -> Path:
 
     import pytest
 
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     base = tmp_path_factory.mktemp(name)
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
