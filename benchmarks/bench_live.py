@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testbed.live import dynamic_bytes, warm_quanto, corpus_text, quanto_bytes  # noqa: E402
 from testbed.policies import preset  # noqa: E402
-from testbed.sources.capture import forward_kwargs, load_model  # noqa: E402
+from testbed.sources.models import forward_kwargs, load_model  # noqa: E402
 
 
 def _held_bytes(cache) -> int:

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from testbed.sources.capture import (INSTALL_HINT, CaptureUnavailable, Observer, case_from_record, llm_layout,  # noqa: E402
-                                     load_model, stream_prefill)
+from testbed.sources.models import INSTALL_HINT, CaptureUnavailable, load_model, stream_prefill  # noqa: E402
+from testbed.sources.observer import Observer, case_from_record, llm_layout  # noqa: E402
 from testbed.sources.traces import load_trace, save_trace  # noqa: E402
 
 TEXT = ("Once upon a time, in a valley between two rivers, there lived a clockmaker who built a clock that "

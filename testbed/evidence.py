@@ -9,7 +9,7 @@ Layout of one run::
     results.json   {"cases": {...}, "rows": [...]}
     timings.json   raw per-call timings
     report.md      tables
-    report.html    figures (testbed/report_html.py), their plotted data embedded for the audit
+    report.html    figures (testbed/report_html/), their plotted data embedded for the audit
     arrays/STUDY/CASE.npz   one zip per case, a ``.npy`` member per array (deflated)
 
 An array's run-relative path is ``arrays/STUDY/CASE/NAME.npy``: member ``NAME.npy`` of the

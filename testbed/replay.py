@@ -64,7 +64,7 @@ from .compare import TOLERANCES as CMP_TOL, float_ratio, integers_allowed
 from .evidence import REPO_ROOT, RecordingStore, array_rel, environment, source_hashes
 from .progress import Progress
 from .protocol import ProtocolError, validate_protocol
-from .sources.capture import INSTALL_HINT, CaptureUnavailable, load_model, model_dims
+from .sources.models import INSTALL_HINT, CaptureUnavailable, load_model, model_dims
 from .units import COST_PRIOR, pinned_torch
 
 __all__ = ["main", "replay", "plan_units", "escape_chance", "default_sample", "ESCAPE", "TOLERANCES", "BadInput"]

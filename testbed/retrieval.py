@@ -67,7 +67,7 @@ from typing import Any, Sequence
 from .policies import PRESETS, preset
 from .policies.compose import check_scored_prefill, policies_from
 from .schema import Key, ProtocolError, Spec, check_value
-from .sources.capture import MODEL_ID, MODELS
+from .sources.models import MODEL_ID, MODELS
 
 __all__ = ["TASKS", "QUESTIONS", "SPEC", "PEER", "validate", "make_trial", "grid", "needles_of", "wilson", "mcnemar",
            "mcnemar_exact_p", "MAX_LENGTH", "budget_context", "trial_policies", "MULTI", "tail_of", "interleaved"]

@@ -122,7 +122,7 @@ def heavy_imports(call: str, run: Path) -> tuple[str, list[str]]:
 
     code = (f"import sys, json\n{call}\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'scipy', 'numba') or m.startswith(("
-            "'testbed.quant', 'testbed.attention', 'testbed.metrics', 'testbed.ablation_core', 'testbed.run'))]\n"
+            "'testbed.quant', 'testbed.attention', 'testbed.metrics', 'testbed.ablation', 'testbed.run'))]\n"
             "print(json.dumps([str(ok), bad]))")
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
@@ -217,11 +217,11 @@ def tiny_live_run(tmp_path_factory, name: str, arms: list, **live) -> Path:
 
     import pytest
 
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     base = tmp_path_factory.mktemp(name)
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())

@@ -22,13 +22,13 @@ import pytest  # noqa: E402  (after the fixture import above, which must stay fi
 @pytest.fixture(scope="session")
 def live_tiny_run(tmp_path_factory):
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
     from tests.test_live import _tiny_protocol
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     pytest.importorskip("optimum.quanto", reason="the quanto peer needs optimum-quanto: pip install -e '.[bench]'")
     tmp = tmp_path_factory.mktemp("live")
     out = tmp / "run"
@@ -40,12 +40,12 @@ def live_tiny_run(tmp_path_factory):
 def smollm2():
     """SmolLM2 loaded once per session (the capture tests); skipped, with the install command,
     without the capture extra or the GGUF."""
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        return capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        return models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.ablation_core import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate_case,
-                                   control_block, kept_mask, make_ablation)
+from testbed.ablation import (ABLATION_NAMES, Control, DropHistory, DropRegion, KeepCurrentOnly, ablate_case,
+                              control_block, kept_mask, make_ablation)
 from testbed.case import Case, Region
 from testbed.metrics import score_tiles
 from testbed.sources.synthetic import make_case as make_decode_case

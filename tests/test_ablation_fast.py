@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from testbed import ablation_core as ac
-from testbed.ablation_core import select_mass_matched
+from testbed import ablation as ac
+from testbed.ablation import arm, mass_select, rows
+from testbed.ablation import select_mass_matched
 from tests.test_mass_control import rule_row  # the documented rule as a plain per-row loop
 
-PATHS = ["numpy"] + (["numba"] if ac._select_rows is not None else [])
+PATHS = ["numpy"] + (["numba"] if mass_select._select_rows is not None else [])
 
 
 def random_tile(rng, kind):
@@ -88,7 +89,7 @@ def test_selection_equals_the_documented_rule_row_by_row(path, kind, monkeypatch
         assert seen["later"] > 0   # some rows match only on a later attempt
 
 
-@pytest.mark.skipif(ac._select_rows is None, reason="numba is not installed")
+@pytest.mark.skipif(mass_select._select_rows is None, reason="numba is not installed")
 def test_compiled_and_vectorized_selection_agree_bit_for_bit(monkeypatch):
     rng = np.random.default_rng(7)
     for t in range(60):
@@ -128,7 +129,7 @@ def plain_drop_rows(s, vis, p, drop, vj):
 
 
 def scores_tile(seed, causal, share, inside=None):
-    """A random tile (3 heads x 17 queries x 203 keys, D 16) for `_drop_rows`: ``(s, vis, drop, vj,
+    """A random tile (3 heads x 17 queries x 203 keys, D 16) for `drop_rows`: ``(s, vis, drop, vj,
     p)``, ``drop`` each key with probability ``share`` (only keys ``inside``, when given), row
     ``[1, 1]`` dropping nothing (no dropped mean)."""
     g = torch.Generator().manual_seed(seed)
@@ -153,12 +154,12 @@ def test_drop_rows_in_scratch_equals_the_plain_masked_softmax_bit_for_bit(causal
     work = torch.full((s.numel() + 99,), 7.0, dtype=torch.float64)
     work2 = torch.full((s.numel() + 5,), -3.0, dtype=torch.float64)
     for w, w2 in ((None, None), (work, work2)):
-        got = ac._drop_rows(s, vis, p, drop, vj, w, w2)
+        got = rows.drop_rows(s, vis, p, drop, vj, w, w2)
         assert not got[1][0, 0] and not got[5][1, 1]
         for x, y in zip(got, want):
             assert x.shape == y.shape and x.dtype == y.dtype
             assert np.array_equal(x.numpy(), y.numpy(), equal_nan=True)
-        out, ok = ac._drop_rows(s, vis, p, drop, vj, w, outputs_only=True)
+        out, ok = rows.drop_rows(s, vis, p, drop, vj, w, outputs_only=True)
         assert torch.equal(out, want[0]) and torch.equal(ok, want[1])
 
 
@@ -183,7 +184,7 @@ def test_dropped_mean_over_the_runs_that_hold_every_dropped_key_is_the_same_mean
     want = plain_drop_rows(s, vis, p, drop, vj)
     work = torch.full((s.numel() + 9,), 7.0, dtype=torch.float64)
     work2 = torch.full((s.numel() + 9,), -3.0, dtype=torch.float64)
-    got = ac._drop_rows(s, vis, p, drop, vj, work, work2, within=runs)
+    got = rows.drop_rows(s, vis, p, drop, vj, work, work2, within=runs)
     for i in (0, 1, 2, 3, 5):
         assert np.array_equal(got[i].numpy(), want[i].numpy(), equal_nan=True)
     assert not got[5][1, 1]
@@ -192,13 +193,13 @@ def test_dropped_mean_over_the_runs_that_hold_every_dropped_key_is_the_same_mean
     outside = drop.clone()
     outside[0, 0, 0 if runs[0][0] > 0 else 35] = True
     with pytest.raises(ValueError, match="outside"):
-        ac._drop_rows(s, vis, p, outside, vj, work, work2, within=runs)
+        rows.drop_rows(s, vis, p, outside, vj, work, work2, within=runs)
 
 
 def test_spans_of_sorted_keys():
-    assert ac._spans_of(np.array([], dtype=np.int64)) == []
-    assert ac._spans_of(np.array([3])) == [(3, 4)]
-    assert ac._spans_of(np.array([0, 1, 2, 7, 8, 10])) == [(0, 3), (7, 9), (10, 11)]
+    assert rows.spans_of(np.array([], dtype=np.int64)) == []
+    assert rows.spans_of(np.array([3])) == [(3, 4)]
+    assert rows.spans_of(np.array([0, 1, 2, 7, 8, 10])) == [(0, 3), (7, 9), (10, 11)]
 
 
 # -- the selections shared by a Case's arms ---------------------------------------------------------
@@ -250,7 +251,7 @@ def test_arms_sharing_selections_give_what_each_arm_gives_alone(monkeypatch):
             # a later arm reads the first arm's selections: it selects nothing itself
             def refuse(*args, **kw):
                 raise AssertionError("a later arm selected again")
-            monkeypatch.setattr(ac, "select_mass_matched", refuse)
+            monkeypatch.setattr(arm, "select_mass_matched", refuse)
         got = ac.mass_control_case(case, ctrl, k, v, ref=ref, max_scores=1500, selections=shared)
         ref = got.output if n == 0 else ref
         same_result(got, alone[n])

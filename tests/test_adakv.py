@@ -453,7 +453,7 @@ def test_adaptive_snapkv_keeps_what_kvpress_adakvpress_keeps(keep, alpha):
     layer, every difference a near tie (counted: none measured)."""
     pytest.importorskip("kvpress", reason="the kvpress peer: bash scripts/install.sh installs it")
     from testbed.live import shared_prefill
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     model = _llama()
     P, L, H = 320, 4, 2
@@ -475,7 +475,7 @@ def test_adaptive_snapkv_keeps_what_kvpress_keeps_on_smollm2(smollm2, keep, alph
 
     from testbed.live import shared_prefill
     from testbed.policies.scored import ScoredLayer
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     model, tok, _ = smollm2
     text = " ".join(topics[k] for k in sorted(topics)[20:40])
@@ -605,11 +605,11 @@ def test_adaptive_arms_in_the_retrieval_study(tmp_path):
     each get the per-head mask) runs adaptive arms given a kept count, and its audit passes."""
     from testbed.audit import audit
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     proto = json.loads((REPO / "protocols" / "retrieval_small.json").read_text())
     proto.update(name="retrieval_ada", default=False)

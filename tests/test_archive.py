@@ -18,7 +18,7 @@ import pytest
 from testbed.audit import audit
 from testbed.protocol import ProtocolError, validate_protocol
 from testbed.run import run_protocols
-from testbed.sources import capture
+from testbed.sources import capture, models
 
 from . import _arrays
 from ._helpers import copy_run, forge_results
@@ -33,7 +33,7 @@ ABLATIONS = ["none", "drop_sink", "control_sink", "mass_control_sink", "drop_rec
 
 def protocol(archive) -> dict:
     return {"name": "tiers",
-            "source": {"kind": "capture", "model": capture.MODEL_ID,
+            "source": {"kind": "capture", "model": models.MODEL_ID,
                        "prompts": [{"id": "ledger", "kind": "narrative prose", "text": TEXT},
                                    {"id": "digits", "kind": "repetitive list", "text": DIGITS}],
                        "tokens": 96, "chunk": 32, "sink_tokens": 4, "recent_tokens": 16, "layers": [0, 29],

@@ -293,15 +293,15 @@ LONG = ("The river ran quietly past the old mill, where the miller's daughter ke
 
 @pytest.fixture(scope="module")
 def capture_run(tmp_path_factory) -> Path:
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     base = tmp_path_factory.mktemp("capture_complete")
     proto = {"name": "cap", "source": {
-        "kind": "capture", "model": capture.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
+        "kind": "capture", "model": models.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
         "recent_tokens": 16, "layers": [0, 29], "queries": 4, "record_chunks": [-1],
         "prompts": [{"id": "prose", "kind": "narrative prose", "text": LONG},
                     {"id": "again", "kind": "narrative prose", "text": LONG[::-1]},
@@ -367,16 +367,16 @@ def test_capture_whose_model_did_not_load(tmp_path, monkeypatch):
     the audit accepts it with no cases; the same run with the exclusion removed misses every case."""
     from testbed.protocol import PROTOCOL_DIR, load_protocol
     from testbed.run import run_protocols
-    from testbed.sources import capture
+    from testbed.sources import models
 
-    monkeypatch.setattr(capture, "locate_gguf", lambda: None)
-    monkeypatch.setattr(capture, "_LOADED", {})
+    monkeypatch.setattr(models, "locate_gguf", lambda: None)
+    monkeypatch.setattr(models, "_LOADED", {})
     path = PROTOCOL_DIR / "smollm2.json"
     proto, raw = load_protocol(path)
     out = tmp_path / "run"
     out.mkdir()
     manifest = run_protocols(out, [(path, proto, raw)], progress=lambda m: None)
-    assert [e["id"] for e in manifest["excluded"]] == [f"smollm2/{capture.MODEL_ID}"]
+    assert [e["id"] for e in manifest["excluded"]] == [f"smollm2/{models.MODEL_ID}"]
     assert failures(out) == []
     m = load(out, "manifest.json")
     m["excluded"] = []

@@ -299,7 +299,7 @@ def _tiny_png(plt, d) -> bytes:
 def test_consistent_forger_end_to_end(archived, tmp_path, monkeypatch, kind, field, caught, reliability):
     """The whole forgery on disk (results.json, results.csv, report.md and report.html rewritten by the
     run's own builders, every sha256 recorded) and the whole audit: the probe's verdict holds."""
-    import testbed.report_html as builder
+    import testbed.report_html.page as builder
 
     monkeypatch.setattr(builder, "_png", _tiny_png)  # the drawing is slow and the audit does not read it
     run = tmp_path / "run"

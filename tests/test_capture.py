@@ -20,7 +20,7 @@ from testbed.context import RunContext
 from testbed.evidence import ArrayStore
 from testbed.protocol import PROTOCOL_DIR, ProtocolError, load_protocol, validate_protocol
 from testbed.run import run_protocols
-from testbed.sources import capture
+from testbed.sources import capture, models, observer
 from testbed.sources.traces import load_trace, save_trace
 
 PROSE = ("The lighthouse keeper wrote the weather in a green ledger every evening, and on the night of the storm "
@@ -36,7 +36,7 @@ def prose_ids(smollm2):
 
 
 def small_params(**over):
-    p = {"kind": "capture", "model": capture.MODEL_ID,
+    p = {"kind": "capture", "model": models.MODEL_ID,
          "prompts": [{"id": "prose", "kind": "narrative prose", "text": PROSE},
                      {"id": "digits", "kind": "repetitive list", "text": " ".join(str(i) for i in range(200))}],
          "tokens": 96, "chunk": 32, "sink_tokens": 4, "recent_tokens": 16, "layers": [0, 29],
@@ -52,7 +52,7 @@ def small_params(**over):
 def test_the_model_answers_paris_through_the_observer(smollm2):
     model, tok, _ = smollm2
     ids = tok("The capital of France is", return_tensors="pt").input_ids
-    obs = capture.Observer(layers=[3])
+    obs = observer.Observer(layers=[3])
     with obs.attach(model), torch.no_grad():
         nxt = model(ids).logits[0, -1].argmax()
     assert tok.decode([int(nxt)]).strip() == "Paris"
@@ -66,12 +66,12 @@ def test_logits_are_identical_with_and_without_the_observer(smollm2, prose_ids):
     assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():
         ref = model(prose_ids).logits
-    _, ref_stream = capture.stream_prefill(model, prose_ids, 32)
-    obs = capture.Observer(layers=None, queries=5, keep_output=True)  # every layer recorded
+    _, ref_stream = models.stream_prefill(model, prose_ids, 32)
+    obs = observer.Observer(layers=None, queries=5, keep_output=True)  # every layer recorded
     with obs.attach(model):
         with torch.no_grad():
             got = model(prose_ids).logits
-        _, got_stream = capture.stream_prefill(model, prose_ids, 32)
+        _, got_stream = models.stream_prefill(model, prose_ids, 32)
     assert torch.equal(got, ref)
     assert torch.equal(got_stream, ref_stream)
     assert len(obs.records) == 30 + 30 * 4
@@ -87,9 +87,9 @@ def test_an_eager_model_stays_eager_and_identical(smollm2, prose_ids):
     try:
         with torch.no_grad():
             ref = model(ids).logits
-        obs = capture.Observer(layers=[0, 29], queries=4, keep_output=True)
+        obs = observer.Observer(layers=[0, 29], queries=4, keep_output=True)
         with obs.attach(model):
-            assert model.config._attn_implementation == capture.DELEGATES["eager"]
+            assert model.config._attn_implementation == observer.DELEGATES["eager"]
             with torch.no_grad():
                 got = model(ids).logits
         assert model.config._attn_implementation == "eager"
@@ -108,7 +108,7 @@ def test_other_attention_implementations_are_refused(smollm2):
 
     fake = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flex_attention"))
     with pytest.raises(ValueError, match="runs 'flex_attention' attention; it can observe 'sdpa' or 'eager'"):
-        with capture.Observer().attach(fake):
+        with observer.Observer().attach(fake):
             pass
 
 
@@ -117,9 +117,9 @@ def test_other_attention_implementations_are_refused(smollm2):
 def test_records_reproduce_the_kernel_output(smollm2, prose_ids):
     """float64 attention over the recorded post-RoPE Q/K/V equals what the SDPA kernel returned."""
     model, _, _ = smollm2
-    obs = capture.Observer(layers=[0, 14, 29], forwards=[1, 3], queries=6, keep_output=True)
+    obs = observer.Observer(layers=[0, 14, 29], forwards=[1, 3], queries=6, keep_output=True)
     with obs.attach(model):
-        capture.stream_prefill(model, prose_ids, 32)
+        models.stream_prefill(model, prose_ids, 32)
     assert [(r.forward, r.layer) for r in obs.records] == [(1, 0), (1, 14), (1, 29), (3, 0), (3, 14), (3, 29)]
     for r in obs.records:
         assert r.causal and r.k.shape == (3, 32 * (r.forward + 1), 64) and r.q.shape == (9, 6, 64)
@@ -136,12 +136,12 @@ def test_records_reproduce_the_kernel_output(smollm2, prose_ids):
 @pytest.mark.slow
 def test_streamed_keys_are_the_one_shot_keys_in_token_order(smollm2, prose_ids):
     model, _, _ = smollm2
-    one = capture.Observer(layers=[19])
+    one = observer.Observer(layers=[19])
     with one.attach(model), torch.no_grad():
         model(prose_ids)
-    stream = capture.Observer(layers=[19], forwards=[3])
+    stream = observer.Observer(layers=[19], forwards=[3])
     with stream.attach(model):
-        capture.stream_prefill(model, prose_ids, 32)
+        models.stream_prefill(model, prose_ids, 32)
     (a,), (b,) = one.records, stream.records
     assert a.k.shape == b.k.shape == (3, 128, 64)
     assert torch.allclose(a.k, b.k, atol=1e-4, rtol=1e-4) and torch.allclose(a.v, b.v, atol=1e-4, rtol=1e-4)
@@ -152,10 +152,10 @@ def test_streamed_keys_are_the_one_shot_keys_in_token_order(smollm2, prose_ids):
 @pytest.mark.slow
 def test_head_and_query_selection_keep_gqa_groups(smollm2, prose_ids):
     model, _, _ = smollm2
-    obs = capture.Observer(layers=[5], kv_heads=[1], queries=5, keep_output=True)
+    obs = observer.Observer(layers=[5], kv_heads=[1], queries=5, keep_output=True)
     with obs.attach(model), torch.no_grad():
         model(prose_ids[:, :40])
-    full = capture.Observer(layers=[5])
+    full = observer.Observer(layers=[5])
     with full.attach(model), torch.no_grad():
         model(prose_ids[:, :40])
     (r,), (f,) = obs.records, full.records
@@ -171,7 +171,7 @@ def test_head_and_query_selection_keep_gqa_groups(smollm2, prose_ids):
 @pytest.mark.slow
 def test_reduce_keeps_only_the_reduction(smollm2, prose_ids):
     model, _, _ = smollm2
-    obs = capture.Observer(layers=[0, 1], reduce=lambda rec: (rec.layer, tuple(rec.k.shape)))
+    obs = observer.Observer(layers=[0, 1], reduce=lambda rec: (rec.layer, tuple(rec.k.shape)))
     with obs.attach(model), torch.no_grad():
         model(prose_ids[:, :16])
     assert obs.records == [] and obs.reduced == [(0, (3, 16, 64)), (1, (3, 16, 64))]
@@ -218,13 +218,13 @@ def test_capture_source_cases_gates_and_manifest(smollm2, tmp_path):
 @pytest.mark.capture
 @pytest.mark.slow
 def test_a_gate_mismatch_fails_the_run(smollm2, tmp_path, monkeypatch):
-    real = capture.Observer.call_counts
+    real = observer.Observer.call_counts
 
     def one_call_short(self, forwards, layers):
         out = real(self, forwards, layers)
         return {**out, "calls": out["calls"] - 1}
 
-    monkeypatch.setattr(capture.Observer, "call_counts", one_call_short)
+    monkeypatch.setattr(observer.Observer, "call_counts", one_call_short)
     raw = {"name": "cap", "source": small_params(prompts=[small_params()["prompts"][0]], layers=[0]),
            "analyses": {"residual_window": {"bits": 4, "group_size": 32, "residuals": [0]}}, "timing": {"repeats": 0}}
     proto = validate_protocol(raw)
@@ -250,7 +250,7 @@ def test_small_capture_run_is_audited(smollm2, tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     obs = [r for r in rows if r["analysis"] == "observation" and r["scope"] == "case"]
     assert {(r["prompt"], r["layer"]) for r in obs} == {("digits", 0), ("digits", 29)}
-    assert all(r["model"] == capture.MODEL_ID and r["sink_tokens"] == 4 for r in obs)
+    assert all(r["model"] == models.MODEL_ID and r["sink_tokens"] == 4 for r in obs)
     ok, failures, _ = audit(out, check_sources=False)
     assert ok, failures[:5]
 
@@ -272,10 +272,10 @@ def test_captured_cases_round_trip_through_a_trace(smollm2, tmp_path):
 @pytest.mark.slow
 def test_second_load_comes_from_the_safetensors_cache(smollm2, prose_ids, monkeypatch):
     model, _, info = smollm2
-    monkeypatch.setattr(capture, "_LOADED", {})
-    again, _, info2 = capture.load_model()
+    monkeypatch.setattr(models, "_LOADED", {})
+    again, _, info2 = models.load_model()
     assert info2["loaded_from"] == "safetensors cache" and info2["gguf_sha256"] == info["gguf_sha256"]
-    folder = next(capture.cache_root().glob(f"smollm2-135m-instruct-q4_1-{info['gguf_sha256'][:16]}"))
+    folder = next(models.cache_root().glob(f"smollm2-135m-instruct-q4_1-{info['gguf_sha256'][:16]}"))
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     with torch.no_grad():
         assert torch.equal(again(prose_ids[:, :24]).logits, model(prose_ids[:, :24]).logits)
@@ -289,7 +289,7 @@ class _Attn(torch.nn.Module):
 
 
 def _observe_with_mask(mask, tq=4, tk=6):
-    obs = capture.Observer()
+    obs = observer.Observer()
     q = torch.randn(1, 2, tq, 8)
     k = torch.randn(1, 1, tk, 8)
     obs._observe(_Attn(), q, k, k.clone(), mask, None, {})
@@ -311,7 +311,7 @@ def test_observer_reads_a_causal_prefix_mask_and_refuses_others():
 
 
 def test_observer_folds_a_non_standard_scale_into_q():
-    obs = capture.Observer()
+    obs = observer.Observer()
     q = torch.randn(1, 2, 3, 16)
     k = torch.randn(1, 2, 3, 16)
     obs._observe(_Attn(), q, k, k.clone(), None, 0.1, {})
@@ -355,10 +355,10 @@ def test_default_protocol_is_valid_and_within_the_evidence_budget():
 @pytest.mark.parametrize("stage", ["locate_model", "import"])
 def test_missing_weights_or_extra_are_excluded_and_the_run_goes_on(tmp_path, monkeypatch, capsys, stage):
     if stage == "locate_model":
-        monkeypatch.setattr(capture, "locate_gguf", lambda: None)
+        monkeypatch.setattr(models, "locate_gguf", lambda: None)
     else:
-        monkeypatch.setattr(capture, "_missing_modules", lambda: ["gguf"])
-    monkeypatch.setattr(capture, "_LOADED", {})
+        monkeypatch.setattr(models, "missing_modules", lambda: ["gguf"])
+    monkeypatch.setattr(models, "_LOADED", {})
     path = PROTOCOL_DIR / "smollm2.json"
     proto, raw = load_protocol(path)
     other = {"name": "synthetic_small", "source": {"kind": "synthetic", "seeds": [1], "lengths": [64],
@@ -403,11 +403,11 @@ def test_a_load_failure_is_excluded_with_its_stage(tmp_path, monkeypatch, capsys
     def broken(**kw):
         raise OSError("model.safetensors: truncated file")
 
-    monkeypatch.setattr(capture, "load_model", broken)
+    monkeypatch.setattr(models, "load_model", broken)
     ctx = RunContext(ArrayStore(tmp_path), study="cap", progress=lambda m: None)
     assert list(capture.cases(small_params(), ctx)) == []
     (entry,) = ctx.excluded
-    assert entry == {"id": f"cap/{capture.MODEL_ID}", "stage": "load_model",
+    assert entry == {"id": f"cap/{models.MODEL_ID}", "stage": "load_model",
                      "error": "OSError: model.safetensors: truncated file"}
     assert ctx.gates == {}
     err = capsys.readouterr().err.strip().splitlines()
@@ -417,7 +417,7 @@ def test_a_load_failure_is_excluded_with_its_stage(tmp_path, monkeypatch, capsys
 
 def test_a_missing_gguf_path_in_the_environment_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("TESTBED_SMOLLM2_GGUF", str(tmp_path / "nope.gguf"))
-    monkeypatch.setattr(capture, "_missing_modules", lambda: [])
-    with pytest.raises(capture.CaptureUnavailable, match="TESTBED_SMOLLM2_GGUF=.*nope.gguf is not a file") as info:
-        capture.load_model()
+    monkeypatch.setattr(models, "missing_modules", lambda: [])
+    with pytest.raises(models.CaptureUnavailable, match="TESTBED_SMOLLM2_GGUF=.*nope.gguf is not a file") as info:
+        models.load_model()
     assert info.value.stage == "locate_model"

@@ -30,16 +30,16 @@ REL = f"{STUDY}/capture_manifest.json"
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """A small capture: one 64-token prompt in two chunks of 32, layers 0 and 29, the last chunk recorded."""
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     base = tmp_path_factory.mktemp("provenance")
     text = "The ferry to the island ran twice a week in winter, and the harbour master kept a ledger of every crossing. " * 4
     proto = {"name": STUDY, "default": False, "timing": {"repeats": 0, "seed": 0},
-             "source": {"kind": "capture", "model": capture.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
+             "source": {"kind": "capture", "model": models.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
                         "recent_tokens": 16, "layers": [0, 29], "kv_heads": [1], "queries": 8,
                         "prompts": [{"id": "ferry", "kind": "prose", "text": text}]},
              "analyses": {"observation": {}}}
@@ -234,15 +234,15 @@ def test_unsorted_kv_heads_and_a_single_newest_query_pass(tmp_path):
     """Legitimate settings the audit must not mistake for forgeries: KV heads listed out of order
     (the observer keeps them sorted) and one query per chunk (the newest token, which sees every
     key, so the case is recorded as not causal)."""
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     text = "A short note on the tides, the harbour and the ferry that crosses twice a week in winter. " * 4
     proto = {"name": "cap2", "default": False, "timing": {"repeats": 0, "seed": 0},
-             "source": {"kind": "capture", "model": capture.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
+             "source": {"kind": "capture", "model": models.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
                         "recent_tokens": 16, "layers": [3], "kv_heads": [2, 0], "queries": 1,
                         "prompts": [{"id": "tide", "kind": "prose", "text": text}]},
              "analyses": {"observation": {}}}

@@ -128,11 +128,11 @@ MINE = [{"name": "int4_g8", "storage": {"middle": "int4", "group": 8},
 @pytest.fixture(scope="module")
 def declared_run(tmp_path_factory):
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     proto = json.loads((REPO / "protocols" / "smollm2_quality.json").read_text())
     proto.update(name="declared_tiny", default=False)

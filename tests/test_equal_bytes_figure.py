@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 from testbed import report_html as rh
+from testbed.report_html import data as rh_data
+from testbed.report_html import page as rh_page
 from testbed.audit_checks import report_html as audit_side
+from testbed.audit_checks import report_html_figures as audit_figures
 from tests.test_report_html import EVIDENCE_REPORT, unreadable
 
 RULES = ("concentrated", "diffuse", "late", "random", "oracle_concentrated", "oracle_diffuse")
@@ -78,8 +81,8 @@ def test_figure_data_from_the_rows():
             d_nll = np.array([r["nll"] - ref[r["case"]] for r in rows if r["arm"] == e["arm"]])
             assert e["delta_pct"] == pytest.approx(100 * (np.exp(d_nll.mean()) - 1), rel=1e-8)
         assert [e["oracle"] for e in b["arms"]] == ["oracle" in e["arm"] for e in b["arms"]]
-    assert rh._caption(d).endswith("or an interval: 8 segments.")
-    assert "impossible online" in rh._caption(d) and "does not show" in rh._caption(d)
+    assert rh_page._caption(d).endswith("or an interval: 8 segments.")
+    assert "impossible online" in rh_page._caption(d) and "does not show" in rh_page._caption(d)
 
 
 def test_no_figure_without_a_compared_arm():
@@ -87,7 +90,7 @@ def test_no_figure_without_a_compared_arm():
     both sides; with int4 only the mix28 panel is drawn."""
     rows = made_up_rows(["int2", "mix28_concentrated", "mix24_concentrated", "mix24_diffuse"])
     assert equal_bytes_data(rows) is None
-    assert "equal_bytes/q" not in audit_side.derive_figures(rows, _Ctx())
+    assert "equal_bytes/q" not in audit_figures.derive_figures(rows, _Ctx())
     rows = made_up_rows(["int4", "mix28_concentrated", "mix24_concentrated"])
     assert [b["budget"] for b in equal_bytes_data(rows)["budgets"]] == ["mix28"]
 
@@ -96,24 +99,24 @@ def test_no_figure_without_a_compared_arm():
 def test_the_audit_derives_the_same_data_and_a_changed_number_fails(contexts):
     rows = made_up_rows(contexts=contexts)
     built = {d["key"]: d for d in rh.figure_data(rows, load)}
-    derived = audit_side.derive_figures(rows, _Ctx())
+    derived = audit_figures.derive_figures(rows, _Ctx())
     assert list(derived) == list(built)  # same figures in the same order (the figure numbers)
-    got = json.loads(rh._json_block(built["equal_bytes/q"]))
-    assert audit_side._first_difference("", got, derived["equal_bytes/q"]) is None
-    assert audit_side.caption(got) == rh._caption(got)
+    got = json.loads(rh_page._json_block(built["equal_bytes/q"]))
+    assert audit_figures.first_difference("", got, derived["equal_bytes/q"]) is None
+    assert audit_side.caption(got) == rh_page._caption(got)
     assert len(got["budgets"]) == 2 * len(contexts)
     forged = json.loads(json.dumps(got))
     forged["budgets"][0]["arms"][2]["delta_pct"] *= 1.01
-    diff = audit_side._first_difference("", forged, derived["equal_bytes/q"])
+    diff = audit_figures.first_difference("", forged, derived["equal_bytes/q"])
     assert diff and diff.startswith("budgets[0].arms[2].delta_pct")
     forged = json.loads(json.dumps(got))  # two arms swapped: the order is the plotted ranking
     arms = forged["budgets"][1]["arms"]
     arms[0], arms[1] = arms[1], arms[0]
-    assert audit_side._first_difference("", forged, derived["equal_bytes/q"])
+    assert audit_figures.first_difference("", forged, derived["equal_bytes/q"])
     forged = json.loads(json.dumps(got))  # an oracle arm drawn as an online one
     e = next(e for e in forged["budgets"][0]["arms"] if e["oracle"])
     e["oracle"] = False
-    assert "oracle" in audit_side._first_difference("", forged, derived["equal_bytes/q"])
+    assert "oracle" in audit_figures.first_difference("", forged, derived["equal_bytes/q"])
 
 
 def test_int3_is_the_3_bit_budgets_uniform_arm_and_heavy_hitters_get_an_int2_panel():
@@ -135,9 +138,9 @@ def test_int3_is_the_3_bit_budgets_uniform_arm_and_heavy_hitters_get_an_int2_pan
     ref = {r["case"]: r["nll"] for r in rows if r["arm"] == "dynamic_cache"}
     d_nll = np.array([r["nll"] - ref[r["case"]] for r in rows if r["arm"] == "int3"])
     assert budgets["mix24"]["versus"]["delta_pct"] == pytest.approx(100 * (np.exp(d_nll.mean()) - 1), rel=1e-8)
-    derived = audit_side.derive_figures(rows, _Ctx())
-    got = json.loads(rh._json_block({"key": "equal_bytes/q", **d}))
-    assert audit_side._first_difference("", got, derived["equal_bytes/q"]) is None
+    derived = audit_figures.derive_figures(rows, _Ctx())
+    got = json.loads(rh_page._json_block({"key": "equal_bytes/q", **d}))
+    assert audit_figures.first_difference("", got, derived["equal_bytes/q"]) is None
     assert unreadable(rh.figure_layout(d), rh.PAGE_PX) == []
 
 
@@ -177,9 +180,9 @@ def test_evidence_rows_give_a_readable_figure():
         pytest.skip("no evidence/results.json")
     rows = [r for r in json.loads(results.read_text())["rows"] if r.get("analysis") == "live_quality"
             and r["study"] == "smollm2_quality"]
-    d = rh._equal_bytes("smollm2_quality", rows, load)
+    d = rh_data._equal_bytes("smollm2_quality", rows, load)
     assert [b["budget"] for b in d["budgets"]] == ["mix28"]
     assert {e["arm"] for e in d["budgets"][0]["arms"]} == {"mix28_concentrated", "mix28_random",
                                                             "mix28_oracle_concentrated"}
-    d = rh._rounded({"key": "equal_bytes/smollm2_quality", "kind": "equal_bytes", "study": "smollm2_quality", **d})
+    d = rh_data._rounded({"key": "equal_bytes/smollm2_quality", "kind": "equal_bytes", "study": "smollm2_quality", **d})
     assert unreadable(rh.figure_layout(d), rh.PAGE_PX) == []

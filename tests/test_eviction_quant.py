@@ -486,11 +486,11 @@ def test_stored_arms_in_the_retrieval_study(tmp_path):
     per trial), and its audit passes."""
     from testbed.audit import audit
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     proto = json.loads((REPO / "protocols" / "retrieval_small.json").read_text())
     proto.update(name="retrieval_evq", default=False)

@@ -120,7 +120,7 @@ def test_a_cache_without_the_models_rope_is_refused():
 def _prefill_with_hidden(model, ids):
     """Per layer: the attention's input hidden states, its post-RoPE queries, keys and values."""
     from testbed.live import shared_prefill
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     hidden = {}
     hooks = [layer.self_attn.register_forward_pre_hook(

@@ -27,7 +27,7 @@ from testbed.policies import PRESETS, preset
 from testbed.policies.policy import HEAVY_PRESETS
 from testbed.policies.cache import PolicyCache, policy_attention
 from tests._helpers import oracle_kwargs
-from testbed.sources import capture
+from testbed.sources import models
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
@@ -38,8 +38,8 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def gemma():
     try:
-        model, tok, _ = capture.load_model(model=capture.GEMMA_ID)
-    except capture.CaptureUnavailable as e:
+        model, tok, _ = models.load_model(model=models.GEMMA_ID)
+    except models.CaptureUnavailable as e:
         pytest.skip(f"Gemma-3 unavailable: {e}")
     return model, tok
 
@@ -69,8 +69,8 @@ def _tiny_folder(tmp_path, name: str, config: str, model: str, **kw):
     import transformers as tf
 
     try:
-        _, tok, _ = capture.load_model()
-    except capture.CaptureUnavailable as e:
+        _, tok, _ = models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     torch.manual_seed(0)
     cfg = getattr(tf, config)(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=2,
@@ -88,7 +88,7 @@ def _ids(tok, n):
 
 
 def _logprobs(model, ids, cache, chunks):
-    kw = capture.forward_kwargs(model)
+    kw = models.forward_kwargs(model)
     out = []
     with torch.no_grad(), policy_attention(model):
         model(input_ids=ids[:, :PREFILL], use_cache=True, **{kw["cache"]: cache})
@@ -102,8 +102,8 @@ def _logprobs(model, ids, cache, chunks):
 
 def test_the_model_is_what_the_table_says(gemma):
     model, _ = gemma
-    dims = capture.model_dims(model.config)
-    assert dims == {k: capture.MODELS[capture.GEMMA_ID][k] for k in dims}
+    dims = models.model_dims(model.config)
+    assert dims == {k: models.MODELS[models.GEMMA_ID][k] for k in dims}
     assert dims["sliding_window"] == 512 and dims["full_layers"] == [5, 11, 17] and dims["kv_heads"] == 1
 
 
@@ -268,10 +268,10 @@ def test_gemma_capture_refuses_a_sliding_layer_before_loading():
     from testbed.protocol import validate_protocol
     from testbed.schema import ProtocolError
 
-    assert validate_protocol(_capture_protocol(capture.GEMMA_ID, [5, 11]))["source"]["layers"] == [5, 11]
+    assert validate_protocol(_capture_protocol(models.GEMMA_ID, [5, 11]))["source"]["layers"] == [5, 11]
     with pytest.raises(ProtocolError, match=r"layers\[1\]: layer 0 of gemma-3-270m.Q4_K_M is a sliding-window layer "
                                             r"\(window 512\).*\[5, 11, 17\]"):
-        validate_protocol(_capture_protocol(capture.GEMMA_ID, [5, 0]))
+        validate_protocol(_capture_protocol(models.GEMMA_ID, [5, 0]))
 
 
 def test_a_capture_from_a_path_model_whose_config_omits_head_dim(tmp_path):
@@ -302,8 +302,8 @@ def test_a_capture_from_a_path_model_that_does_not_load_is_an_error(tmp_path, ca
     from testbed.run import main as run_main
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     folder = tmp_path / "broken_model"
     folder.mkdir()

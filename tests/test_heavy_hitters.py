@@ -273,12 +273,12 @@ def test_an_oracle_cache_without_the_segments_scores_is_refused():
 @pytest.fixture(scope="module")
 def hh_run(tmp_path_factory):
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     tmp = tmp_path_factory.mktemp("hh")
     proto = json.loads((Path(__file__).resolve().parent.parent / "protocols" / "smollm2_quality.json").read_text())
     proto["name"], proto["default"] = "live_tiny", False

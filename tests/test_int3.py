@@ -219,7 +219,7 @@ def test_a_live_int3_cache_in_a_tiny_model_stores_exactly_its_policy_bytes():
     import transformers as tf
 
     from testbed.policies.cache import PolicyCache, policy_attention
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     layers, kv, d = 2, 2, 64
     cfg = tf.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_attention_heads=4,

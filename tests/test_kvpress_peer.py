@@ -89,7 +89,7 @@ def _smollm2_prefill(smollm2, n: int = 256):
     from pydoc_data.topics import topics
 
     from testbed.live import shared_prefill
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     model, tok, _ = smollm2
     text = " ".join(topics[k] for k in sorted(topics)[20:40])

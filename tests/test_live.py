@@ -20,7 +20,7 @@ import torch
 
 from testbed.audit import audit
 from testbed.policies import preset
-from testbed.sources import capture
+from testbed.sources import models
 from tests import _arrays
 from tests._helpers import drop_row, forge_results
 
@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.capture, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def smollm2():
     try:
-        model, tok, _ = capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        model, tok, _ = models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     return model, tok
 
 
@@ -445,7 +445,7 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
     from transformers import QuantizedCache
 
     from testbed.live import mass_candidates, run_arm, chunk_schedule, shared_prefill
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
     from testbed.policies.cache import PolicyCache, policy_attention
 
     model, tok = smollm2
@@ -493,7 +493,7 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
 
 def test_shared_prefill_refuses_a_mass_sink_without_scores(smollm2):
     from testbed.live import shared_prefill
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
     from testbed.policies.cache import PolicyCache
 
     model, tok = smollm2
@@ -509,9 +509,9 @@ def contexts_run(tmp_path_factory):
     from testbed.run import main as run_main
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     tmp = tmp_path_factory.mktemp("contexts")
     proto = json.loads(_tiny_protocol(tmp, peers=False).read_text())
     proto["name"] = "live_contexts"

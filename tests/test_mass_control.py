@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.ablation_core import (ABLATION_NAMES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, make_ablation,
-                                   mass_control_case, mass_control_order, select_mass_matched)
+from testbed.ablation import (ABLATION_NAMES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, make_ablation,
+                              mass_control_case, mass_control_order, select_mass_matched)
 from testbed.case import Case, Region
 from tests._helpers import REPO, forge_results
 
@@ -397,7 +397,7 @@ def test_a_forged_selection_that_overlaps_the_target_fails(focus_run, tmp_path):
     """A forger who recomputes the row consistently from a selection that may use target keys
     (the mass-matched control redefined as 'any keys of that mass') is caught: the audit selects
     the keys itself, so every re-derived number disagrees."""
-    from testbed.ablation_core import mass_control
+    from testbed.ablation import mass_control
     from testbed.sources.synthetic import make_case
 
     run = tmp_path / "run"

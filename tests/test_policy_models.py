@@ -23,7 +23,7 @@ from testbed.policies import PRESETS, preset  # noqa: E402
 from testbed.policies.policy import HEAVY_PRESETS  # noqa: E402
 from testbed.policies.cache import (PolicyCache, PolicyLayer, SlidingLayer, layer_kinds,  # noqa: E402
                                     policy_attention)
-from testbed.sources.capture import forward_kwargs  # noqa: E402
+from testbed.sources.models import forward_kwargs  # noqa: E402
 from tests._helpers import oracle_kwargs  # noqa: E402
 
 WINDOW = 16          # the models' sliding window

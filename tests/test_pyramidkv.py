@@ -210,7 +210,7 @@ def test_pyramidkv_keeps_what_kvpress_pyramidkvpress_keeps(mean, beta):
     same tokens, up to near ties (each swap asserted one)."""
     kvpress = pytest.importorskip("kvpress", reason="the kvpress peer: bash scripts/install.sh installs it")
     from testbed.live import shared_prefill
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     model = _llama()
     P, L = 320, 4

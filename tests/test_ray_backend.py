@@ -60,13 +60,13 @@ def test_ray_run_equals_serial_and_jobs_runs(tmp_path):
 
 
 def _model_or_skip():
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
-    return capture
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
+    return models
 
 
 @pytest.mark.capture
@@ -74,11 +74,11 @@ def test_ray_run_of_a_capture_and_a_live_study_equals_serial(tmp_path):
     """A capture (one unit per prompt, their manifests merged) and the live study (one unit per arm
     of a batch, every arm taking its batch's reference from the reference's task, and the oracle
     arms the batch's one float32 oracle pass with it)."""
-    capture = _model_or_skip()
+    models = _model_or_skip()
     prose = ("The lighthouse keeper wrote the weather in a green ledger every evening, and on the night of the "
              "storm she wrote only one word before the lamp went out. ") * 12
     cap = {"name": "cap", "timing": {"repeats": 0},
-           "source": {"kind": "capture", "model": capture.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
+           "source": {"kind": "capture", "model": models.MODEL_ID, "tokens": 64, "chunk": 32, "sink_tokens": 4,
                       "recent_tokens": 16, "layers": [0, 9], "queries": 8, "record_chunks": [-1],
                       "prompts": [{"id": "prose", "kind": "narrative prose", "text": prose},
                                   {"id": "digits", "kind": "repetitive list",

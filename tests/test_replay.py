@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from testbed.replay import default_sample, escape_chance, main, plan_units, sample
-from testbed.sources import capture
+from testbed.sources import models
 from tests import _arrays
 from tests._helpers import forge_array, forge_results, synthetic_run
 
@@ -50,9 +50,9 @@ def run(tmp_path_factory):
     from testbed.run import main as run_main
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     tmp = tmp_path_factory.mktemp("replay")
     args = ["--quiet", "--out", str(tmp / "run")]
     for p in _protocols(tmp):

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from testbed.audit import audit
-from testbed.audit_checks.report_html import CSP, parse_report, png_size
+from testbed.audit_checks.report_html import CSP
+from testbed.audit_checks.report_html_parse import parse_report, png_size
 from testbed.report_html import figure_layout
 from tests._helpers import REPO, figure_run
 from tests.test_tamper import assert_fails, check, manifest, rehash, write_manifest
@@ -206,8 +207,8 @@ def test_gap_pixels(run, reliability):
 
 def test_audit_copy_of_the_page_text_is_the_builders():
     """The audit restates the builder's static text (it may not import the builder): the copies agree."""
-    from testbed import report_html as builder
     from testbed.audit_checks import report_html as audit_side
+    from testbed.report_html import page as builder
 
     assert audit_side.CAPTIONS == builder._CAPTIONS
     assert audit_side.STYLE == builder._STYLE
@@ -499,7 +500,7 @@ def test_live_labels_are_placed_not_stacked():
     labels = [t["text"] for t in figure_layout(d)["texts"] if t["role"] == "label"]
     assert sorted(labels) == sorted([e["arm"] for e in d["arms"] if e["delta_pct"] is not None]
                                     + [e["arm"] for e in d["arms"]])
-    import testbed.report_html as rh
+    import testbed.report_html.draw as rh
 
     def beside(ax, points, names, colors):
         for p, name in zip(points, names):
@@ -514,13 +515,13 @@ def test_live_labels_are_placed_not_stacked():
 def test_readability_check_sees_small_text_and_bare_log_axes(monkeypatch):
     """The check fails the old drawing's faults: 7 pt tick labels, and a log axis over less than a
     decade with matplotlib's plain log ticks (one label)."""
-    import testbed.report_html as rh
+    import testbed.report_html.draw as rh
 
     d = evidence_figure("ablation_pairs/ablation")
     assert unreadable(figure_layout(d), 1120) == []
-    monkeypatch.setitem(rh._RC, "ytick.labelsize", 7)
+    monkeypatch.setitem(rh.RC, "ytick.labelsize", 7)
     assert any(p.startswith("tick ") and "px high" in p for p in unreadable(figure_layout(d), 1120))
-    monkeypatch.setitem(rh._RC, "ytick.labelsize", 8.5)
+    monkeypatch.setitem(rh.RC, "ytick.labelsize", 8.5)
 
     def plain_log(ax, which="y"):
         from matplotlib.ticker import NullLocator

@@ -193,7 +193,7 @@ def test_known_models_are_sized_from_their_table_and_the_bigger_model_costs_more
     import json
 
     from testbed.protocol import PROTOCOL_DIR, load_protocol
-    from testbed.sources.capture import GEMMA_ID, MODEL_ID, MODELS, estimate_dims
+    from testbed.sources.models import GEMMA_ID, MODEL_ID, MODELS, estimate_dims
 
     assert estimate_dims(MODEL_ID) == MODELS[MODEL_ID] and estimate_dims(GEMMA_ID) == MODELS[GEMMA_ID]
     proto = json.loads((PROTOCOL_DIR / "gemma3_quality.json").read_text())
@@ -210,7 +210,7 @@ def test_model_folder_is_sized_from_its_config(tmp_path):
     """A Llama folder declaring 80 layers of width 8192 (a 70B model; its weight file is a few bytes)
     is estimated at its float32 size and its KV cache, far beyond SmolLM2's stand-in; a folder
     declaring SmolLM2's own shape comes out near SmolLM2's estimate."""
-    from testbed.sources.capture import MODEL_ID
+    from testbed.sources.models import MODEL_ID
 
     big = tmp_path / "models" / "llama70b"
     big.mkdir(parents=True)
@@ -237,7 +237,7 @@ def test_model_folder_is_sized_from_its_config(tmp_path):
 def test_gguf_file_is_sized_from_its_file(tmp_path):
     """A GGUF given by path: its parameters from its size and the bits per weight its name says
     (a sparse 40 GB Q4_K_M file: about 70B parameters), far beyond SmolLM2's stand-in."""
-    from testbed.sources.capture import MODEL_ID, estimate_dims
+    from testbed.sources.models import MODEL_ID, estimate_dims
 
     gguf = tmp_path / "big.Q4_K_M.gguf"
     with open(gguf, "wb") as f:

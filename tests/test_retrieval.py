@@ -43,13 +43,13 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from testbed.sources import capture
+    from testbed.sources import models
 
-    pytest.importorskip("transformers", reason=f"capture extra missing; install with: {capture.INSTALL_HINT}")
-    pytest.importorskip("gguf", reason=f"capture extra missing; install with: {capture.INSTALL_HINT}")
-    gguf = capture.locate_gguf()
+    pytest.importorskip("transformers", reason=f"capture extra missing; install with: {models.INSTALL_HINT}")
+    pytest.importorskip("gguf", reason=f"capture extra missing; install with: {models.INSTALL_HINT}")
+    gguf = models.locate_gguf()
     if gguf is None:
-        pytest.skip(f"SmolLM2 GGUF not found; install with: {capture.INSTALL_HINT}")
+        pytest.skip(f"SmolLM2 GGUF not found; install with: {models.INSTALL_HINT}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # the tokenizer load_model saves

@@ -142,12 +142,12 @@ ARMS = ["dynamic_cache", "float32", "knorm_pre_half", "stream_half"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     tmp = tmp_path_factory.mktemp("retrbudget")
     proto = {"name": "rb", "kind": "retrieval", "description": "tiny", "default": False,
              "retrieval": {"tasks": ["passkey"], "lengths": [256], "depths": [0.0, 1.0], "trials": 1, "batch": 2,
@@ -206,9 +206,9 @@ def test_inside_float32_policy_scores_as_the_reference_and_the_first_token_is_sh
 def test_inside_reference_equals_one_full_forward(run):
     """Independent of the cache machinery: the model over the whole sequence in one forward gives
     the stored inside reference log-probs and argmaxes."""
-    from testbed.sources import capture
+    from testbed.sources import models
 
-    model, _, _ = capture.load_model()
+    model, _, _ = models.load_model()
     res = _res(run)
     for case, rec in res["cases"]["rb"].items():
         ids = _arrays.load(run, rec["arrays"]["token_ids"]).astype(np.int64)
@@ -231,10 +231,10 @@ def test_inside_prefill_is_compressed_to_keep_tokens_of_haystack_and_question():
     from transformers import DynamicCache  # noqa: F401 - transformers present (capture extra)
 
     from testbed.live import shared_prefill
-    from testbed.sources import capture
+    from testbed.sources import models
 
-    model, tokenizer, _ = capture.load_model()
-    kw = capture.forward_kwargs(model)
+    model, tokenizer, _ = models.load_model()
+    kw = models.forward_kwargs(model)
     tr = retrieval.make_trial(tokenizer, "passkey", 512, 0.5, 7)
     P, n_q, n_a = 512, len(tr["question_ids"]), len(tr["answer_ids"])
     ids = torch.tensor([tr["prefill_ids"] + tr["question_ids"] + tr["answer_ids"]])

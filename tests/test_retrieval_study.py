@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from testbed.audit import audit
-from testbed.sources import capture
+from testbed.sources import models
 from tests import _arrays
 from tests._helpers import drop_row, forge_array, forge_results
 
@@ -43,9 +43,9 @@ def tiny_run(tmp_path_factory):
     from testbed.run import main as run_main
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {capture.INSTALL_HINT}")
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
     tmp = tmp_path_factory.mktemp("retrieval")
     out = tmp / "run"
     assert run_main(["--quiet", "--out", str(out), "--protocol", str(_tiny_protocol(tmp))]) == 0
@@ -94,7 +94,7 @@ def test_float32_policy_scores_as_the_reference(tiny_run):
 def test_reference_logprobs_equal_one_full_forward(tiny_run):
     """Independent of the cache machinery: the model over the whole sequence in one forward, no
     cache, gives the stored reference log-probs of the answer and its argmaxes."""
-    model, _, _ = capture.load_model()
+    model, _, _ = models.load_model()
     res = _res(tiny_run)
     for case, rec in res["cases"]["retrieval_tiny"].items():
         ids = _arrays.load(tiny_run, rec["arrays"]["token_ids"]).astype(np.int64)

@@ -157,11 +157,11 @@ def test_example_missing_model_folder_is_one_line_exit_2(tmp_path):
 def test_example_refuses_a_layer_the_model_does_not_have(tmp_path, capsys):
     import importlib.util
 
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     spec = importlib.util.spec_from_file_location("capture_any_model", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)

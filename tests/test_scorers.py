@@ -176,7 +176,7 @@ def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     cache) leaves the cache the model's own prefill through it leaves: same kept sets, same log-probs."""
     from testbed.live import scored_needs, shared_prefill
     from testbed.policies.cache import PolicyCache, policy_attention
-    from testbed.sources.capture import forward_kwargs
+    from testbed.sources.models import forward_kwargs
 
     model = _tiny()
     prefill, keep = 80, 70
@@ -291,11 +291,11 @@ def _protocol(base: Path, policies) -> Path:
 @pytest.fixture(scope="module")
 def scored_run(tmp_path_factory):
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     base = tmp_path_factory.mktemp("scored")
     (base / "my_scorers.py").write_text(USER_SCORER)
@@ -445,11 +445,11 @@ def test_scored_selections_in_the_retrieval_study(tmp_path):
     pass the audit (budgets derived per trial are tests/test_retrieval_budget.py's)."""
     from testbed.audit import audit
     from testbed.run import main as run_main
-    from testbed.sources import capture
+    from testbed.sources import models
 
     try:
-        capture.load_model()
-    except capture.CaptureUnavailable as e:
+        models.load_model()
+    except models.CaptureUnavailable as e:
         pytest.skip(f"capture unavailable: {e}")
     proto = json.loads((REPO / "protocols" / "retrieval_small.json").read_text())
     proto.update(name="retrieval_scored", default=False)

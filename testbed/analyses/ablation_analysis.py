@@ -2,7 +2,7 @@
 
 For every Case and every K/V arm (the cache as stored in float32, or its history quantized --
 4-bit grouped with and without a residual window, MXFP8 -- with the current chunk, which is not
-cached yet, left exact), every ablation of `testbed.ablation_core` is run: drop the sink, the recent
+cached yet, left exact), every ablation of `testbed.ablation` is run: drop the sink, the recent
 window, all history, keep the current chunk only, and the same-size controls. One row per
 (case, arm, ablation) carries the dropped mass ``tau``, ``TV(P, P')``, the attention-output
 relative L2 and cosine against the float64 full attention on the original K/V (so ``none`` on a
@@ -27,9 +27,9 @@ from collections import defaultdict
 import torch
 from tabulate import tabulate
 
-from ..ablation_core import (ABLATION_NAMES, DEFAULT_MAX_SCORES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl,
-                             MassSelections, ablate_arm_case, control_block, make_ablation,
-                             row_statistics)
+from ..ablation import (ABLATION_NAMES, MASS_ATTEMPTS, MASS_TOLERANCE, MassControl, MassSelections, ablate_arm_case,
+                        control_block, make_ablation, row_statistics)
+from ..attention import DEFAULT_MAX_SCORES
 from ..context import case_fields
 from ..metrics import history_span, holm, paired_wilcoxon
 from ..schema import Key, ProtocolError, Spec
@@ -223,7 +223,7 @@ def evaluate(case, params, ctx) -> list[dict]:
             regions = [r for r in REGION_FIELDS if r in res.region_mass]
             st = row_statistics(names, res, mres, regions)
             stats_paths = {key: ctx.store.save(f"{ctx.study}/{case.id}/ablation/{arm}/stats/{key}", t) for key, t in st.items()}
-            stats_layout = {"ablations": names, "regions": regions}  # the fields: testbed.ablation_core.STAT_FIELDS
+            stats_layout = {"ablations": names, "regions": regions}  # the fields: testbed.ablation.STAT_FIELDS
         region = {f"{r}_mass": (_mean(res.region_mass[r]) if r in res.region_mass else None) for r in REGION_FIELDS}
         for name in params["ablations"]:
             row = {"study": ctx.study, "analysis": "ablation", **base, "arm": arm, "ablation": name,

@@ -25,7 +25,7 @@ exactly the same keys in number:
   one row per draw.
 
 Each arm's output is a masked renormalized softmax per row over its kept keys (the ablation
-engine's per-row path, `testbed.ablation_core._drop_rows`, on the tiles of `metrics.score_tiles`)
+engine's per-row path, `testbed.ablation.drop_rows`, on the tiles of `metrics.score_tiles`)
 and its damage the attention-output relative L2 against the float64 full attention, over every
 row of the Case (and per query head). The top-k sets of every unit are stored bit-packed (one
 array per Case, ``[H, Tq, ceil(Tk / 8)]`` uint8, `numpy.packbits` along the keys) for the audit.
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from tabulate import tabulate
 
-from ..ablation_core import drop_rows
+from ..ablation import drop_rows
 from ..context import case_fields
 from ..metrics import effective_support, holm, paired_wilcoxon, score_tiles, top_counts
 from ..resources import DEFAULT_MAX_SCORES

@@ -5,7 +5,7 @@ the masked renormalized softmax directly (key by key, one head at a time, over t
 tile; one arm's decoded K/V are held at a time (an arm's rows come together), and the float32 arm's
 outputs once per case, as the quantized arms' reference.
 
-Independent of ``testbed.ablation_core``: the dropped spans are derived here from the layout and the
+Independent of ``testbed.ablation``: the dropped spans are derived here from the layout and the
 ablation's name (the same-size control is redrawn with stdlib ``random``), the kept set is applied
 as a mask on the scores (no atoms, no merging), and every reported number is recomputed.
 

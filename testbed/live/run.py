@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..policies import Policy
-from ..sources.capture import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, forward_kwargs, hardware_info,
-                               load_checked, load_model, software_info)
+from ..sources.models import (INSTALL_HINT, INSTALL_HINTS, MODELS, CaptureUnavailable, forward_kwargs, hardware_info,
+                              load_checked, load_model, software_info)
 from .corpus import corpus_text, segment_starts
 from .decode import chunk_schedule, run_arm
 from .peers import dynamic_bytes, quanto_bytes, warm_quanto

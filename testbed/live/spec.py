@@ -9,7 +9,7 @@ from ..policies import PRESETS, Policy
 from ..policies.compose import check_scored_prefill, policies_from
 from ..policies.policy import heavy_count
 from ..schema import Key, ProtocolError, Spec, check_value
-from ..sources.capture import MODELS, estimate_dims
+from ..sources.models import MODELS, estimate_dims
 
 
 REFERENCE = "dynamic_cache"
@@ -199,7 +199,7 @@ def estimate_bytes(p: dict, base: Path | None = None) -> int:
     (the shared prefill's K/V held beside one arm's cache, and the float32 oracle pass over the
     segment, run once per batch by the reference before its decode). A model given by path (relative to
     ``base``, the protocol's folder) is sized from its files before it is loaded
-    (:func:`testbed.sources.capture.estimate_dims`)."""
+    (:func:`testbed.sources.models.estimate_dims`)."""
     dims = estimate_dims(p["model"], base)
     vocab, layers, kv, d = dims["vocab"], dims["layers"], dims["kv_heads"], dims["head_dim"]
     b = min(p["batch"], len(segment_indices(p)))

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ..policies.policy import equal_bytes_budget, equal_bytes_versus
-from ..sources.capture import MODELS
+from ..sources.models import MODELS
 from .spec import REFERENCE, context_views
 
 
