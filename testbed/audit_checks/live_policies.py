@@ -87,7 +87,7 @@ DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window"
                       "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0, "layers": "uniform",
                       "beta": 20, "heads": "uniform", "alpha": 0.2}
 # scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
-# definitions, _scores); a user's scorer ("file.py:Class") is checked self-consistently only
+# definitions, live_scored._scores); a user's scorer ("file.py:Class") is checked self-consistently only
 AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o", "expected_attention")
 # scorers of attention whose prefill decision the audit re-derives from the recorded queries (the
 # last SNAPKV_WINDOW, the last one, or every one: None); online, or h2o's (every query), it checks

@@ -64,6 +64,11 @@ scored step i being token ``prefill + i + 1`` of the segment's stored ``token_id
 
 Outputs swapped whole between two quantized arms (log-probs, argmax, KL and summaries together)
 satisfy every bound: each arm's outputs are a real arm's outputs against the same reference.
+
+This module holds the row and study checks (``check``, ``check_study``, the segments and the
+bounds); what they check against is stated beside it: the policies, their bytes and chunk schedule
+in ``live_policies``, the evidence layer's re-encoding in ``live_evidence``, a scored selection's
+kept set in ``live_scored``.
 """
 
 from __future__ import annotations
