@@ -131,7 +131,7 @@ def test_per_head_fields_only_for_adaptive_arms():
     # actual cache's held tokens come to those bytes: test_heads_share_the_layers_count_and_bytes)
     assert ada.keep == uni.keep
     # the audit's own mapping of the declaration gives the same fields
-    from testbed.audit_checks.live_quality import declared_policy
+    from testbed.audit_checks.live_policies import declared_policy
 
     live = {"model": "SmolLM2-135M-Instruct.Q4_1", "prefill": proto["prefill"], "steps": proto["steps"],
             "window": proto["window"], "group": proto["group"], "evict_window": proto["evict_window"]}
@@ -547,7 +547,7 @@ def test_a_forged_per_head_split_fails(ada_run, tmp_path, arm, forgery):
     ``kept_set``: in head 0, its best kept token outside the window swapped for its worst dropped one
     (counts unchanged). The audit fails the arm every time."""
     from testbed.audit import audit
-    from testbed.audit_checks.live_quality import _attention_scores
+    from testbed.audit_checks.live_scored import _attention_scores
 
     run = tmp_path / "copy"
     shutil.copytree(ada_run, run)
@@ -703,7 +703,7 @@ def _knorm_case(keep=8, alpha=0.5, window=2, prefill=24, steps=3, scale=(1.0, 1.
 
 
 def _audit_adaptive(row, pol, live, a) -> _AuditCtx:
-    from testbed.audit_checks.live_quality import _adaptive_evidence
+    from testbed.audit_checks.live_scored import _adaptive_evidence
 
     ctx = _AuditCtx()
     _adaptive_evidence(row, ctx, pol, live, a, 0)
@@ -776,7 +776,8 @@ def test_the_audits_adaptive_kept_set_holds_a_scorers_kept_first():
     """``_check_adaptive`` with tova's own scores (its last prefill token always kept, scored here
     below every other, so only that rule keeps it): the honest split passes, a head that drops that
     token for its best dropped one fails."""
-    from testbed.audit_checks.live_quality import TOLERANCES, _check_adaptive
+    from testbed.audit_checks.common import TOLERANCES
+    from testbed.audit_checks.live_scored import _check_adaptive
 
     rng = np.random.default_rng(4)
     h, P, steps, keep, alpha = 3, 20, 2, 6, 0.2

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import testbed.audit as audit_mod
 from testbed.audit import audit
-from testbed.audit_checks import live_quality as live_check
+from testbed.audit_checks import live_evidence, live_scored
 from testbed.audit_checks import residual_window as rw_check
 from testbed.audit_checks.common import encode_int_grouped, pack_bits, unpack_bits
 from testbed.quant import IntGrouped, kernels
@@ -86,7 +86,8 @@ def payload_check_off():
     """The audit with its payload re-encoding comparison switched off (and nothing else)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rw_check, "payload_differences", lambda *a, **k: [])
-        mp.setattr(live_check, "payload_differences", lambda *a, **k: [])
+        mp.setattr(live_evidence, "payload_differences", lambda *a, **k: [])
+        mp.setattr(live_scored, "payload_differences", lambda *a, **k: [])
         yield
 
 

@@ -4,7 +4,7 @@
   it is the same policy);
 - a declaration that states a preset's fields builds that preset's policy (the declared form and the
   presets describe the same space);
-- the audit's own mapping of a declaration (``audit_checks.live_quality.declared_policy``) agrees
+- the audit's own mapping of a declaration (``audit_checks.live_policies.declared_policy``) agrees
   with the run side's on every field the rows carry;
 - bad declarations are refused at protocol time, naming the field;
 - end to end: a live study with declared policies (K grouped by 8 where the protocol says 16, a
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from testbed.audit import audit
-from testbed.audit_checks.live_quality import declared_policy
+from testbed.audit_checks.live_policies import declared_policy
 from testbed.policies import PRESETS, preset
 from testbed.policies.compose import Selection, Storage, compose, declared, decompose, policies_from
 from testbed.protocol import ProtocolError

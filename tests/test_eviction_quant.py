@@ -326,7 +326,7 @@ def test_a_forged_stored_kept_set_fails(evq_run, tmp_path, forgery):
     per-token scores (every count rewritten alike). The audit fails the arm every time."""
     from testbed.audit import audit
     from testbed.audit_checks.common import encode_tensor
-    from testbed.audit_checks.live_quality import _middle_config
+    from testbed.audit_checks.live_policies import middle_config
 
     run = tmp_path / "copy"
     shutil.copytree(evq_run, run)
@@ -347,7 +347,7 @@ def test_a_forged_stored_kept_set_fails(evq_run, tmp_path, forgery):
         for name, label in (("k", "key"), ("v", "value")):
             seq = np.take_along_axis(a[f"input.{name}"], idx.astype(np.int64)[..., None], axis=1)
             new[f"float.{name}"] = seq[:, 32:]
-            for arr, w in encode_tensor(seq[:, :32], _middle_config(st, name)).items():
+            for arr, w in encode_tensor(seq[:, :32], middle_config(st, name)).items():
                 if arr != "header":
                     new[f"{label}.{arr}"] = w
         for name, x in new.items():

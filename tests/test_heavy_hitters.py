@@ -179,7 +179,7 @@ def _measured_bytes(name: str, n: int) -> int:
 def test_bytes_match_uniform_int2_on_smollm2s_shape(n):
     """30 layers, 3 KV heads, D = 64: within 1 % of uniform int2 (R=128, G=32) and never above it,
     measured from the stored tensors and in the audit's own closed form."""
-    from testbed.audit_checks import live_quality as lq
+    from testbed.audit_checks import live_policies as lq
 
     hh, u = _measured_bytes("int2_hh", n), _measured_bytes("int2", n)
     assert hh <= u and (u - hh) / u < 0.01, (n, hh, u)

@@ -120,10 +120,10 @@ def test_stored_bytes_match_the_closed_form_at_every_step(pol):
 
 
 def test_the_audits_policy_table_states_every_preset():
-    """The audit's own statement of the presets (``live_quality.POLICY_TABLE``, written there, not
+    """The audit's own statement of the presets (``live_policies.POLICY_TABLE``, written there, not
     imported) gives each preset's parameters, closed-form bytes and chunk schedule: a preset added
     without its row, or with a row that says something else, fails here, not first in a live audit."""
-    from testbed.audit_checks import live_quality as lq
+    from testbed.audit_checks import live_policies as lq
 
     assert set(lq.POLICY_TABLE) == set(PRESETS)
     live = {"window": 16, "group": 16, "evict_window": 24, "sink": 4}
@@ -463,7 +463,7 @@ def _explicit_shares(q: np.ndarray, k: np.ndarray, c: int) -> np.ndarray:
 
 
 def test_sink_scores_equal_an_explicit_loop_and_the_audit():
-    from testbed.audit_checks.live_quality import sink_scores as audit_scores
+    from testbed.audit_checks.live_evidence import sink_scores as audit_scores
 
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(2, 6, 21, 8, generator=g) * 2, torch.randn(2, 2, 21, 8, generator=g)

@@ -238,7 +238,7 @@ def test_key_rope_is_validated_and_flows_through_compose():
 
 
 def test_the_audit_maps_a_declared_key_rope():
-    from testbed.audit_checks.live_quality import declared_policy
+    from testbed.audit_checks.live_policies import declared_policy
 
     live = {"window": 16, "group": 8, "evict_window": 12}
     entry = {"name": "p", "selection": {"kind": "all"}, "storage": {"middle": "int4", "key_rope": "pre"}}
@@ -249,7 +249,7 @@ def test_the_audit_maps_a_declared_key_rope():
 
 
 def test_the_audit_rotation_matches_the_runs():
-    from testbed.audit_checks.live_quality import rope_rotate as audit_rotate
+    from testbed.audit_checks.live_evidence import rope_rotate as audit_rotate
     from testbed.policies.cache import rope_rotate, rope_unrotate
 
     g = torch.Generator().manual_seed(1)

@@ -75,7 +75,7 @@ def _bytes(counts, steps, kv_heads=3, head_dim=64):
 @pytest.mark.parametrize("budget", [{"fp16_fraction": 0.5}, {"fp16_fraction": 0.7}, {"bytes_per_token": 9000.0}])
 @pytest.mark.parametrize("kind,beta", [("snapkv", 3), ("snapkv", 20), ("knorm", 2)])
 def test_a_pyramid_budget_is_the_whole_caches_within_one_percent(budget, kind, beta):
-    from testbed.audit_checks.live_quality import declared_policy
+    from testbed.audit_checks.live_policies import declared_policy
 
     prefill, steps = 1792, 256
     n = prefill + steps

@@ -423,7 +423,7 @@ def test_a_budget_out_of_reach_is_one_error_naming_the_arm(tmp_path):
 def test_the_audits_budget_is_the_runs(entry):
     """The audit derives a budget's kept count (or a StreamingLLM's window) on its own: the same fields
     as the run's at SmolLM2's dimensions and a 2,048 + 256 token segment."""
-    from testbed.audit_checks.live_quality import declared_policy
+    from testbed.audit_checks.live_policies import declared_policy
 
     live = {"model": "SmolLM2-135M-Instruct.Q4_1", "prefill": 2048, "steps": 256, "window": 128, "group": 32,
             "evict_window": 256, "policies": [entry]}

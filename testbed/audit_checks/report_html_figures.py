@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from .common import TOLERANCES
-from .live_quality import BUDGET_VERSUS, budget_of, versus_of
+from .live_policies import BUDGET_VERSUS, budget_of, versus_of
 from .report_format import label as _label
 from .report_format import ordered as _ordered
 

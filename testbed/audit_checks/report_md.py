@@ -66,7 +66,7 @@ from collections import Counter
 
 import numpy as np
 
-from . import ablation_audit, live_quality, mx_paths, observation, residual_window, retrieval, selective
+from . import ablation_audit, live_policies, live_quality, mx_paths, observation, residual_window, retrieval, selective
 from .common import TOLERANCES, strict_json
 from .completeness import ANALYSIS_DEFAULTS
 from .report_format import P, T, Num, cell_ok, fixed, render, text
@@ -111,7 +111,7 @@ def _live(rows, live: dict, timings: list, study: str) -> list:
 def _live_context(rows, live: dict, timings: list, study: str) -> list:
     if not rows:
         return [P("no rows", "(no rows: the live study was excluded")]
-    dims = live_quality.model_dims(live, rows[0])
+    dims = live_policies.model_dims(live, rows[0])
     # float16 bytes per token: the reference's (DynamicCache, sliding layers as it keeps them) halved
     refs = [r["bytes_per_token"] for r in rows if r.get("kind") == "reference"]
     f16 = float(np.mean(refs)) / 2 if refs else dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 2 * 2
@@ -153,8 +153,8 @@ def _live_context(rows, live: dict, timings: list, study: str) -> list:
     out = [T("live quality", LIVE_HEADERS, 1, trs)]
     etrs = []
     for arm in sorted(by_arm):
-        budget = live_quality.budget_of(arm)  # the equal-bytes pairing (live_quality.BUDGET_VERSUS)
-        other = None if budget is None else live_quality.versus_of(budget, by_arm)
+        budget = live_policies.budget_of(arm)  # the equal-bytes pairing (live_policies.BUDGET_VERSUS)
+        other = None if budget is None else live_policies.versus_of(budget, by_arm)
         if other is None or other == arm or other not in by_arm or set(by_arm[arm]) != set(by_arm[other]):
             continue
         ids = sorted(by_arm[arm])

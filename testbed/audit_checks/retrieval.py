@@ -10,7 +10,7 @@ For every (trial, arm) row, from the stored arrays and the frozen protocol:
   log-probabilities), ``tf_tokens_correct`` and ``tf_em`` (stored argmax against the answer ids),
   ``greedy_tokens_correct`` and ``greedy_em`` (stored generated tokens against the answer ids);
   the row's task, length, depth, trial and seed against its case; a policy's config against the
-  audit's own table of the presets (``live_quality.POLICY_TABLE``) or the protocol's declaration,
+  audit's own table of the presets (``live_policies.POLICY_TABLE``) or the protocol's declaration,
   a declared budget's kept count derived again per trial (:func:`trial_view`: the trial ends at
   prefill + question + answer tokens, the compressed prefill being the haystack, or the haystack
   and the question when the question is inside) and its whole-cache bytes at the trial's end
@@ -69,7 +69,8 @@ import numpy as np
 from . import report_format as fmt
 from .capture import MODELS, check_software, compare_fields, read_json
 from .common import HEADER_BYTES
-from .live_quality import SCORED_EXTRA, as_bytes, check_grid, policy_bytes, policy_names, policy_of, scored_held
+from .live_policies import SCORED_EXTRA, as_bytes, policy_bytes, policy_names, policy_of, scored_held
+from .live_quality import check_grid
 from .stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
