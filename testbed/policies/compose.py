@@ -26,7 +26,7 @@ scored selection's ``keep`` may come from a ``budget`` (:func:`budget_keep`), an
 vary over layers (PyramidKV: ``keep`` is the mean, the budget the whole cache's), and with ``"heads": "adaptive"``
 over a layer's KV heads (Ada-KV: ``keep`` is the mean over the heads); every other field takes its default
 below (no sink, K per channel, groups of 32 features, no per-head precision, no heavy hitters).
-The audit states the same mapping on its own (``audit_checks/live_quality.py``, ``declared_policy``)
+The audit states the same mapping on its own (``audit_checks/live_policies.py``, ``declared_policy``)
 and re-derives the bytes and the schedule from the frozen fields: a new combination is a protocol
 edit, not a code change.
 """
