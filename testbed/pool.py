@@ -103,7 +103,7 @@ def pool(parts: list[tuple[str, dict, list[dict]]]) -> dict:
                           delta_ci=None if ci is None else [100.0 * math.expm1(ci[0]), 100.0 * math.expm1(ci[1])],
                           worse=int((d > 0).sum()))
         arms.append(entry_)
-    arms.sort(key=lambda e: (e["arm"] != REFERENCE, -e["fp16_fraction"], e.get("delta_pct", 0.0), e["arm"]))
+    arms.sort(key=lambda e: (e["arm"] != REFERENCE, -round(e["fp16_fraction"], 3), e.get("delta_pct", 0.0), e["arm"]))
     return {"studies": [p[1]["name"] for p in parts], "segments": segs, "of": int(key["live"]["segments"]),
             "arms": arms}
 
