@@ -184,7 +184,8 @@ def _ada(keep, alpha=0.2, scorer="snapkv", **kw):
 def _run(model, pol, ids, prefill, step=False, spoil=False):
     """Log-probs of the prefill's last token and every later one through ``pol``'s cache; ``step``:
     the later tokens one per forward; ``spoil``: garbage written into every empty slot first."""
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     cache = PolicyCache.for_model(pol, model.config)
     out = []

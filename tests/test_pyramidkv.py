@@ -165,7 +165,8 @@ def _pyramid(mean, prefill, layers, beta, scorer="snapkv"):
 
 
 def _run(model, pol, ids, prefill):
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     cache = PolicyCache.for_model(pol, model.config)
     with torch.no_grad(), policy_attention(model):

@@ -2,7 +2,8 @@
 
 :class:`Policy` (one small dataclass, named presets in ``PRESETS``) and :class:`PolicyCache`, a
 transformers ``Cache`` of :class:`PolicyLayer` (a ``DynamicLayer`` subclass) that runs a policy in
-any causal LM. The cache module needs transformers (the ``capture`` extra); the policy does not.
+any causal LM (:mod:`.cache`; its layers in :mod:`.layers`, the attention function it runs under in
+:mod:`.hook`). Those modules need transformers (the ``capture`` extra); the policy does not.
 """
 
 from .policy import HEADER_BYTES, MIDDLE_SCHEMES, PRESETS, Policy, preset

@@ -72,7 +72,7 @@ _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 SINK_SELECT = ("first", "mass")
 # where the stored keys stand against the rotary embedding: "post" (as the model hands them to the
 # cache, rotated), or "pre" (un-rotated before storage, rotated again at every read: KVQuant's
-# pre-RoPE keys; testbed.policies.cache obtains them)
+# pre-RoPE keys; testbed.policies.layers obtains them)
 KEY_ROPE = ("post", "pre")
 # rules that choose which (layer, KV head) pairs of a mixed policy get the low bits
 ALLOC = ("concentrated", "diffuse", "late", "random")
@@ -219,7 +219,7 @@ class Policy:
     the model hands them to the cache, after the rotary embedding) or ``"pre"`` (stored before it,
     in every region, and rotated with each kept token's own position when attention reads them:
     KVQuant's pre-RoPE keys, so K per channel is quantized before the rotation mixes channel
-    pairs; :class:`testbed.policies.cache.PolicyLayer` says how the pre-RoPE key is obtained). The
+    pairs; :class:`testbed.policies.layers.PolicyLayer` says how the pre-RoPE key is obtained). The
     bytes are the same either way: positions are implied by the layout, as for post-RoPE keys."""
 
     name: str
