@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .evidence import load_array
-from .policies.policy import EQUAL_BYTES_VERSUS, equal_bytes_budget, equal_bytes_versus
+from .policies.presets import EQUAL_BYTES_VERSUS, equal_bytes_budget, equal_bytes_versus
 
 __all__ = ["build_html", "figure_data", "figure_layout", "CSP", "AGREEMENT_BLOCK"]
 

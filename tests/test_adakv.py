@@ -32,7 +32,8 @@ import torch
 
 from testbed.policies import scorers
 from testbed.policies.compose import declared
-from testbed.policies.policy import HEAD_FIELDS, PRESETS, Policy, preset, pyramid_keep, safeguard_count
+from testbed.policies.policy import HEAD_FIELDS, Policy, pyramid_keep, safeguard_count
+from testbed.policies.presets import PRESETS, preset
 from tests import _arrays
 from tests._helpers import audited_rows, rows_by_arm, tiny_live_run
 

@@ -24,7 +24,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from testbed.policies.compose import compose, declared, decompose
-from testbed.policies.policy import Policy, preset
+from testbed.policies.policy import Policy
+from testbed.policies.presets import preset
 from tests import _arrays
 from tests._helpers import audited_rows, rows_by_arm, tiny_live_run
 

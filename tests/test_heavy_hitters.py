@@ -405,7 +405,7 @@ def test_heavy_hitter_presets_refuse_a_window_that_cannot_pay_for_them():
 
 def test_a_model_whose_head_dim_cannot_pay_for_the_heavy_hitters_is_refused():
     from testbed import live
-    from testbed.policies.policy import heavy_count
+    from testbed.policies.presets import heavy_count
     from testbed.schema import ProtocolError
 
     p = {"model": "m", "evidence_layer": None, "window": 128, "group": 32, "evict_window": 256, "sink": 4,

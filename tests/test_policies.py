@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.policies import HEADER_BYTES, PRESETS, Policy, handoff, preset
-from testbed.policies.policy import HEAVY_PRESETS
+from testbed.policies.presets import HEAVY_PRESETS
 from testbed.policies.selection import choose_sink, sink_scores
 from testbed.policies.storage import PackedSpan
 from testbed.quant import MX, IntGrouped

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from testbed.live import chunk_schedule  # noqa: E402  (after the importorskip: live needs transformers)
 from testbed.policies import PRESETS, preset  # noqa: E402
-from testbed.policies.policy import HEAVY_PRESETS  # noqa: E402
+from testbed.policies.presets import HEAVY_PRESETS  # noqa: E402
 from testbed.policies.cache import PolicyCache, layer_kinds  # noqa: E402
 from testbed.policies.hook import policy_attention  # noqa: E402
 from testbed.policies.layers import PolicyLayer, SlidingLayer  # noqa: E402

@@ -27,7 +27,8 @@ import torch
 
 from testbed.policies import scorers
 from testbed.policies.compose import budget_keep, declared
-from testbed.policies.policy import PRESETS, Policy, preset, pyramid_keep
+from testbed.policies.policy import Policy, pyramid_keep
+from testbed.policies.presets import PRESETS, preset
 from tests import _arrays
 from tests._helpers import audited_rows, tiny_live_run
 

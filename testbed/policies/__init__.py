@@ -6,6 +6,7 @@ any causal LM (:mod:`.cache`; its layers in :mod:`.layers`, the attention functi
 :mod:`.hook`). Those modules need transformers (the ``capture`` extra); the policy does not.
 """
 
-from .policy import HEADER_BYTES, MIDDLE_SCHEMES, PRESETS, Policy, preset
+from .policy import HEADER_BYTES, MIDDLE_SCHEMES, Policy
+from .presets import PRESETS, preset
 
 __all__ = ["Policy", "PRESETS", "MIDDLE_SCHEMES", "preset", "HEADER_BYTES"]
