@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import DynamicCache, QuantizedCache
 
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     model, tok, _ = load_model(progress=lambda m: print(m, file=sys.stderr))
     kw = forward_kwargs(model)
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
 
 def _throughput(model, kw, ids) -> int:
     from testbed.live import chunk_schedule
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     pol = preset("int4", window=128, group=32)
     seg = ids[:, 1000:1000 + 513]

@@ -65,7 +65,7 @@ def torch_fold(query, layer, scaling):
 
 
 def _layer(policy, n, batch, seed=0):
-    from testbed.policies.cache import PolicyLayer
+    from testbed.policies.layers import PolicyLayer
 
     layer = PolicyLayer(policy, layer_idx=0)
     g = torch.Generator().manual_seed(seed)

@@ -26,7 +26,7 @@ Per (trial, question placement, arm):
 
 - **teacher forced**: the question (after only), then the answer but its last token, are fed through the arm's
   cache (a policy in chunks up to its next change of stored state, :func:`testbed.live.chunk_schedule`,
-  inside :func:`testbed.policies.cache.policy_attention`; quanto one token per forward; the
+  inside :func:`testbed.policies.hook.policy_attention`; quanto one token per forward; the
   reference in chunks of ``CHUNK``). Scored: the log-probability of every answer token (their sum
   is the answer's log-probability) and the argmax at each answer position; teacher-forced exact
   match (``tf_em``) = every answer token is the argmax.
@@ -358,7 +358,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
         else:
             cache = _new_cache(model, what, p)
             shared.load_into(cache)
-        from .policies.cache import policy_attention  # transformers: needed only once a model runs
+        from .policies.hook import policy_attention  # transformers: needed only once a model runs
 
         tf_schedule = arm_schedule(what, pre, fed.shape[1])
         q_schedule = arm_schedule(what, pre, question.shape[1])

@@ -52,11 +52,11 @@ def smollm2():
 def attention_block():
     """The test plays the attention calls itself inside a policy_attention block's flag; the
     block's pending state is cleared after it."""
-    cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: "
-                                    "pip install -e '.[capture]'")
-    cache_mod._ACTIVE[0] += 1
+    from testbed.policies import handoff
+
+    handoff.ACTIVE[0] += 1
     yield
-    cache_mod._ACTIVE[0] -= 1
-    cache_mod._PENDING.clear()
-    cache_mod._DIRECT.clear()
-    cache_mod._SELECT.clear()
+    handoff.ACTIVE[0] -= 1
+    handoff.PENDING.clear()
+    handoff.DIRECT.clear()
+    handoff.SELECT.clear()

@@ -32,7 +32,8 @@ import torch
 
 from testbed.policies import scorers
 from testbed.policies.compose import declared
-from testbed.policies.policy import HEAD_FIELDS, PRESETS, Policy, preset, pyramid_keep, safeguard_count
+from testbed.policies.policy import HEAD_FIELDS, Policy, pyramid_keep, safeguard_count
+from testbed.policies.presets import PRESETS, preset
 from tests import _arrays
 from tests._helpers import audited_rows, rows_by_arm, tiny_live_run
 
@@ -184,7 +185,8 @@ def _ada(keep, alpha=0.2, scorer="snapkv", **kw):
 def _run(model, pol, ids, prefill, step=False, spoil=False):
     """Log-probs of the prefill's last token and every later one through ``pol``'s cache; ``step``:
     the later tokens one per forward; ``spoil``: garbage written into every empty slot first."""
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     cache = PolicyCache.for_model(pol, model.config)
     out = []

@@ -24,7 +24,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from testbed.policies.compose import compose, declared, decompose
-from testbed.policies.policy import Policy, preset
+from testbed.policies.policy import Policy
+from testbed.policies.presets import preset
 from tests import _arrays
 from tests._helpers import audited_rows, rows_by_arm, tiny_live_run
 
@@ -49,7 +50,7 @@ def _scored(scorer="snapkv", keep=140, **kw):
 
 def _run(model, cache, ids, prefill):
     """Log-probs of the prefill's last token and every later one, one token per forward."""
-    from testbed.policies.cache import policy_attention
+    from testbed.policies.hook import policy_attention
 
     out = []
     with torch.no_grad(), policy_attention(model):
@@ -66,7 +67,7 @@ class _Reference(DynamicLayer):
 
     def __init__(self, kept: torch.Tensor, storage: Policy):
         super().__init__()
-        from testbed.policies.cache import PolicyLayer
+        from testbed.policies.layers import PolicyLayer
 
         self.kept, self.store, self.seen = kept, PolicyLayer(storage), 0
 
@@ -224,7 +225,8 @@ def test_quantized_storage_is_the_kept_set_fed_to_the_storage(scorer, middle):
 
 
 def test_bytes_follow_the_closed_form_at_every_step():
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     model = _llama()
     P, T = 200, 36
@@ -442,7 +444,8 @@ def test_mikv_at_int3s_bytes_lands_within_one_percent_below():
 def test_kept_int4_and_rest_int2_is_both_storages_fed_their_sequences():
     """Kept set stored int4 (window 16) and the rest int2: attention reads the rest, then the kept storage,
     then the new tokens; stated here with two existing storage layers fed the two sequences."""
-    from testbed.policies.cache import PolicyCache, PolicyLayer
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.layers import PolicyLayer
 
     class _Both(_Reference):
         def update(self, key_states, value_states, *args, **kwargs):

@@ -103,7 +103,8 @@ def test_with_one_query_and_one_future_position_it_is_the_next_querys_attention(
 
 
 def test_a_cache_without_the_models_rope_is_refused():
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
     from testbed.policies.policy import Policy
 
     m = _llama()

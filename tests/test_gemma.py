@@ -24,8 +24,9 @@ import torch
 from testbed.audit import audit
 from testbed.live import chunk_schedule
 from testbed.policies import PRESETS, preset
-from testbed.policies.policy import HEAVY_PRESETS
-from testbed.policies.cache import PolicyCache, policy_attention
+from testbed.policies.presets import HEAVY_PRESETS
+from testbed.policies.cache import PolicyCache
+from testbed.policies.hook import policy_attention
 from tests._helpers import oracle_kwargs
 from testbed.sources import models
 

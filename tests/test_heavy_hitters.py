@@ -22,11 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from testbed.policies import preset
+from testbed.policies import handoff, preset
+from testbed.policies.causal import accumulated_attention
+from testbed.policies.selection import observe_concentration
 from testbed.quant import IntGrouped
 
 cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: pip install -e '.[capture]'")
-PolicyLayer = cache_mod.PolicyLayer
+from testbed.policies.layers import PolicyLayer  # noqa: E402  (after the importorskip: it needs transformers)
 
 H, D, G_Q = 3, 64, 3  # KV heads, head dim, query heads per KV head (SmolLM2's shape per layer)
 
@@ -59,7 +61,7 @@ def _np_received(q: np.ndarray, k: np.ndarray) -> np.ndarray:
 def test_accumulated_attention_is_the_sum_of_softmax_rows():
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, H * G_Q, 5, D, generator=g), torch.randn(2, H, 12, D, generator=g)
-    got = cache_mod.accumulated_attention(q, k, D ** -0.5, block=2).numpy()
+    got = accumulated_attention(q, k, D ** -0.5, block=2).numpy()
     want = _np_received(q.numpy(), k.numpy())
     assert np.allclose(got, want, rtol=1e-10, atol=1e-12)
     # every query row gives out exactly one unit of attention per query head
@@ -82,7 +84,7 @@ def _drive(pol, n_prefill, steps, seed=0, batch=2, oracle=None):
         chunks.append(int(min(pol.next_change(done), n_prefill + steps - done)))
     for c in chunks:
         keys, values = layer.update(k[..., n:n + c, :], v[..., n:n + c, :])
-        assert cache_mod._SELECT.pop(0) is layer  # every update of a heavy-hitter layer asks for its attention
+        assert handoff.SELECT.pop(0) is layer  # every update of a heavy-hitter layer asks for its attention
         q = torch.randn(batch, H * G_Q, c, D, generator=gen)
         layer.observe_prefill(q, keys, D ** -0.5)
         n += c
@@ -170,7 +172,7 @@ def _measured_bytes(name: str, n: int) -> int:
     layer = PolicyLayer(pol, layer_idx=0)
     k, v = _kv(n, seed=n, batch=1)
     keys, _ = layer.update(k, v)
-    if cache_mod._SELECT.pop(0, None) is not None:
+    if handoff.SELECT.pop(0, None) is not None:
         layer.observe_prefill(torch.randn(1, H * G_Q, n, D), keys, D ** -0.5)
     return 30 * layer.stored_bytes()
 
@@ -207,10 +209,10 @@ def test_a_heavy_hitter_brings_attention_closer_to_float32_than_int2():
     for name, pol in (("hh", pol_h), ("int2", pol_u)):
         layer = PolicyLayer(pol, layer_idx=0)
         keys, values = layer.update(k[..., :n - 1, :], v[..., :n - 1, :])
-        if cache_mod._SELECT.pop(0, None) is not None:
+        if handoff.SELECT.pop(0, None) is not None:
             layer.observe_prefill(q[..., :n - 1, :], keys, D ** -0.5)
         keys, values = layer.update(k[..., n - 1:, :], v[..., n - 1:, :])
-        cache_mod._SELECT.pop(0, None)
+        handoff.SELECT.pop(0, None)
         kk, vv = keys.repeat_interleave(G_Q, 1), values.repeat_interleave(G_Q, 1)
         outs[name] = torch.softmax(q[..., n - 1:, :] @ kk.transpose(-1, -2) * D ** -0.5, -1) @ vv
         if name == "hh":
@@ -225,7 +227,7 @@ def test_a_missing_attention_call_is_an_error_at_the_next_update():
     layer = PolicyLayer(preset("int2_hh", window=24, group=8), layer_idx=0)
     k, v = _kv(50)
     layer.update(k[..., :40, :], v[..., :40, :])
-    cache_mod._SELECT.clear()  # the attention call never reports
+    handoff.SELECT.clear()  # the attention call never reports
     with pytest.raises(RuntimeError, match="never reported its attention"):
         layer.update(k[..., 40:41, :], v[..., 40:41, :])
 
@@ -403,7 +405,7 @@ def test_heavy_hitter_presets_refuse_a_window_that_cannot_pay_for_them():
 
 def test_a_model_whose_head_dim_cannot_pay_for_the_heavy_hitters_is_refused():
     from testbed import live
-    from testbed.policies.policy import heavy_count
+    from testbed.policies.presets import heavy_count
     from testbed.schema import ProtocolError
 
     p = {"model": "m", "evidence_layer": None, "window": 128, "group": 32, "evict_window": 256, "sink": 4,
@@ -430,8 +432,8 @@ def test_the_oracle_is_refused_on_a_model_with_sliding_layers_and_its_pass_refus
     with pytest.raises(ProtocolError, match=r"int2_hh_oracle ranks tokens by the whole segment's attention.*sliding"):
         live.check_model(p, dims, "s: live")
     live.check_model({**p, "policies": ["int2", "int2_hh"]}, dims, "s: live")  # the online rule is served
-    with cache_mod.observe_concentration(None, concentration_too=False, received=True) as seen:
-        observe = cache_mod._OBSERVER[0]
+    with observe_concentration(None, concentration_too=False, received=True) as seen:
+        observe = handoff.OBSERVER[0]
         g = torch.Generator().manual_seed(0)
         observe(0, torch.randn(1, 3, 8, D, generator=g), torch.randn(1, 1, 8, D, generator=g), D ** -0.5)
         with pytest.raises(RuntimeError, match="no sliding window"):

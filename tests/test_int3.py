@@ -218,7 +218,8 @@ def test_a_live_int3_cache_in_a_tiny_model_stores_exactly_its_policy_bytes():
     pytest.importorskip("transformers")
     import transformers as tf
 
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
     from testbed.sources.models import forward_kwargs
 
     layers, kv, d = 2, 2, 64

@@ -106,7 +106,9 @@ def test_per_head_bits_in_the_model_follow_the_prefill_and_chunks_equal_steps(sm
     the rule's from what the model showed; half of the 90 pairs are int2; chunked teacher forcing
     stores the same bytes as one token per forward and gives its log-probs within 1e-4."""
     from testbed.live import chunk_schedule
-    from testbed.policies.cache import PolicyCache, allocate, observe_concentration, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
+    from testbed.policies.selection import allocate, observe_concentration
 
     model, tok = smollm2
     pol = preset("mix24_concentrated", window=32, group=32)
@@ -136,7 +138,8 @@ def test_masked_eviction_chunks_equal_one_token_per_forward(smollm2):
     """An evicting cache given 48 tokens in one forward (window 16: most of its keys already evicted
     for the later tokens) gives what 48 one-token forwards give; outside policy_attention (no
     mask) the chunk is refused."""
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     model, tok = smollm2
     pol = preset("streaming", sink=4, evict_window=16)
@@ -154,7 +157,8 @@ def test_direct_attention_in_the_model_equals_decode_then_attend(smollm2, monkey
     decode-then-attend within 1e-4, one token per forward and in a chunk (the kernel serves the
     chunk too here: by default a chunk this long takes the definition)."""
     from testbed.policies import packed_attention as pa
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     monkeypatch.setattr(pa, "KERNEL_MAX_ROWS", 10 ** 9)
     calls, kernel = [], pa._attend
@@ -446,7 +450,8 @@ def test_shared_prefill_equals_the_arms_own_prefill(smollm2, arm):
 
     from testbed.live import mass_candidates, run_arm, chunk_schedule, shared_prefill
     from testbed.sources.models import forward_kwargs
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     model, tok = smollm2
     kw = forward_kwargs(model)

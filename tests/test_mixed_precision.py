@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from testbed.policies import Policy, preset
+from testbed.policies import Policy, handoff, preset
+from testbed.policies.selection import allocate, concentration
 
 cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: pip install -e '.[capture]'")
 
@@ -42,7 +43,7 @@ def _drive(pol, n_prefill, steps, seed=0, batch=2, record=None):
     q = _queries(batch, n_prefill, seed + 1)
     for i, layer in enumerate(cache.layers):
         keys, _ = layer.update(k[i, ..., :n_prefill, :], v[i, ..., :n_prefill, :])
-        if cache_mod._SELECT.pop(i, None) is not None:
+        if handoff.SELECT.pop(i, None) is not None:
             layer.observe_prefill(q[i], keys, D ** -0.5)
     cache.finish_prefill()
     return cache, k, v, q
@@ -64,13 +65,13 @@ def _np_concentration(q, k):
 def test_concentration_is_the_mean_effective_support_of_the_causal_rows():
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, HQ, 40, D, generator=g), torch.randn(2, H, 40, D, generator=g) * 3
-    got = cache_mod.concentration(q, k, D ** -0.5, block=16)  # blocks that do not divide t
+    got = concentration(q, k, D ** -0.5, block=16)  # blocks that do not divide t
     for b in range(2):
         np.testing.assert_allclose(got[b].numpy(), _np_concentration(q[b].numpy(), k[b].numpy()), rtol=1e-5)
-    uniform = cache_mod.concentration(torch.zeros(1, HQ, 40, D), k[:1], D ** -0.5)
+    uniform = concentration(torch.zeros(1, HQ, 40, D), k[:1], D ** -0.5)
     np.testing.assert_allclose(uniform.numpy(), 1.0, rtol=1e-6)  # every row uniform over what it sees
     sharp_q = k[:1, :, :1].repeat_interleave(3, dim=1).expand(1, HQ, 40, D) * 40.0  # every query at token 0
-    sharp = cache_mod.concentration(sharp_q, k[:1], D ** -0.5)
+    sharp = concentration(sharp_q, k[:1], D ** -0.5)
     # one-hot rows: exp(0) / (i + 1) for the query at i, whose mean is the harmonic number over t
     np.testing.assert_allclose(sharp.numpy(), sum(1 / (i + 1) for i in range(40)) / 40, rtol=1e-3)
 
@@ -81,7 +82,7 @@ def test_the_rules_give_the_low_bits_to_the_right_pairs_and_exactly_their_share(
         for alloc in ("concentrated", "diffuse", "late", "random"):
             pol = Policy("m", "int8" if share > 0.6 else "int4", window=16, group=16, low="int2", low_share=share,
                          alloc=alloc)
-            low = cache_mod.allocate(pol, scores)
+            low = allocate(pol, scores)
             count = round(share * L * H)
             assert low.shape == (3, L, H) and all(int(low[b].sum()) == count for b in range(3))
             for b in range(3):
@@ -260,7 +261,7 @@ def test_the_rules_pick_the_pairs_planted_in_a_hand_built_score_array():
 
     def chosen(alloc, share):
         pol = Policy("m", "int4", window=16, group=16, low="int2", low_share=share, alloc=alloc)
-        return sorted(map(tuple, torch.nonzero(cache_mod.allocate(pol, scores)[0]).tolist()))
+        return sorted(map(tuple, torch.nonzero(allocate(pol, scores)[0]).tolist()))
 
     assert chosen("concentrated", 0.5) == sorted(low_pairs)
     assert chosen("diffuse", 0.5) == sorted(high_pairs)
@@ -269,4 +270,4 @@ def test_the_rules_pick_the_pairs_planted_in_a_hand_built_score_array():
     assert chosen("late", 0.5) == [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]  # the last two layers
     flat = torch.full((1, L, H), 0.5, dtype=torch.float64)  # all tied: the lowest flat indices
     pol = Policy("m", "int4", window=16, group=16, low="int2", low_share=0.25, alloc="concentrated")
-    assert sorted(map(tuple, torch.nonzero(cache_mod.allocate(pol, flat)[0]).tolist())) == [(0, 0), (0, 1), (0, 2)]
+    assert sorted(map(tuple, torch.nonzero(allocate(pol, flat)[0]).tolist())) == [(0, 0), (0, 1), (0, 2)]

@@ -134,7 +134,8 @@ def test_the_shared_pass_is_each_arms_own_pass(tiny):
 
     from testbed import live
     from testbed.policies import preset
-    from testbed.policies.cache import observe_concentration, policy_attention
+    from testbed.policies.hook import policy_attention
+    from testbed.policies.selection import observe_concentration
     from testbed.sources.models import forward_kwargs, load_model
 
     proto, ctx, units = _units(tiny, ORACLES, evidence_layer=1)

@@ -11,12 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.policies import PRESETS, Policy, preset
-from testbed.policies.policy import HEAVY_PRESETS
+from testbed.policies import HEADER_BYTES, PRESETS, Policy, handoff, preset
+from testbed.policies.presets import HEAVY_PRESETS
+from testbed.policies.selection import choose_sink, sink_scores
+from testbed.policies.storage import PackedSpan
 from testbed.quant import MX, IntGrouped
 
-cache_mod = pytest.importorskip("testbed.policies.cache", reason="the live cache needs transformers: pip install -e '.[capture]'")
-PolicyLayer = cache_mod.PolicyLayer
+PolicyLayer = pytest.importorskip("testbed.policies.layers",
+                                  reason="the live cache needs transformers: pip install -e '.[capture]'").PolicyLayer
 
 H, D = 3, 64
 
@@ -25,19 +27,19 @@ H, D = 3, 64
 def attention_block():
     """These tests drive PolicyLayer.update by hand and play the attention call themselves: they
     stand inside a policy_attention block (the flag it sets), and leave no mask behind."""
-    cache_mod._ACTIVE[0] += 1
+    handoff.ACTIVE[0] += 1
     yield
-    cache_mod._ACTIVE[0] -= 1
-    cache_mod._PENDING.clear()
-    cache_mod._DIRECT.clear()
-    cache_mod._SELECT.clear()
+    handoff.ACTIVE[0] -= 1
+    handoff.PENDING.clear()
+    handoff.DIRECT.clear()
+    handoff.SELECT.clear()
 
 
 def _update(layer, k, v, seed=1):
     """``layer.update`` as a model's attention layer makes it: a prefill whose sink is chosen from
     attention gets the attention call's queries (random, 3 query heads per KV head) right after."""
     keys, values = layer.update(k, v)
-    if cache_mod._SELECT.pop(layer.layer_idx, None) is not None:
+    if handoff.SELECT.pop(layer.layer_idx, None) is not None:
         g = torch.Generator().manual_seed(seed)
         q = torch.randn(k.shape[0], 3 * k.shape[1], k.shape[2], k.shape[3], generator=g)
         layer.observe_prefill(q, keys, k.shape[-1] ** -0.5)
@@ -45,7 +47,7 @@ def _update(layer, k, v, seed=1):
 
 
 def test_a_mask_or_direct_read_outside_policy_attention_is_refused_at_once():
-    cache_mod._ACTIVE[0] -= 1
+    handoff.ACTIVE[0] -= 1
     try:
         k, v = _kv(100)
         layer = PolicyLayer(preset("streaming", sink=4, evict_window=16), layer_idx=0)
@@ -57,7 +59,7 @@ def test_a_mask_or_direct_read_outside_policy_attention_is_refused_at_once():
         with pytest.raises(RuntimeError, match="policy_attention"):
             direct.update(k[..., 60:61, :], v[..., 60:61, :])
     finally:
-        cache_mod._ACTIVE[0] += 1
+        handoff.ACTIVE[0] += 1
 
 
 def _kv(n, seed=0, batch=2):
@@ -114,7 +116,7 @@ def test_stored_bytes_match_the_closed_form_at_every_step(pol):
     n = 0
     for c in (7, 1, 1, 16, 3, 30, 1, 1, 1, 59):
         _update(layer, k[..., n:n + c, :], v[..., n:n + c, :])
-        cache_mod._PENDING.clear()  # no attention call here to consume an eviction mask
+        handoff.PENDING.clear()  # no attention call here to consume an eviction mask
         n += c
         assert layer.stored_bytes() == _bytes_formula(pol, n) == pol.layer_bytes(n, H, D), (pol.name, n)
 
@@ -177,12 +179,12 @@ def test_an_eviction_mask_gives_each_chunk_token_what_one_token_per_forward_sees
     k, v = _kv(140, seed=5)
     chunked, step = PolicyLayer(pol, layer_idx=0), PolicyLayer(pol, layer_idx=1)
     chunked.update(k[..., :60, :], v[..., :60, :])
-    cache_mod._PENDING.clear()
+    handoff.PENDING.clear()
     step.update(k[..., :60, :], v[..., :60, :])
-    cache_mod._PENDING.clear()
+    handoff.PENDING.clear()
     for a, b in ((60, 61), (61, 100), (100, 140)):  # chunks longer than the window too
         keys, _ = chunked.update(k[..., a:b, :], v[..., a:b, :])
-        mask = cache_mod._PENDING.pop(0, (None, None))[1]
+        mask = handoff.PENDING.pop(0, (None, None))[1]
         assert (mask is None) == (b - a == 1)
         for i in range(a, b):
             want, _ = step.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
@@ -193,7 +195,7 @@ def test_an_eviction_mask_gives_each_chunk_token_what_one_token_per_forward_sees
         chunked.update(k[..., :2, :], v[..., :2, :])
     step.layer_idx = 0
     step.update(k[..., :2, :], v[..., :2, :])  # a mask another layer object left is not this one's
-    cache_mod._PENDING.clear()
+    handoff.PENDING.clear()
     assert pol.next_change(100, masked=True) == math.inf
 
 
@@ -260,7 +262,7 @@ def test_chunked_appends_store_the_same_state_as_one_token_at_a_time():
         while n < 150:
             c = int(min(pol.next_change(n), 150 - n))
             a.update(k[..., n:n + c, :], v[..., n:n + c, :])
-            cache_mod._PENDING.clear()  # no attention call here to consume an eviction mask
+            handoff.PENDING.clear()  # no attention call here to consume an eviction mask
             for i in range(n, n + c):
                 b.update(k[..., i:i + 1, :], v[..., i:i + 1, :])
             n += c
@@ -347,8 +349,8 @@ def _packed_layer(batch, hkv, n, d, bits, group, fgroup, seed):
     k = torch.randn(batch, hkv, n, d, generator=g) * 2.0
     k[..., 1] += 6.0  # an outlier channel: its zero-point dominates the score
     v = torch.randn(batch, hkv, n, d, generator=g) + torch.linspace(-2, 2, d)
-    mk = cache_mod._PackedSpan(IntGrouped(bits, group, "channel"), "k")
-    mv = cache_mod._PackedSpan(IntGrouped(bits, fgroup, "token"), "v")
+    mk = PackedSpan(IntGrouped(bits, group, "channel"), "k")
+    mv = PackedSpan(IntGrouped(bits, fgroup, "token"), "v")
     mk.append(k)
     mv.append(v)
     return SimpleNamespace(mid_k=mk, mid_v=mv)
@@ -468,7 +470,7 @@ def test_sink_scores_equal_an_explicit_loop_and_the_audit():
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(2, 6, 21, 8, generator=g) * 2, torch.randn(2, 2, 21, 8, generator=g)
     want = _explicit_shares(q.double().numpy(), k.double().numpy(), 13)
-    got = cache_mod.sink_scores(q, k, 8 ** -0.5, 13, block=5)  # blocks of queries that do not divide t
+    got = sink_scores(q, k, 8 ** -0.5, 13, block=5)  # blocks of queries that do not divide t
     assert np.allclose(got.numpy(), want, rtol=1e-5, atol=1e-7)
     for bi in range(2):
         assert np.allclose(audit_scores(q[bi].numpy(), k[bi].numpy())[:, :13], want[bi], rtol=1e-10, atol=1e-12)
@@ -476,8 +478,8 @@ def test_sink_scores_equal_an_explicit_loop_and_the_audit():
 
 def test_choose_sink_takes_the_largest_ties_to_the_lower_index_in_order():
     scores = torch.tensor([[[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]], [[5.0, 0.0, 0.0, 0.0, 0.0, 6.0]]])
-    assert cache_mod.choose_sink(scores, 2).tolist() == [[[1, 2]], [[0, 5]]]
-    assert cache_mod.choose_sink(scores, 4).tolist() == [[[1, 2, 4, 5]], [[0, 1, 2, 5]]]
+    assert choose_sink(scores, 2).tolist() == [[[1, 2]], [[0, 5]]]
+    assert choose_sink(scores, 4).tolist() == [[[1, 2, 4, 5]], [[0, 1, 2, 5]]]
 
 
 def test_a_chosen_sink_holds_the_most_attended_tokens_at_the_first_sinks_bytes():
@@ -492,7 +494,7 @@ def test_a_chosen_sink_holds_the_most_attended_tokens_at_the_first_sinks_bytes()
     q[0, 0:3, :, :] = 0.5 * k[0, 0, 9]   # query heads 0-2 serve KV head 0
     q[0, 6:9, :, :] = 0.5 * k[0, 2, 3]   # 6-8 serve KV head 2
     keys, _ = layer.update(k[..., :64, :], v[..., :64, :])
-    assert cache_mod._SELECT.pop(0) is layer and layer.stored_bytes() == cache_mod.HEADER_BYTES  # nothing committed yet
+    assert handoff.SELECT.pop(0) is layer and layer.stored_bytes() == HEADER_BYTES  # nothing committed yet
     layer.observe_prefill(q, keys, D ** -0.5)
     first.update(k[..., :64, :], v[..., :64, :])
     idx = layer.sink_index[0]
@@ -516,7 +518,7 @@ def test_a_prefill_whose_sink_was_never_chosen_is_an_error_at_the_next_update():
     layer = PolicyLayer(preset("int4_sinkmass4", window=16, group=16, sink=4), layer_idx=0)
     k, v = _kv(70)
     layer.update(k[..., :64, :], v[..., :64, :])
-    cache_mod._SELECT.clear()  # the attention call never came
+    handoff.SELECT.clear()  # the attention call never came
     with pytest.raises(RuntimeError, match="sink was never chosen"):
         layer.update(k[..., 64:65, :], v[..., 64:65, :])
 

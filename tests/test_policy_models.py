@@ -20,9 +20,10 @@ pytest.importorskip("transformers")
 
 from testbed.live import chunk_schedule  # noqa: E402  (after the importorskip: live needs transformers)
 from testbed.policies import PRESETS, preset  # noqa: E402
-from testbed.policies.policy import HEAVY_PRESETS  # noqa: E402
-from testbed.policies.cache import (PolicyCache, PolicyLayer, SlidingLayer, layer_kinds,  # noqa: E402
-                                    policy_attention)
+from testbed.policies.presets import HEAVY_PRESETS  # noqa: E402
+from testbed.policies.cache import PolicyCache, layer_kinds  # noqa: E402
+from testbed.policies.hook import policy_attention  # noqa: E402
+from testbed.policies.layers import PolicyLayer, SlidingLayer  # noqa: E402
 from testbed.sources.models import forward_kwargs  # noqa: E402
 from tests._helpers import oracle_kwargs  # noqa: E402
 

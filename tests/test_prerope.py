@@ -19,7 +19,9 @@ import torch
 pytest.importorskip("transformers")
 
 from testbed.live import chunk_schedule  # noqa: E402
-from testbed.policies.cache import PolicyCache, PolicyLayer, policy_attention  # noqa: E402
+from testbed.policies.cache import PolicyCache  # noqa: E402
+from testbed.policies.hook import policy_attention  # noqa: E402
+from testbed.policies.layers import PolicyLayer  # noqa: E402
 from testbed.policies.compose import Selection, Storage, compose, declared, decompose  # noqa: E402
 from testbed.policies.policy import Policy  # noqa: E402
 
@@ -250,7 +252,7 @@ def test_the_audit_maps_a_declared_key_rope():
 
 def test_the_audit_rotation_matches_the_runs():
     from testbed.audit_checks.live_evidence import rope_rotate as audit_rotate
-    from testbed.policies.cache import rope_rotate, rope_unrotate
+    from testbed.policies.rope import rope_rotate, rope_unrotate
 
     g = torch.Generator().manual_seed(1)
     k = torch.randn(1, 3, 7, 8, generator=g)

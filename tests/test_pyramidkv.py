@@ -27,7 +27,8 @@ import torch
 
 from testbed.policies import scorers
 from testbed.policies.compose import budget_keep, declared
-from testbed.policies.policy import PRESETS, Policy, preset, pyramid_keep
+from testbed.policies.policy import Policy, pyramid_keep
+from testbed.policies.presets import PRESETS, preset
 from tests import _arrays
 from tests._helpers import audited_rows, tiny_live_run
 
@@ -165,7 +166,8 @@ def _pyramid(mean, prefill, layers, beta, scorer="snapkv"):
 
 
 def _run(model, pol, ids, prefill):
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     cache = PolicyCache.for_model(pol, model.config)
     with torch.no_grad(), policy_attention(model):

@@ -91,7 +91,8 @@ def _tiny():
 
 
 def _run(model, pol, ids, chunks):
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
 
     cache = PolicyCache.for_model(pol, model.config, record_layer=1)
     out, bytes_, n = [], [], 0
@@ -175,7 +176,8 @@ def test_a_shared_prefill_keeps_what_the_arms_own_prefill_keeps(scorer, mode):
     """The live study's shared float32 prefill (K/V, last queries, accumulated attention handed to the
     cache) leaves the cache the model's own prefill through it leaves: same kept sets, same log-probs."""
     from testbed.live import scored_needs, shared_prefill
-    from testbed.policies.cache import PolicyCache, policy_attention
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
     from testbed.sources.models import forward_kwargs
 
     model = _tiny()

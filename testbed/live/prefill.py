@@ -20,11 +20,11 @@ class SharedPrefill:
     """One float32 prefill of a batch, shared by every arm: the post-RoPE K/V of every layer
     ``[B, H_kv, P, D]`` (what the model's own prefill hands any cache's ``update``), and, when a
     policy chooses its sink from attention, the prefill's sink scores per layer over the first
-    ``candidates`` tokens (:func:`testbed.policies.cache.sink_scores`); when a mixed policy
+    ``candidates`` tokens (:func:`testbed.policies.selection.sink_scores`); when a mixed policy
     allocates its bits from the prefill's attention, each layer's head concentration ``[B, H_kv]``
-    (:func:`testbed.policies.cache.concentration`); in either case the queries of batch row 0 of
+    (:func:`testbed.policies.selection.concentration`); in either case the queries of batch row 0 of
     the ``record_layer`` (the audit's evidence); when a policy keeps heavy hitters, each layer's
-    accumulated attention ``[B, H_kv, P]`` (:func:`testbed.policies.cache.accumulated_attention`); when
+    accumulated attention ``[B, H_kv, P]`` (:func:`testbed.policies.causal.accumulated_attention`); when
     a scored selection reads the prefill's attention (:mod:`testbed.policies.scorers`), each layer's
     last ``query_tail`` queries ``[B, H_q, w, D]`` and attention scale; when asked (the retrieval
     study's question inside the prefill), the logits of the prefill's last position ``last`` [B, V]."""
@@ -62,7 +62,7 @@ class SharedPrefill:
         layers, as the model's prefill forward would (``update`` per layer; a policy layer whose
         sink is chosen from attention, or whose bits are, takes the recorded scores instead of an
         attention call)."""
-        from ..policies.cache import PolicyLayer
+        from ..policies.layers import PolicyLayer
         from ..policies.scored import ScoredLayer
 
         with torch.no_grad():
@@ -115,9 +115,10 @@ def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ..policies.cache import accumulated_attention, capture_rope
-    from ..policies.cache import concentration as head_concentration
-    from ..policies.cache import sink_scores
+    from ..policies.causal import accumulated_attention
+    from ..policies.hook import capture_rope
+    from ..policies.selection import concentration as head_concentration
+    from ..policies.selection import sink_scores
 
     n_layers = int(model.config.num_hidden_layers)
     scores: list = [None] * n_layers
@@ -218,13 +219,14 @@ class OraclePasses:
 def oracle_passes(model, kw, ids: torch.Tensor, p: dict, record_layer: int | None) -> OraclePasses | None:
     """The float32 pass over the whole segments ``ids [B, P + steps + 1]`` that the study's oracle
     arms decide from, once per distinct schedule of theirs (in the arms' own forward calls, through
-    a ``DynamicCache`` inside :func:`testbed.policies.cache.policy_attention`, as each arm ran its
+    a ``DynamicCache`` inside :func:`testbed.policies.hook.policy_attention`, as each arm ran its
     own before): the concentration when a mixed oracle arm reads it, the accumulated attention when
     a heavy-hitter oracle does (separate sums over the same attention calls), ``record_layer``'s
     queries and keys. None when the study has no oracle arm."""
     from transformers import DynamicCache
 
-    from ..policies.cache import observe_concentration, policy_attention
+    from ..policies.hook import policy_attention
+    from ..policies.selection import observe_concentration
 
     groups: dict = {}
     for pol in policies_of(p):

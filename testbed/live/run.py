@@ -174,7 +174,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         ref_argmax = res["argmax"]
         kind, mode = "reference", "chunked"
     elif isinstance(what, Policy):
-        from ..policies.cache import PolicyCache, policy_attention
+        from ..policies.cache import PolicyCache
+        from ..policies.hook import policy_attention
 
         scores = received = None
         schedule = chunk_schedule(what, p["prefill"], p["steps"], p["mode"], p["reference_chunk"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..policies import PRESETS, Policy
 from ..policies.compose import check_scored_prefill, policies_from
-from ..policies.policy import heavy_count
+from ..policies.presets import heavy_count
 from ..schema import Key, ProtocolError, Spec, check_value
 from ..sources.models import MODELS, estimate_dims
 

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ..policies.policy import equal_bytes_budget, equal_bytes_versus
+from ..policies.presets import equal_bytes_budget, equal_bytes_versus
 from ..sources.models import MODELS
 from .spec import REFERENCE, context_views
 
@@ -59,7 +59,7 @@ def comparator(arm: str, arms) -> str | None:
     study runs it, else with ``mix24_random``, the content-blind allocation of the same bytes;
     ``int2_hh`` (heavy hitters at int2's bytes), ``int2_hh_first`` (its content-blind control) and
     ``int2_hh_oracle`` (its oracle bound) with uniform ``int2``; None when that arm is absent
-    (:data:`testbed.policies.policy.EQUAL_BYTES_VERSUS`)."""
+    (:data:`testbed.policies.presets.EQUAL_BYTES_VERSUS`)."""
     budget = equal_bytes_budget(arm)
     other = None if budget is None else equal_bytes_versus(budget, arms)
     return other if other != arm else None

@@ -37,8 +37,9 @@ import re
 from dataclasses import dataclass, fields
 
 from . import scorers
-from .policy import (ADA_ALPHA, HEAD_SCHEDULES, HEADER_BYTES, LAYER_SCHEDULES, PRESETS, SCORED_TOKEN_EXTRA, Policy, preset,
-                     pyramid_keep, scored_held)
+from .policy import (ADA_ALPHA, HEAD_SCHEDULES, HEADER_BYTES, LAYER_SCHEDULES, SCORED_TOKEN_EXTRA, Policy, pyramid_keep,
+                     scored_held)
+from .presets import PRESETS, preset
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
            "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill", "as_bytes",

@@ -11,6 +11,9 @@ transformers' rope types), so that no module of the model is needed.
 Refused (``ValueError``): a partial rotary embedding (``partial_rotary_factor`` < 1: only part of
 each head is rotated, which this module does not model) and a rope type that changes with the
 sequence length (``dynamic``), whose angles at a future position are not known at the prefill.
+
+A layer that stores pre-RoPE keys (``Policy.key_rope == "pre"``) un-rotates and rotates them with the
+very ``(cos, sin)`` the model called its attention module with: :func:`rope_unrotate`, :func:`rope_rotate`.
 """
 
 from __future__ import annotations
@@ -19,13 +22,30 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Rotary", "rotary", "rotate_half"]
+__all__ = ["Rotary", "rotary", "rotate_half", "rope_rotate", "rope_unrotate"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[-x2, x1]`` for ``x = [x1, x2]`` split along the last axis: the 90° turn RoPE adds ``sin`` times."""
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def rope_rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``k [B, H, t, D]`` rotated by the rotary embedding ``cos``, ``sin`` ``[B, t, D]`` as
+    transformers' ``apply_rotary_pos_emb`` rotates it (``k cos + rotate_half(k) sin``), in float32."""
+    c, s = cos.to(torch.float32)[:, None], sin.to(torch.float32)[:, None]
+    return k * c + rotate_half(k) * s
+
+
+def rope_unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rope_rotate` with the same ``cos``, ``sin``: each channel pair (i, i + D/2)
+    was multiplied by ``[[c, -s], [s, c]]``, whose inverse is ``[[c, s], [-s, c]] / (c² + s²)``
+    (c² + s² is 1 for RoPE up to rounding, a rope type's attention scaling squared otherwise), so the
+    pre-RoPE key comes back exactly up to float32 rounding."""
+    c, s = cos.to(torch.float32)[:, None], sin.to(torch.float32)[:, None]
+    return (k * c - rotate_half(k) * s) / (c * c + s * s)
+
 
 
 @dataclass(frozen=True)

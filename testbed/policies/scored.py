@@ -20,7 +20,7 @@ decision compares a new token with).
 Kept keys keep the positions they were rotated with. Every held key is older than every new query,
 but once tokens were dropped the model's causal mask (by position) no longer lines up with the held
 keys: a chunk of several tokens then gets its own mask (held keys visible to all, new keys causal)
-through :func:`testbed.policies.cache.policy_attention`.
+through :func:`testbed.policies.hook.policy_attention`.
 
 Adaptive per-head budgets (``heads="adaptive"``, prefill mode only; Feng et al., 2024, "Ada-KV:
 Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference"; kvpress
@@ -41,7 +41,7 @@ too, probabilities being at most one). Heads then hold different counts: the lay
 dense ``[B, H, N]`` layout, N the largest count, each head's kept tokens first in arrival order and
 the slots after its count empty (zero K and V, index -1, score 0), and every attention call after
 the prefill gets a per-head mask that hides the empty slots (``mask_hook`` with a ``[B, H, t, N +
-t]`` mask; :func:`testbed.policies.cache.policy_attention` spreads it over the query heads). The
+t]`` mask; :func:`testbed.policies.hook.policy_attention` spreads it over the query heads). The
 bytes count only the held tokens, per (layer, KV head): their sum over heads is the uniform
 arm's, so a budget derives the same ``keep``.
 """
@@ -73,7 +73,7 @@ class ScoredLayer(DynamicLayer):
     def __init__(self, policy: Policy, scorer: Scorer, record: bool = False, layer_idx: int | None = None,
                  mask_hook=None, select_hook=None, storage=None):
         super().__init__()
-        # storage(policy): the uniform storage layer (testbed.policies.cache.PolicyLayer, handed in: cache
+        # storage(policy): the uniform storage layer (testbed.policies.layers.PolicyLayer, handed in: cache
         # imports this module) that stores a kept set (policy.store) or the rest (policy.rest)
         if (policy.store is not None or policy.rest is not None) and storage is None:
             raise ValueError(f"policy {policy.name}: a stored kept set or rest needs its storage layer class")
@@ -85,7 +85,7 @@ class ScoredLayer(DynamicLayer):
         self._loading = False
         self.recorded_q = None
         # mask_hook(layer, visible [t, held + t] bool): hands attention the mask of a chunk that follows
-        # an eviction (testbed.policies.cache's policy_attention applies it)
+        # an eviction (testbed.policies.hook's policy_attention applies it)
         self.mask_hook = mask_hook
         if not policy.scored:
             raise ValueError(f"policy {policy.name} has no scorer")
@@ -123,7 +123,7 @@ class ScoredLayer(DynamicLayer):
         if self._waiting is not None:
             raise RuntimeError(f"layer {self.layer_idx}: the previous update's attention call never reported its "
                                "queries (a scorer of attention decides from them; run the model inside "
-                               "testbed.policies.cache.policy_attention(model))")
+                               "testbed.policies.hook.policy_attention(model))")
         b, h, t, _ = key_states.shape
         k_new, v_new = key_states.to(torch.float32), value_states.to(torch.float32)
         if self.record:
@@ -141,7 +141,7 @@ class ScoredLayer(DynamicLayer):
             # call hides each head's empty slots
             if self.mask_hook is None:
                 raise RuntimeError(f"layer {self.layer_idx}: a chunk after an eviction needs its mask; run the model "
-                                   "inside testbed.policies.cache.policy_attention(model)")
+                                   "inside testbed.policies.hook.policy_attention(model)")
             visible = torch.ones(t, held + t, dtype=torch.bool)
             visible[:, held:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
             if self.kept_valid is not None:  # [B, H, t, held + t]
@@ -179,7 +179,7 @@ class ScoredLayer(DynamicLayer):
             if not self._loading:
                 if self.select_hook is None or (t > 1 and held < self.seen - t):
                     raise RuntimeError(f"layer {self.layer_idx}: a scorer of attention needs the attention call's "
-                                       "queries; run the model inside testbed.policies.cache.policy_attention(model)")
+                                       "queries; run the model inside testbed.policies.hook.policy_attention(model)")
                 self.select_hook(self)
         else:
             self._keep(keys, values, index, scores)

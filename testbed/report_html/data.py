@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..policies.policy import EQUAL_BYTES_VERSUS, equal_bytes_budget, equal_bytes_versus
+from ..policies.presets import EQUAL_BYTES_VERSUS, equal_bytes_budget, equal_bytes_versus
 
 __all__ = ["figure_data", "AGREEMENT_BLOCK", "REGIONS", "UNIFORM_REFERENCES", "is_oracle", "policy_family"]
 
