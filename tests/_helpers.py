@@ -93,15 +93,21 @@ def forge_report_md(run_dir: Path) -> None:
     (run_dir / "manifest.json").write_text(json.dumps(m, indent=1))
 
 
-def synthetic_run(base: Path, name: str, **source) -> Path:
-    """Run :func:`synthetic_protocol` (``source`` overrides) once into ``base / "run"``; returns the run."""
+def protocol_run(base: Path, proto: dict) -> Path:
+    """Write the protocol ``proto`` to ``base / "<name>.json"``, run it once into ``base / "run"``
+    (asserting success) and return the run folder."""
     import json
 
-    proto = base / f"{name}.json"
-    proto.write_text(json.dumps(synthetic_protocol(name, **source)))
+    path = base / f"{proto['name']}.json"
+    path.write_text(json.dumps(proto))
     out = base / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(proto)]) == 0
+    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
     return out
+
+
+def synthetic_run(base: Path, name: str, **source) -> Path:
+    """Run :func:`synthetic_protocol` (``source`` overrides) once into ``base / "run"``; returns the run."""
+    return protocol_run(base, synthetic_protocol(name, **source))
 
 
 def copy_run(run: Path, dst: Path) -> Path:
@@ -228,11 +234,7 @@ def tiny_live_run(tmp_path_factory, name: str, arms: list, **live) -> Path:
     proto.update(name=name, default=False)
     proto["live"].update({"evidence_layer": 7, "segments": 1, "batch": 1, "window": 16, "group": 16,
                           "evict_window": 16, "policies": arms, "peers": [], **live})
-    path = base / f"{name}.json"
-    path.write_text(json.dumps(proto))
-    out = base / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    return out
+    return protocol_run(base, proto)
 
 
 def rows_by_arm(run: Path) -> dict:

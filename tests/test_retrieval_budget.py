@@ -20,7 +20,7 @@ from testbed import retrieval, retrieval_study
 from testbed.audit import audit
 from testbed.protocol import ProtocolError
 from tests import _arrays
-from tests._helpers import forge_results
+from tests._helpers import forge_results, protocol_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # SmolLM2-135M: layers, KV heads, head dim (written here from the model card, not imported)
@@ -141,7 +141,6 @@ ARMS = ["dynamic_cache", "float32", "knorm_pre_half", "stream_half"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from testbed.run import main as run_main
     from testbed.sources import models
 
     try:
@@ -157,11 +156,7 @@ def run(tmp_path_factory):
                                         _declared("knorm_pre_half", {"kind": "knorm", "mode": "prefill"}, 0.5),
                                         _declared("stream_half", {"kind": "sink_window", "sink": 4}, 0.5)]},
              "timing": {"repeats": 0, "seed": 0}}
-    path = tmp / "rb.json"
-    path.write_text(json.dumps(proto))
-    out = tmp / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    return out
+    return protocol_run(tmp, proto)
 
 
 def _res(run: Path) -> dict:

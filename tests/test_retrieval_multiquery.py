@@ -21,7 +21,7 @@ from testbed.audit import audit
 from testbed.audit_checks import retrieval as audit_side
 from testbed.schema import ProtocolError
 from tests import _arrays
-from tests._helpers import drop_row, forge_array, forge_results
+from tests._helpers import drop_row, forge_array, forge_results, protocol_run
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_LINE = "\nThe special magic number for {key} is {value}."
@@ -160,7 +160,6 @@ ARMS = ["dynamic_cache", "float32", "streaming"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from testbed.run import main as run_main
     from testbed.sources import capture
 
     try:
@@ -173,11 +172,7 @@ def run(tmp_path_factory):
                            "batch": 2, "window": 16, "group": 16, "evict_window": 16,
                            "policies": ["float32", "streaming"]},
              "timing": {"repeats": 0, "seed": 0}}
-    path = tmp / "mq.json"
-    path.write_text(json.dumps(proto))
-    out = tmp / "run"
-    assert run_main(["--quiet", "--out", str(out), "--protocol", str(path)]) == 0
-    return out
+    return protocol_run(tmp, proto)
 
 
 def _res(run: Path) -> dict:
