@@ -40,8 +40,9 @@ REFERENCE = "dynamic_cache"
 PART_KEYS = ("name", "description")  # top-level keys the parts of one study may differ in (and live.segment_range)
 
 
-def part_of(run: Path) -> tuple[dict, list[dict]]:
-    """The one live study of a finished run: (its frozen protocol copy, its rows)."""
+def part_of(run: Path) -> tuple[dict, list[dict], dict]:
+    """The one live study of a finished run: its frozen protocol copy, its rows, and what it ran on
+    (the live manifest's corpus, corpus token count and model identity)."""
     manifest = load_json(safe_relpath(run, "manifest.json"))
     results = load_json(safe_relpath(run, "results.json"))
     protos = {}
@@ -54,7 +55,11 @@ def part_of(run: Path) -> tuple[dict, list[dict]]:
                        "pooled study is a run of one live protocol")
     (name, proto), = protos.items()
     rows = [r for r in results.get("rows", []) if r.get("study") == name and r.get("analysis") == "live_quality"]
-    return proto, rows
+    live_manifest = load_json(safe_relpath(run, f"{name}/live_manifest.json"))
+    model = live_manifest.get("model", {}) if isinstance(live_manifest, dict) else {}
+    identity = {"corpus": live_manifest.get("corpus"), "corpus_tokens": live_manifest.get("corpus_tokens"),
+                "model": {k: model.get(k) for k in ("model", "gguf_sha256")}}
+    return proto, rows, identity
 
 
 def _study_key(proto: dict) -> dict:
@@ -63,11 +68,17 @@ def _study_key(proto: dict) -> dict:
     return {**{k: v for k, v in proto.items() if k not in PART_KEYS}, "live": live}
 
 
-def pool(parts: list[tuple[str, dict, list[dict]]]) -> dict:
-    """Pool ``(label, frozen protocol, rows)`` of each audited part: the per-arm table over the union
-    of their segments. Raises BadInput when the parts are not one study or share a segment."""
+def pool(parts: list[tuple]) -> dict:
+    """Pool ``(label, frozen protocol, rows, identity)`` of each audited part (:func:`part_of`): the
+    per-arm table over the union of their segments. Raises BadInput when the parts are not one study
+    (protocol, corpus or model), a part lacks a segment of its range, or two share a segment."""
     key = _study_key(parts[0][1])
-    for label, proto, _ in parts[1:]:
+    if key["live"].get("contexts"):
+        raise BadInput(f"{parts[0][0]}: a study of several contexts is pooled per context; pool handles one")
+    for label, proto, _, identity in parts[1:]:
+        if identity != parts[0][3]:
+            raise BadInput(f"{label}: ran on another corpus or model than {parts[0][0]} ({identity} against "
+                           f"{parts[0][3]})")
         if _study_key(proto) != key:
             diff = sorted(k for k in set(key["live"]) | set(proto["live"])
                           if k != "segment_range" and key["live"].get(k) != proto["live"].get(k))
@@ -75,8 +86,12 @@ def pool(parts: list[tuple[str, dict, list[dict]]]) -> dict:
                            f"{'in live.' + ', live.'.join(diff) if diff else 'outside live'})")
     seen: dict[str, str] = {}
     by_arm: dict[str, dict[str, dict]] = {}
-    for label, _, rows in parts:
+    for label, proto, rows, _ in parts:
         cases = {r["case"] for r in rows}
+        first, stop = proto["live"].get("segment_range") or (0, proto["live"]["segments"])
+        want = {f"seg{i:03d}" for i in range(first, stop)}
+        if cases != want:
+            raise BadInput(f"{label}: its rows hold segments {sorted(cases)}, its range {sorted(want)}")
         for c in sorted(cases):
             if c in seen:
                 raise BadInput(f"{label}: segment {c} is also in {seen[c]}; the parts of a study are disjoint")
@@ -112,10 +127,10 @@ def _pct(x: float) -> str:
     return f"{x:+.3g} %" if abs(x) < 100 else f"{x:+,.0f} %"
 
 
-def markdown(table: dict) -> str:
+def markdown(table: dict, checked: str = "each part passed its audit") -> str:
     n = len(table["segments"])
     lines = [f"Pooled {', '.join(table['studies'])}: {n} of the protocol's {table['of']} segments "
-             f"({', '.join(table['segments'])}); each part passed its audit. Δ against {REFERENCE}, paired per "
+             f"({', '.join(table['segments'])}); {checked}. Δ against {REFERENCE}, paired per "
              f"segment; the interval is a bootstrap over segments" +
              (f" (none below {MIN_CI_SEGMENTS} segments)." if n < MIN_CI_SEGMENTS else "."), "",
              "| arm | ÷ float16 bytes | perplexity | Δ perplexity [95 % CI] | segments worse |",
@@ -155,13 +170,12 @@ def main(argv=None) -> int:
                     print(line)
                 print(f"{run}: fails its audit ({len(failures)} problem(s)); nothing pooled")
                 return 1
-            proto, rows = part_of(root)
-            parts.append((run, proto, rows))
+            parts.append((run, *part_of(root)))
         table = pool(parts)
     except (BadInput, AuditError, KeyError, TypeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    text = markdown(table)
+    text = markdown(table, "each part passed its audit" + (" (source hashes not checked)" if args.no_sources else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     print(text, end="")

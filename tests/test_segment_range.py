@@ -92,10 +92,16 @@ def test_the_pool_refuses_overlapping_or_foreign_parts(runs, tmp_path, capsys):
     whole, head, tail = runs
     assert pool.main(["--quiet", str(whole), str(tail)]) == 2
     assert "segment seg001 is also in" in capsys.readouterr().err
-    foreign = json.loads(json.dumps(pool.part_of(tail)[0]))
+    proto, rows, identity = pool.part_of(tail)
+    foreign = json.loads(json.dumps(proto))
     foreign["live"]["steps"] = 17
     with pytest.raises(pool.BadInput, match="differs in live.steps"):
-        pool.pool([("a", pool.part_of(head)[0], []), ("b", foreign, [])])
+        pool.pool([("a", pool.part_of(head)[0], [], identity), ("b", foreign, [], identity)])
+    other = {**identity, "corpus_tokens": identity["corpus_tokens"] + 1}  # another corpus or tokenizer
+    with pytest.raises(pool.BadInput, match="another corpus or model"):
+        pool.pool([("a", *pool.part_of(head)), ("b", proto, rows, other)])
+    with pytest.raises(pool.BadInput, match="its rows hold segments"):  # a part missing a segment of its range
+        pool.pool([("a", *pool.part_of(head)), ("b", proto, [r for r in rows if r["case"] != "seg002"], identity)])
 
 
 @pytest.mark.slow
@@ -144,3 +150,31 @@ def test_pool_imports_neither_torch_nor_testbed_numerics(runs):
     call = ("import pathlib, testbed.pool as p\n"
             "ok = p.pool([('t', *p.part_of(pathlib.Path(sys.argv[1])))])['segments'] == ['seg001', 'seg002']")
     assert heavy_imports(call, runs[2]) == ("True", [])
+
+
+@pytest.mark.slow
+def test_a_part_cannot_claim_other_positions(runs, tmp_path):
+    """A consistent forger moves a part's segments to other evenly spaced starts (results.json's
+    cases and the live manifest's map alike): the corpus's token count fixes the stride, so the
+    audit names the starts."""
+    import hashlib
+
+    _, _, tail = runs
+    bad = tmp_path / "moved"
+    shutil.copytree(tail, bad)
+    res = json.loads((bad / "results.json").read_text())
+    study = next(iter(res["cases"]))
+    rel = f"{study}/live_manifest.json"
+    man = json.loads((bad / rel).read_text())
+    stride = man["corpus_tokens"] // 3
+    for sid, i in (("seg001", 1), ("seg002", 2)):  # half the true stride: still disjoint, evenly spaced
+        res["cases"][study][sid]["meta"]["start_token"] = i * (stride // 2)
+        man["segments"][sid] = i * (stride // 2)
+    (bad / "results.json").write_text(json.dumps(res))
+    (bad / rel).write_text(json.dumps(man, indent=1))
+    m = json.loads((bad / "manifest.json").read_text())
+    m["files"][rel] = hashlib.sha256((bad / rel).read_bytes()).hexdigest()
+    (bad / "manifest.json").write_text(json.dumps(m, indent=1))
+    _rehash_results(bad)
+    ok, failures, _ = audit(bad)
+    assert not ok and any("are not disjoint, evenly spaced" in f for f in failures), failures[:5]

@@ -78,6 +78,7 @@ import math
 
 import numpy as np
 
+from .capture import read_json
 from .common import TOLERANCES
 from .live_evidence import check_evidence
 from .live_policies import (low_count, full_layers, model_dims, policy_bytes, policy_names, policy_of, quanto_bytes,
@@ -190,13 +191,29 @@ def check_study(ctx, study: str, live: dict) -> bool:
     protocol lays them out, token ids that match their recorded hash."""
     arms = ["dynamic_cache"] + policy_names(live) + [f"quanto_int{p['bits']}" for p in live.get("peers", [])]
     where = f"results.json {study}"
+    rng = live.get("segment_range")
+    if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(type(x) is int for x in rng)
+                                and 0 <= rng[0] < rng[1] <= live["segments"]):
+        ctx.fail(where, f"segment_range {rng!r} is not [first, stop] with 0 <= first < stop <= segments "
+                        f"({live['segments']})")
+        return True
     cases = ctx.results.get("cases", {}).get(study, {})
     every = [sid for prefix, _ in views(live) for sid in segment_ids(prefix, live)]
+    try:  # where the run put each segment: the corpus's token count fixes the stride of every context
+        manifest = read_json(ctx, f"{study}/live_manifest.json")
+    except Exception as e:  # noqa: BLE001 - reported as a FAIL line
+        ctx.fail(where, f"live_manifest.json: {e}")
+        manifest = {}
+    tokens, recorded = manifest.get("corpus_tokens"), manifest.get("segments")
+    stride = tokens // live["segments"] if type(tokens) is int else None
+    if not isinstance(recorded, dict) or sorted(recorded) != sorted(every):
+        ctx.fail(where, "live_manifest.json's segments are not the study's segments")
+        recorded = {}
     if sorted(cases) != sorted(every):
         ctx.fail(where, f"segments {sorted(cases)[:4]}... are not the protocol's {len(every)} ({every[0]}..)")
     for prefix, v in views(live):
         _check_segments(ctx, where, cases, segment_ids(prefix, live), segment_indices(live),
-                        v["prefill"] + live["steps"] + 1)
+                        v["prefill"] + live["steps"] + 1, stride, recorded)
     check_grid(ctx, study, where, every, arms, "segment")
     return True
 
@@ -219,9 +236,12 @@ def check_grid(ctx, study: str, where: str, cases, arms, unit: str) -> None:
             ctx.fail(where, f"{unit} {key[0]} arm {key[1]} has {count} rows")
 
 
-def _check_segments(ctx, where: str, cases: dict, segs: list, index: list, length: int) -> None:
+def _check_segments(ctx, where: str, cases: dict, segs: list, index: list, length: int, stride: int | None,
+                    recorded: dict) -> None:
     """The segments of one context (``index``: their places among the protocol's segments): token
-    ids of ``length`` tokens matching their hash, disjoint, evenly spaced."""
+    ids of ``length`` tokens matching their hash, segment ``i`` starting at ``i * stride`` (``stride``
+    the corpus's token count over the protocol's segments, as the live manifest records it), as
+    the manifest's map of starts says, disjoint."""
     starts = []
     for sid in segs:
         rec = cases.get(sid, {})
@@ -237,12 +257,13 @@ def _check_segments(ctx, where: str, cases: dict, segs: list, index: list, lengt
         if hashlib.sha256(tok.tobytes()).hexdigest() != meta.get("token_ids_sha256"):
             ctx.fail(f"{where} {sid}", "token_ids do not match their recorded sha256")
         starts.append(meta.get("start_token"))
+        if recorded and recorded.get(sid) != meta.get("start_token"):
+            ctx.fail(f"{where} {sid}", f"start_token {meta.get('start_token')} is not the live manifest's "
+                                       f"{recorded.get(sid)}")
     if len(starts) == len(segs) and all(isinstance(x, int) for x in starts):
-        if len(starts) > 1:
-            stride = (starts[1] - starts[0]) // (index[1] - index[0])
-        else:
-            stride = starts[0] // index[0] if index[0] else length
-        if starts != [i * stride for i in index] or stride < length:
+        if stride is None:
+            ctx.fail(where, "live_manifest.json records no corpus_tokens: the segments' places cannot be checked")
+        elif starts != [i * stride for i in index] or stride < length:
             ctx.fail(where, f"segment starts {starts[:4]}... are not disjoint, evenly spaced windows of {length} tokens")
 
 

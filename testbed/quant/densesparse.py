@@ -19,7 +19,7 @@ leading index (one head's ``[N, D]`` span, as one payload is quantized):
 With ``rotation = "hadamard"`` (QuaRot's idea, KVQuant's pre-processing left aside), each row's
 last axis is first rotated by ``R = diag(s) · blockdiag(H_n) / sqrt(n)`` (:func:`rotate`): ``n``
 the largest power of two dividing ``D``, at most 128 (``D = 64``: one block of 64; ``D = 33``:
-blocks of 1, no rotation); ``H_n`` applied as the fast Walsh-Hadamard butterfly in float64 (stage
+blocks of 1: the signs alone); ``H_n`` applied as the fast Walsh-Hadamard butterfly in float64 (stage
 ``h = 1, 2, .., n/2``: each pair ``(a, b)`` at distance ``h`` becomes ``(a + b, a - b)``), then
 multiplied by ``1 / sqrt(n)`` and rounded once to float32; ``s`` a sign per channel drawn from
 SHA-256 (:func:`rotation_signs`), so the audit re-derives them without torch. Outliers, groups and
@@ -99,7 +99,7 @@ def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
     """``x R`` along the last axis, float64 inside, float32 out."""
     d = x.shape[-1]
     n = block_of(d)
-    y = _butterfly(x.to(torch.float64) * rotation_signs(d, seed), n) * (1.0 / math.sqrt(n))
+    y = _butterfly(x.to(torch.float64) * rotation_signs(d, seed).to(x.device), n) * (1.0 / math.sqrt(n))
     return y.to(torch.float32)
 
 
@@ -107,7 +107,8 @@ def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
     """``y R^T`` along the last axis (``H`` is symmetric): the butterfly, the scale, then the signs."""
     d = y.shape[-1]
     n = block_of(d)
-    return ((_butterfly(y.to(torch.float64), n) * (1.0 / math.sqrt(n))) * rotation_signs(d, seed)).to(torch.float32)
+    return ((_butterfly(y.to(torch.float64), n) * (1.0 / math.sqrt(n))) * rotation_signs(d, seed).to(y.device)).to(
+        torch.float32)
 
 
 def _fill_outliers(x: torch.Tensor, mask: torch.Tensor, group: int, axis: str) -> torch.Tensor:
@@ -175,6 +176,11 @@ class DenseSparse(Quantizer):
         """Bits, group size, the outlier fraction (in 0.01 %) and ``_hadamard`` with the rotation; the
         axis is the layout's."""
         return f"int{self.bits}_grouped_g{self.group_size}_ds{self.permyriad}" + ("_hadamard" if self.rotation else "")
+
+    def _check_packed(self, p: Packed) -> None:
+        super()._check_packed(p)
+        if p.config and p.config != self.config():  # the name leaves out the seed: a payload of another seed
+            raise ValueError(f"{self.name}: cannot dequantize a payload made with {p.config}")
 
     def quantize_reference(self, x: torch.Tensor, *, name: str = "x") -> Packed:
         check_input(x, name)

@@ -136,3 +136,10 @@ def test_the_rotation_is_orthogonal_and_its_signs_are_the_documented_ones():
 def test_bad_rotations_are_refused(bad):
     with pytest.raises(ValueError):
         DenseSparse(**{"bits": 3, "group_size": 32, "axis": "channel", "outliers": 0.0, "rotation": "hadamard", **bad})
+
+
+def test_a_payload_of_another_seed_is_refused():
+    x = torch.randn(2, 40, 64)
+    p = DenseSparse(3, 32, "channel", 0.01, "hadamard", seed=1).quantize(x)
+    with pytest.raises(ValueError, match="cannot dequantize a payload made with"):
+        DenseSparse(3, 32, "channel", 0.01, "hadamard", seed=2).dequantize(p)
