@@ -87,8 +87,7 @@ def validate(params, where: str) -> dict:
         PEER.check(peer, f"{where}.peers[{i}]")
     if p["segment_range"] is not None:
         check_value(p["segment_range"], ("list", ("range", int, 0, 4096), 2), f"{where}.segment_range")
-        first, stop = (p["segment_range"] + [-1, -1])[:2]
-        if len(p["segment_range"]) != 2 or not 0 <= first < stop <= p["segments"]:
+        if len(p["segment_range"]) != 2 or not 0 <= p["segment_range"][0] < p["segment_range"][1] <= p["segments"]:
             raise ProtocolError(f"{where}.segment_range: give [first, stop] with 0 <= first < stop <= segments "
                                 f"({p['segments']}), got {p['segment_range']}")
     if (p["prefill"] is None) == (p["contexts"] is None):

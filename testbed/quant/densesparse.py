@@ -35,6 +35,7 @@ cost 82 × 4 bytes, 0.32 bits per element on top of the dense part's bits.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -64,6 +65,11 @@ def outlier_count(fraction: float, n: int, d: int) -> int:
 def index_dtype(n: int, d: int) -> torch.dtype:
     """uint16 when every flat index of an ``[n, d]`` span fits it, else int32."""
     return torch.uint16 if n * d <= UINT16_SPAN else torch.int32
+
+
+@functools.lru_cache(maxsize=16)
+def _signs(d: int, seed: int) -> torch.Tensor:
+    return rotation_signs(d, seed)
 
 
 def rotation_signs(d: int, seed: int) -> torch.Tensor:
@@ -99,7 +105,7 @@ def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
     """``x R`` along the last axis, float64 inside, float32 out."""
     d = x.shape[-1]
     n = block_of(d)
-    y = _butterfly(x.to(torch.float64) * rotation_signs(d, seed).to(x.device), n) * (1.0 / math.sqrt(n))
+    y = _butterfly(x.to(torch.float64) * _signs(d, int(seed)).to(x.device), n) * (1.0 / math.sqrt(n))
     return y.to(torch.float32)
 
 
@@ -107,32 +113,22 @@ def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
     """``y R^T`` along the last axis (``H`` is symmetric): the butterfly, the scale, then the signs."""
     d = y.shape[-1]
     n = block_of(d)
-    return ((_butterfly(y.to(torch.float64), n) * (1.0 / math.sqrt(n))) * rotation_signs(d, seed).to(y.device)).to(
+    return ((_butterfly(y.to(torch.float64), n) * (1.0 / math.sqrt(n))) * _signs(d, int(seed)).to(y.device)).to(
         torch.float32)
 
 
-def _fill_outliers(x: torch.Tensor, mask: torch.Tensor, group: int, axis: str) -> torch.Tensor:
+def _fill_outliers(x: torch.Tensor, mask: torch.Tensor, dense: IntGrouped) -> torch.Tensor:
     """``x`` with each masked slot set to the smallest unmasked member of its group (0 where a group
-    is all masked); groups as IntGrouped forms them (edge padding included, then cut away)."""
-    dim = -2 if axis == "channel" else -1
+    is all masked); groups as ``dense`` forms them (:meth:`IntGrouped.grouped`: edge padding
+    included, then cut away)."""
+    dim = -2 if dense.axis == "channel" else -1  # the axis the group members lie on
     n = x.shape[dim]
-    pad = (-n) % group
-    if pad:
-        reps = [1] * x.dim()
-        reps[dim] = pad
-        x = torch.cat([x, x.narrow(dim, n - 1, 1).repeat(reps)], dim=dim)
-        mask = torch.cat([mask, mask.narrow(dim, n - 1, 1).repeat(reps)], dim=dim)
-    if axis == "channel":
-        shape = (*x.shape[:-2], x.shape[-2] // group, group, x.shape[-1])
-        red = -2
-    else:
-        shape = (*x.shape[:-1], x.shape[-1] // group, group)
-        red = -1
-    xg, mg = x.reshape(shape), mask.reshape(shape)
-    low = torch.where(mg, torch.full_like(xg, math.inf), xg).amin(dim=red, keepdim=True)
+    xg, mg = dense.grouped(x), dense.grouped(mask)
+    low = torch.where(mg, torch.full_like(xg, math.inf), xg).amin(dim=dim, keepdim=True)
     low = torch.where(torch.isinf(low), torch.zeros_like(low), low)
-    out = torch.where(mg, low.expand_as(xg), xg).reshape(x.shape)
-    return out.narrow(dim, 0, n)
+    out = torch.where(mg, low.expand_as(xg), xg)
+    padded = out.flatten(-3, -2) if dense.axis == "channel" else out.flatten(-2, -1)
+    return padded.narrow(dim, 0, n)
 
 
 @dataclass(frozen=True)
@@ -197,7 +193,7 @@ class DenseSparse(Quantizer):
         if bool((picked.abs() > FP16_MAX).any()):
             raise ValueError(f"{name}: an outlier's magnitude exceeds float16 ({FP16_MAX:g}); it cannot be stored")
         mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, True).reshape(xf.shape)
-        dense = self.dense.quantize(_fill_outliers(xf, mask, self.group_size, self.axis), name=name)
+        dense = self.dense.quantize(_fill_outliers(xf, mask, self.dense), name=name)
         tensors = {**dense.tensors, "outlier_values": picked.to(torch.float16),
                    "outlier_index": index.to(index_dtype(n, d))}
         return Packed(self.name, tuple(x.shape), x.dtype, tensors, self.config())

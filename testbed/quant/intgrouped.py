@@ -79,7 +79,7 @@ class IntGrouped(Quantizer):
         """Bits and group size; the axis is the layout's (K per channel, V per token)."""
         return f"int{self.bits}_grouped_g{self.group_size}"
 
-    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View of the padded tensor with the group members on the second-to-last (channel) or last (token) axis."""
         g = self.group_size
         if self.axis == "channel":
@@ -118,7 +118,7 @@ class IntGrouped(Quantizer):
         check_input(x, name)
         n, d = x.shape[-2], x.shape[-1]
         xf = x.detach().to(torch.float32)
-        grouped = self._grouped(xf)
+        grouped = self.grouped(xf)
         red = -2 if self.axis == "channel" else -1
         mn = grouped.amin(dim=red)
         mx = grouped.amax(dim=red)
