@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .common import TOLERANCES, encode_tensor, payload_differences
-from .live_policies import HEADER, ONE_FULL_LAYER, middle_config, model_dims, policy_bytes, spans
+from .live_policies import HEADER, ONE_FULL_LAYER, middle_config, model_dims, packed_payload, policy_bytes, spans
 from .live_scored import rotate_half, scored_evidence
 
 __all__ = ["check_evidence", "sink_scores", "causal_softmax_tiles", "concentration", "rope_rotate", "accumulated"]
@@ -145,8 +145,7 @@ def check_evidence(row, ctx, pol: dict, live: dict) -> None:
             x = np.concatenate([sink_part, x[rest].reshape(x.shape[0], n - chosen.shape[1], x.shape[2])], axis=1)
         want[f"sink.{name}"], want[f"float.{name}"] = x[:, :s], x[:, s + p:]
         if p and layer_bits is None:
-            want.update({f"{label}.{arr}": w for arr, w in encode_tensor(x[:, s:s + p], middle_config(pol, name)).items()
-                         if arr != "header"})
+            want.update({f"{label}.{arr}": w for arr, w in packed_payload(x[:, s:s + p], pol, name).items()})
         elif p:  # each head at its own stored bits, the heads of one width together in head order
             for scheme in sorted({pol["low"], pol["middle"]}):
                 heads = np.flatnonzero(layer_bits == int(scheme[3:]))

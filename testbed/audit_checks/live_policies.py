@@ -1,4 +1,5 @@
-"""The audit's own statement of the live policies (numpy-free; stdlib and the audit's tables only).
+"""The audit's own statement of the live policies (stdlib, the audit's tables, and its own encoders for a
+codec middle's bytes).
 
 What a live row's policy is and what follows from it in closed form, stated again from the
 documented definitions (not imported from ``testbed.policies``): the presets' table
@@ -17,13 +18,15 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
+
 from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
-from .common import HEADER_BYTES, MX_BLOCK_SIZE
+from .common import HEADER_BYTES, MX_BLOCK_SIZE, encode_tensor, scheme
 
 __all__ = ["MODELS", "POLICY_TABLE", "MIXED", "HEAVY", "BUDGET_VERSUS", "HEADER", "SCORED_EXTRA", "ONE_FULL_LAYER",
            "budget_of", "versus_of", "declared_policy", "policy_names", "policy_of", "as_bytes", "pyramid",
            "adaptive_safeguard", "spans", "scored_held", "low_count", "full_layers", "policy_bytes", "reference_bytes",
-           "quanto_bytes", "model_dims", "middle_config", "next_change", "schedule"]
+           "quanto_bytes", "model_dims", "middle_config", "packed_payload", "next_change", "schedule"]
 
 
 # Known models' cache dimensions (the audit's own table; a live row of any other model fails).
@@ -221,7 +224,21 @@ def _budget_keep(budget, mode: str, live: dict, extra: int = SCORED_EXTRA, beta:
     held = int((target / layers - HEADER) // (h * (8 * d + extra)))
     return held if mode == "online" else held - live["steps"]
 DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature_group": 32, "key_axis": "channel",
-                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill", "key_rope": "post", "rest": None}
+                    "low": None, "low_share": 0.0, "alloc": None, "alloc_from": "prefill", "key_rope": "post", "rest": None,
+                    "codec": None}
+
+
+def _codec(codec, where: str) -> dict:
+    """A codec middle's quantizers (storage ``codec``): {"k": config, "v": config}, each of a kind the
+    audit encodes (common.SCHEMES; an unknown kind raises naming it)."""
+    if not isinstance(codec, dict) or set(codec) != {"k", "v"}:
+        raise ValueError(f"{where}: a codec middle needs codec {{\"k\": config, \"v\": config}}, got {codec!r}")
+    for part in ("k", "v"):
+        if not isinstance(codec[part], dict):
+            raise ValueError(f"{where}: codec.{part} must be a quantizer config (an object with its kind), got "
+                             f"{codec[part]!r}")
+        scheme(codec[part])
+    return {"k": dict(codec["k"]), "v": dict(codec["v"])}
 
 
 def policy_names(live: dict) -> list:
@@ -245,6 +262,8 @@ def declared_policy(entry: dict, live: dict) -> dict:
             raise ValueError(f"declared policy {entry.get('name')!r}: selection kind {s['kind']!r} is not one the "
                              "audit knows")
         keep = s["keep"]
+        if t["codec"] is not None:
+            raise ValueError(f"declared policy {entry.get('name')!r}: a codec middle is the storage of an 'all' selection")
         if s["layers"] not in ("uniform", "pyramid"):
             raise ValueError(f"declared policy {entry.get('name')!r}: layers {s['layers']!r} is not a schedule the "
                              "audit knows")
@@ -285,9 +304,13 @@ def declared_policy(entry: dict, live: dict) -> dict:
     elif s["kind"] == "all":
         out = {"middle": t["middle"], "sink": s["sink"], "window": live.get("window", 128) if t["window"] is None
                else t["window"]}
+        if t["middle"] == "codec":  # the middle stored by the given quantizers, one payload per group
+            out["codec"] = _codec(t["codec"], f"declared policy {entry.get('name')!r}")
     else:
         raise ValueError(f"declared policy {entry.get('name')!r}: selection kind {s['kind']!r} is not one the audit "
                          "knows")
+    if t["codec"] is not None and t["middle"] != "codec":
+        raise ValueError(f"declared policy {entry.get('name')!r}: codec is the quantizers of middle 'codec'")
     out.update({"group": group, "feature_group": t["feature_group"], "key_axis": t["key_axis"],
                 "sink_select": s["sink_select"]})
     if t["low"] is not None:
@@ -354,6 +377,9 @@ def _packed_bytes(pol: dict, p: int, heads: int, d: int) -> int:
     if p == 0:
         return 0
     m = pol["middle"]
+    if m == "codec":  # one payload per group of G tokens: its arrays less the header, K's and V's
+        g = pol["group"]
+        return (p // g) * sum(_group_bytes(pol["codec"][part], heads, g, d) for part in ("k", "v"))
     if m in ("mxfp8", "mxfp4"):
         dp = -(-d // MX_BLOCK_SIZE) * MX_BLOCK_SIZE
         codes = dp if m == "mxfp8" else dp // 2
@@ -487,8 +513,33 @@ def schedule(kind: str, name: str, live: dict) -> list[int]:
     return out
 
 
+def _group_bytes(cfg: dict, heads: int, g: int, d: int) -> int:
+    """One group's payload bytes (header left out) under the audit's own encoder of ``cfg``'s kind,
+    the same for two unlike inputs (a live middle's size is set by its shape)."""
+    sizes = set()
+    for seed in (0, 1):
+        x = (np.random.default_rng(seed).standard_normal((heads, 1, g, d)) * (1 + 9 * seed)).astype(np.float32)
+        sizes.add(sum(int(a.nbytes) for k, a in encode_tensor(x, cfg).items() if k != "header"))
+    if len(sizes) != 1:
+        raise ValueError(f"quantizer {cfg}: its payload's size depends on the values ({sorted(sizes)} bytes)")
+    return sizes.pop()
+
+
+def packed_payload(x, pol: dict, name: str) -> dict:
+    """The stored arrays (header left out) of the packed middle of K (``name = "k"``) or V holding
+    ``x [H, p, D]``: one payload over the p tokens (the built-in layouts), or a codec's one payload
+    per group of G tokens, ``x`` read as ``[H, p / G, G, D]``."""
+    cfg = middle_config(pol, name)
+    if pol["middle"] == "codec":
+        h, p, d = x.shape
+        x = x.reshape(h, p // pol["group"], pol["group"], d)
+    return {k: v for k, v in encode_tensor(x, cfg).items() if k != "header"}
+
+
 def middle_config(pol: dict, name: str) -> dict:
     """The quantizer config of the packed middle of K (``name = "k"``) or V, from the audit's policy table."""
+    if pol["middle"] == "codec":
+        return pol["codec"][name]
     if pol["middle"] in ("mxfp8", "mxfp4"):
         return {"kind": "mx", "element": "e4m3" if pol["middle"] == "mxfp8" else "e2m1", "block_size": 32, "rotation": None}
     axis = pol["key_axis"] if name == "k" else "token"

@@ -300,7 +300,7 @@ def check(row: dict, ctx) -> None:
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
                     "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope",
-                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest"):
+                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest", "codec"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

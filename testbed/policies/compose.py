@@ -33,8 +33,9 @@ edit, not a code change.
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from . import scorers
 from .policy import (ADA_ALPHA, HEAD_SCHEDULES, HEADER_BYTES, LAYER_SCHEDULES, SCORED_TOKEN_EXTRA, Policy, pyramid_keep,
@@ -109,6 +110,7 @@ class Storage:
     alloc_from: str = "prefill"
     key_rope: str = "post"
     rest: str | None = None
+    codec: dict | None = field(default=None, hash=False)
 
 
 def compose(name: str, selection: Selection, storage: Storage, description: str = "", *,
@@ -117,6 +119,9 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
     :class:`Policy`; a ``"sink_window"`` selection keeps its tokens float32 and has no middle).
     ``layer_keep``: a pyramid's kept count per layer (:func:`declared` derives it)."""
     s, t = selection, storage
+    if t.codec is not None and (t.middle != "codec" or s.kind != "all"):
+        raise ValueError(f"policy {name}: storage codec (the quantizers of K and V) is the middle 'codec' of an 'all' "
+                         f"selection, got middle {t.middle!r} for selection {s.kind!r}")
     if s.layers not in LAYER_SCHEDULES:
         raise ValueError(f"policy {name}: selection layers must be one of {list(LAYER_SCHEDULES)}, got {s.layers!r}")
     if isinstance(s.beta, bool) or not isinstance(s.beta, int) or s.beta < 1:
@@ -191,7 +196,8 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
     if t.middle == "drop":
         raise ValueError(f"policy {name}: 'drop' is a selection (kind 'sink_window'), not a storage scheme")
     return Policy(name, t.middle, s.sink, t.window, t.group, t.feature_group, t.key_axis, s.sink_select, t.low,
-                  t.low_share, t.alloc, t.alloc_from, s.heavy, s.heavy_rule, key_rope=t.key_rope, description=description)
+                  t.low_share, t.alloc, t.alloc_from, s.heavy, s.heavy_rule, key_rope=t.key_rope, description=description,
+                  codec=t.codec)
 
 
 def decompose(policy: Policy) -> tuple[Selection, Storage]:
@@ -206,7 +212,7 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis, key_rope=p.key_rope))
     return (Selection("all", p.sink, p.sink_select, 0, p.heavy, p.heavy_rule),
             Storage(p.middle, p.window, p.group, p.feature_group, p.key_axis, p.low, p.low_share, p.alloc, p.alloc_from,
-                    p.key_rope))
+                    p.key_rope, codec=p.codec))
 
 
 def _fields_of(cls, given, where: str) -> dict:
@@ -266,6 +272,18 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
         raise ValueError(f"{where}.description: expected a string, got {description!r}")
     sel = _fields_of(Selection, entry.get("selection", {}), f"{where}.selection")
     sto = _fields_of(Storage, entry.get("storage", {}), f"{where}.storage")
+    codec = sto.get("codec")
+    if codec is not None and not (isinstance(codec, dict) and all(isinstance(c, dict) for c in codec.values())):
+        raise ValueError(f"{where} ({name}).storage.codec: a protocol states each quantizer by its config (an object "
+                         f"with its \"kind\", as Quantizer.config() writes it), so that the audit can read it; got "
+                         f"{codec!r}")
+    if codec is not None:
+        from .codec import normalize
+
+        full = normalize(codec, f"{where} ({name}).storage.codec")
+        if full != codec:  # the audit reads the protocol's config as written: every field stated
+            raise ValueError(f"{where} ({name}).storage.codec: state every field of each quantizer, as "
+                             f"Quantizer.config() writes it: {json.dumps(full)}")
     kind = sel.get("kind", "all")
     if kind == "sink_window":
         sel.setdefault("window", evict_window)

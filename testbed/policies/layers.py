@@ -80,8 +80,9 @@ class PolicyLayer(DynamicLayer):
         self.sink_k = self.sink_v = None
         self.tail_k = self.tail_v = None
         qs = policy.quantizers() if not policy.mixed else None
-        self.mid_k = PackedSpan(qs[0], "k") if qs else None
-        self.mid_v = PackedSpan(qs[1], "v") if qs else None
+        per_group = policy.group if policy.middle == "codec" else None  # a codec: one payload per group
+        self.mid_k = PackedSpan(qs[0], "k", per_group) if qs else None
+        self.mid_v = PackedSpan(qs[1], "v", per_group) if qs else None
         self.mixed: MixedMiddle | None = None  # a mixed policy's middle, once its bits are allocated
         self.alloc_score = None  # [B, H] float64: a mixed policy's measured prefill concentration
         self._prefill = None  # (k, v) of a prefill waiting for its sink to be chosen by attention

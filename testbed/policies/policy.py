@@ -54,10 +54,11 @@ bytes are exactly those of a 3-bit KIVI layout; at ⅔ with int8 / int2 exactly 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ..quant import MX, IntGrouped, Quantizer
 from ..quant.constants import HEADER_BYTES
+from . import codec as codec_of
 
 __all__ = ["Policy", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS", "HEAD_SCHEDULES",
            "HEAD_FIELDS", "ADA_ALPHA", "safeguard_count",
@@ -65,8 +66,9 @@ __all__ = ["Policy", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FI
            "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "HEAVY_TOKEN_EXTRA"]
 
-# Schemes for the middle region: "float32", "drop", grouped integers and MX element formats.
-MIDDLE_SCHEMES = ("float32", "drop", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4")
+# Schemes for the middle region: "float32", "drop", grouped integers, MX element formats, and "codec": any
+# quantizer of testbed.quant, given per K and V by the policy's ``codec`` (testbed.policies.codec)
+MIDDLE_SCHEMES = ("float32", "drop", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4", "codec")
 _MX_ELEMENT = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 SINK_SELECT = ("first", "mass")
 # where the stored keys stand against the rotary embedding: "post" (as the model hands them to the
@@ -223,8 +225,11 @@ class Policy:
     store: str | None = None
     store_window: int = 0
     rest: str | None = None
+    codec: dict | None = field(default=None, hash=False)  # a dict: hashed by the other fields
 
     def __post_init__(self):
+        if self.codec is not None or self.middle == "codec":
+            self._check_codec()
         if self.key_rope not in KEY_ROPE:
             raise ValueError(f"policy {self.name}: key_rope must be one of {list(KEY_ROPE)}, got {self.key_rope!r}")
         if self.key_rope == "pre" and (self.scorer is not None or self.sink_select != "first" or self.heavy
@@ -285,6 +290,14 @@ class Policy:
             raise ValueError(f"policy {self.name}: alloc_from must be one of {list(ALLOC_FROM)}, got {self.alloc_from!r}")
         if self.alloc_from == "oracle" and self.alloc not in ("concentrated", "diffuse"):
             raise ValueError(f"policy {self.name}: an oracle allocation needs a rule that reads attention")
+
+    def _check_codec(self) -> None:
+        if self.middle != "codec":
+            raise ValueError(f"policy {self.name}: codec (the quantizers of K and V) is the middle of middle 'codec', "
+                             f"got middle {self.middle!r}")
+        if self.codec is None:
+            raise ValueError(f"policy {self.name}: middle 'codec' needs codec = {{\"k\": quantizer, \"v\": quantizer}}")
+        object.__setattr__(self, "codec", codec_of.normalize(self.codec, f"policy {self.name}: codec"))
 
     def _check_scored(self) -> None:
         if not isinstance(self.scorer, str) or not self.scorer:
@@ -472,6 +485,8 @@ class Policy:
         if self.middle in _MX_ELEMENT:
             q = MX(_MX_ELEMENT[self.middle], 32)
             return q, q
+        if self.middle == "codec":
+            return codec_of.quantizers(self.codec)
         return self._int_quantizers(int(self.middle[3:]))
 
     def low_quantizers(self) -> tuple[Quantizer, Quantizer] | None:
@@ -510,6 +525,8 @@ class Policy:
                 del out[key]
         if self.rest is None:  # the rest dropped: rows read as they did before a quantized rest existed
             del out["rest"]
+        if self.codec is None:  # a built-in middle: rows read as they did before codec middles existed
+            del out["codec"]
         return out
 
     def with_(self, **changes) -> "Policy":
@@ -563,6 +580,9 @@ class Policy:
         policy, with every head at ``middle``'s bits."""
         if not self.quantized:
             return 0.0
+        if self.middle == "codec":  # one payload per group of G tokens, K's and V's
+            return sum(codec_of.group_bytes(self.codec[part], heads, self.group, head_dim) for part in ("k", "v")) \
+                / self.group
         return scheme_bytes_per_token(self.middle, heads, head_dim, self.group, self.feature_group, self.key_axis)
 
     def layer_bytes(self, n: int, heads: int, head_dim: int, prefill: int | None = None,

@@ -1,8 +1,9 @@
 """The stored buffers of a policy layer's packed middle.
 
 :class:`GrowBuffer` (one stored array, grown by appended parts), :class:`PackedSpan` (the quantized
-middle of K or V: one buffer per stored array, appended group by group) and :class:`MixedMiddle` (a
-mixed policy's middle: two packed spans per tensor, one per bit width).
+middle of K or V: one buffer per stored array, appended group by group; a codec middle's one payload
+per group, :mod:`testbed.policies.codec`) and :class:`MixedMiddle` (a mixed policy's middle: two
+packed spans per tensor, one per bit width).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from ..quant import Packed
 from ..quant.base import make_header
+from .codec import grouped, ungrouped
 from .policy import Policy
 
 __all__ = ["GrowBuffer", "PackedSpan", "MixedMiddle"]
@@ -24,16 +26,17 @@ class GrowBuffer:
     a decode step reads its packed history without copying it; the copy is paid once per flush
     (every G tokens), not on every read (before: one concatenation per read and layer)."""
 
-    def __init__(self):
+    def __init__(self, dim: int = -2):
         self.data: torch.Tensor | None = None
+        self.dim = dim  # the axis parts are appended along
 
     @property
     def rows(self) -> int:
-        return 0 if self.data is None else self.data.shape[-2]
+        return 0 if self.data is None else self.data.shape[self.dim]
 
     def append(self, x: torch.Tensor) -> None:
         x = x.contiguous()
-        self.data = x if self.data is None else torch.cat([self.data, x], dim=-2)
+        self.data = x if self.data is None else torch.cat([self.data, x], dim=self.dim)
 
     def view(self) -> torch.Tensor | None:
         return self.data
@@ -43,11 +46,17 @@ class GrowBuffer:
 
 
 class PackedSpan:
-    """The quantized middle of K or V: one buffer per stored array, appended group by group."""
+    """The quantized middle of K or V: one buffer per stored array, appended group by group.
 
-    def __init__(self, quantizer, label: str):
+    ``group`` set (a codec middle): each group of that many tokens is its own payload
+    (``[..., m, D]`` quantized as ``[..., m / G, G, D]``) and every array grows along the groups'
+    axis, the one after the leading ``[B, H]``; else the payload spans the appended tokens and its
+    arrays grow along dim -2 (the built-in layouts, whose groups are whole within any flush)."""
+
+    def __init__(self, quantizer, label: str, group: int | None = None):
         self.q = quantizer
         self.label = label
+        self.group = group
         self.buffers: dict[str, GrowBuffer] = {}
         self.tokens = 0
         self.shape_lead: tuple = ()
@@ -55,17 +64,29 @@ class PackedSpan:
         self.dtype = torch.float32
 
     def append(self, x: torch.Tensor) -> None:
-        p = self.q.quantize(x.contiguous(), name=self.label)
-        self.shape_lead, self.dim, self.dtype = tuple(x.shape[:-2]), x.shape[-1], x.dtype
+        x = x.contiguous()
+        lead = x.shape[:-2]
+        p = self.q.quantize(grouped(x, self.group) if self.group else x, name=self.label)
+        self.shape_lead, self.dim, self.dtype = tuple(lead), x.shape[-1], x.dtype
+        axis = len(lead) if self.group else -2
         for name, t in p.tensors.items():
             if name == "header":
                 continue
-            self.buffers.setdefault(name, GrowBuffer()).append(t)
+            self.buffers.setdefault(name, GrowBuffer(axis)).append(t)
         self.tokens += x.shape[-2]
 
     def packed(self, tokens: int | None = None) -> Packed:
-        """The stored arrays as a `Packed` (of the first ``tokens`` packed tokens: buffers only grow)."""
+        """The stored arrays as a `Packed` (of the first ``tokens`` packed tokens: buffers only grow);
+        a codec middle's of shape ``[..., tokens / G, G, D]``."""
         n = self.tokens if tokens is None else tokens
+        if self.group:
+            if n % self.group:
+                raise ValueError(f"a codec middle holds whole groups of {self.group} tokens, not {n}")
+            axis = len(self.shape_lead)
+            tensors = {name: buf.view().narrow(axis, 0, n // self.group).contiguous() for name, buf in self.buffers.items()}
+            tensors["header"] = make_header(self.group, self.dim, next(iter(tensors.values())).device)
+            return Packed(self.q.name, (*self.shape_lead, n // self.group, self.group, self.dim), self.dtype, tensors,
+                          self.q.config())
         tensors = {name: buf.view()[..., :buf.rows * n // self.tokens, :].contiguous()
                    for name, buf in self.buffers.items()}
         tensors["header"] = make_header(n, self.dim, next(iter(tensors.values())).device)
@@ -77,7 +98,8 @@ class PackedSpan:
         return {name: buf.view() for name, buf in self.buffers.items()}
 
     def decode(self) -> torch.Tensor:
-        return self.q.dequantize(self.packed())
+        y = self.q.dequantize(self.packed())
+        return ungrouped(y) if self.group else y
 
     def used_bytes(self) -> int:
         return sum(b.used_bytes() for b in self.buffers.values())
