@@ -312,3 +312,27 @@ def test_the_registered_calibrated_table_is_calibrate_on_its_documented_draws():
     # Laplace draws are heavier-tailed than NF assumes: the calibrated table is closer to 0 in the middle
     assert _mse(q, laplace) < _mse(Codebook(3, 32, "token"), laplace)
     assert math.isclose(sum(q.table) / 8, 0.0, abs_tol=0.1)
+
+
+def test_a_residual_window_run_with_codebooks_passes_its_audit_and_a_forged_key_code_fails(tmp_path):
+    """End to end: the residual-window analysis with a per-channel calibrated K codebook and an NF V
+    codebook runs and passes the audit; one K code moved by one, every reported number re-derived from
+    the forged payload (a consistent forgery), fails with a line naming ``key.codes``."""
+    from tests._helpers import run_main
+    from tests.test_audit_reencode import _bump_code, _copy, _line, _payload, forge_and_audit
+    from tests.test_residual_schemes import protocol
+
+    from testbed.audit import audit
+
+    key = Codebook(3, 32, "channel", calibrate(_gaussian((4, 256, 32), 11), 3, "channel", 32))
+    value = Codebook(3, 32, "token")
+    (tmp_path / "p.json").write_text(json.dumps(protocol(key=key.config(), value=value.config())))
+    assert run_main(["--quiet", "--out", str(tmp_path / "done"), "--protocol", str(tmp_path / "p.json")]) == 0
+    ok, fails, _ = audit(tmp_path / "done", check_sources=False)
+    assert ok, fails[:5]
+    rows = json.loads((tmp_path / "done" / "results.json").read_text())["rows"]
+    assert {r["scheme"] for r in rows if r["quant"]} == {f"{key.label}+residual(value {value.label})"}
+    run = _copy(tmp_path / "done", tmp_path / "forged")
+    _, packed = _payload(run, lambda r: r["case"] == "clean-s3-n128" and r["arm"] == "R=16")
+    _bump_code(run, packed["key.codes"], 3, (0, 40, 7), 32)
+    _line(forge_and_audit(run), "key.codes", "arm=R=16")
