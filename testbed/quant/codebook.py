@@ -41,6 +41,7 @@ Stored arrays (a payload's ``nbytes`` is exactly these, the int kinds' layout an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ def _check_bits(bits) -> int:
     return bits
 
 
+@functools.lru_cache(maxsize=None)
 def nf_levels(bits: int) -> tuple[float, ...]:
     """The ``2**bits`` NormalFloat levels (module docstring: QLoRA's construction with an exact zero),
     float16 values as Python floats, increasing, from -1 to 1."""
@@ -301,7 +303,7 @@ def calibrate(x: torch.Tensor, bits: int, axis: str = "channel", group: int = KI
         centres = srt[[min(m - 1, math.floor((i + 0.5) * m / n)) for i in range(n)]].clone()
         for _ in range(iters):
             mid = (centres[1:] + centres[:-1]) * 0.5
-            idx = (uk.unsqueeze(-1) > mid).sum(-1)
+            idx = torch.searchsorted(mid, uk)  # the count of midpoints strictly below (centres stay sorted)
             mass = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, wk)
             moment = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, wk * uk)
             centres = torch.where(mass > 0, moment / torch.where(mass > 0, mass, torch.ones_like(mass)), centres)

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed import quant
+from testbed.audit_checks import common
 
 SCHEMES = quant.names()
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,8 +204,10 @@ def dense_sparse_stable(x: torch.Tensor, cfg: dict) -> bool:
 
 def _codebook_table(cfg: dict, d: int) -> torch.Tensor:
     """A codebook's levels, float64 ``[D, n]`` (a shared table repeated per channel): NormalFloat from
-    ``bits`` (tested against QLoRA's table in tests/quant/test_codebook.py), else the config's table."""
-    t = torch.tensor(quant.nf_levels(cfg["bits"]) if cfg["levels"] == "nf" else cfg["levels"], dtype=torch.float64)
+    ``bits`` as the audit derives them on its own (tests/quant/test_codebook.py holds them to QLoRA's
+    table), else the config's table."""
+    nf = cfg["levels"] == "nf"
+    t = torch.tensor(common.codebook_nf_levels(cfg["bits"]) if nf else cfg["levels"], dtype=torch.float64)
     return t.expand(d, -1) if t.dim() == 1 else t
 
 
