@@ -16,6 +16,7 @@ knows is an error naming it, on both sides and in both residual-window labels, n
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -88,12 +89,13 @@ def test_audit_label_is_the_run_label(scheme):
 
 def test_labels_keep_every_parameter_that_tells_two_schemes_apart():
     """Two registered schemes with one label differ only in the axis (which the layout fixes: K per
-    channel, V per token); so the label never drops bits, group, element, block, rule or rotation."""
+    channel, V per token); so the label never drops bits, group, element, block, rule, rotation or table.
+    A config is compared as its JSON text (a codebook's table is a list)."""
     by_label: dict[str, set] = {}
     for name in SCHEMES:
         cfg = quant.get(name).config()
         by_label.setdefault(common.quantizer_label(cfg), set()).add(
-            tuple(sorted((k, v) for k, v in cfg.items() if k != "axis")))
+            json.dumps({k: v for k, v in cfg.items() if k != "axis"}, sort_keys=True))
     assert all(len(cfgs) == 1 for cfgs in by_label.values()), by_label
     variants = [quant.MX("e4m3", 32, "signed_hadamard", 0, "rceil"), quant.MX("e4m3", 16), quant.MX("e5m2", 32),
                 quant.IntGrouped(3, 16, "token")]

@@ -180,6 +180,7 @@ register_kind("test_shrinking", _Shrinking)
     ({"middle": "codec", "codec": {"k": {"kind": "int_grouped", "bits": 5}, "v": INT4["v"]}}, "bits must be"),
     ({"middle": "codec", "codec": {"k": 3, "v": INT4["v"]}}, "a quantizer is its config"),
     ({"middle": "codec", "codec": INT4, "heavy": 4}, "heavy hitters"),
+    ({"middle": "codec", "codec": {"k": "int3_nf_channel_g32", "v": "int3_cb9c85b1f3_token_g32"}}, "calibrated table"),
     ({"middle": "codec", "codec": INT4, "low": "int2", "low_share": 0.5, "alloc": "random"}, "mixed precision"),
 ])
 def test_bad_codecs_are_refused(kw, match):
@@ -223,6 +224,9 @@ HAD_CFG = {part: DenseSparse(3, g, axis, rotation="hadamard", seed=7).config()
 ARMS = ["int3", {"name": "ds3", "storage": {"middle": "codec", "codec": DS_CFG}},
         {"name": "ds3_had", "storage": {"middle": "codec", "codec": HAD_CFG}},
         {"name": "ds3_pre", "storage": {"middle": "codec", "codec": DS_CFG, "key_rope": "pre"}},
+        {"name": "nf3", "storage": {"middle": "codec", "codec": {
+            "k": {"kind": "int_codebook", "bits": 3, "group_size": 16, "axis": "channel", "levels": "nf"},
+            "v": {"kind": "int_codebook", "bits": 3, "group_size": 32, "axis": "token", "levels": "nf"}}}},
         {"name": "c_int3", "storage": {"middle": "codec", "codec": {
             "k": IntGrouped(3, 16, "channel").config(), "v": IntGrouped(3, 32, "token").config()}}}]
 
@@ -242,6 +246,8 @@ def test_codec_arms_pass_the_audit(codec_run):
         assert rows[arm]["bytes_final"] == rows["int3"]["bytes_final"] + extra
         assert rows[arm]["policy"]["codec"] == (HAD_CFG if arm == "ds3_had" else DS_CFG)
     assert rows["ds3_pre"]["policy"]["key_rope"] == "pre" and rows["ds3_pre"]["nll"] != rows["ds3"]["nll"]
+    # NormalFloat levels: the same codes, scales and zero-points per group as int3 (other levels), so the same bytes
+    assert rows["nf3"]["bytes_final"] == rows["int3"]["bytes_final"] and rows["nf3"]["nll"] != rows["int3"]["nll"]
 
 
 def _forge(run: Path, rel: str, x) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -74,7 +75,7 @@ __all__ = ["TOLERANCES", "unpack_bits", "pack_bits", "decode_int_grouped", "deco
            "rel_l2", "cosine", "max_abs", "visible", "expand_heads", "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw",
            "decode_mx", "encode_int_grouped", "encode_mx", "encode_tensor", "encode_residual_window",
            "encode_dense_sparse", "decode_dense_sparse", "label_dense_sparse", "hadamard_signs", "hadamard_rotate",
-           "hadamard_block",
+           "hadamard_block", "codebook_nf_levels", "codebook_table", "encode_codebook", "decode_codebook", "label_codebook",
            "payload_differences", "MAX_ROW_SCORES", "row_tiles", "HEADER_BYTES", "MX_BLOCK_SIZE", "E8M0_BIAS",
            "E8M0_NAN", "FP16_MAX", "Scheme", "SCHEMES", "scheme", "decode_tensor", "quantizer_label", "no_duplicate_keys",
            "strict_json"]
@@ -496,6 +497,140 @@ def label_dense_sparse(cfg: dict) -> str:
             + ("_hadamard" if cfg.get("rotation") else ""))
 
 
+def codebook_nf_levels(bits: int) -> np.ndarray:
+    """The NormalFloat levels of ``bits`` bits, by the audit (QLoRA's construction with an exact zero):
+    with ``n = 2**bits`` and ``p = 1 - (1/(2n) + 1/(2(n - 1))) / 2``, the standard normal quantiles
+    (``statistics.NormalDist().inv_cdf``) of ``n/2`` probabilities evenly spaced from ``p`` towards 1/2
+    (``p`` included, 1/2 not) as positive levels, the negated quantiles of ``n/2 - 1`` such
+    probabilities as negative levels, and 0; divided by the quantile of ``p``, sorted, rounded to
+    float16 (+0 for the zero)."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"a codebook has 2, 3 or 4 bits, got {bits!r}")
+    n = 1 << bits
+    p = 1.0 - (1.0 / (2 * n) + 1.0 / (2 * (n - 1))) / 2.0
+    inv = statistics.NormalDist().inv_cdf
+    pos = [inv(p - (p - 0.5) * i / (n // 2)) for i in range(n // 2)]
+    neg = [-inv(p - (p - 0.5) * i / (n // 2 - 1)) for i in range(n // 2 - 1)]
+    vals = np.sort(np.array(pos + neg + [0.0]) / inv(p))
+    return vals.astype(np.float16).astype(np.float64) + 0.0
+
+
+def codebook_table(cfg: dict, d: int | None = None) -> np.ndarray:
+    """A codebook config's levels as float64 ``[n]`` or ``[D, n]``: ``"nf"`` re-derived, or the config's
+    table, which must hold float16 values, strictly increasing along its last axis, in [-1, 1], of
+    ``2**bits`` per row (one row, or one per channel for ``axis = "channel"`` with ``D = d``)."""
+    bits = cfg.get("bits")
+    if bits not in (2, 3, 4) or isinstance(bits, bool):
+        raise ValueError(f"a codebook has 2, 3 or 4 bits, got {bits!r}")
+    n = 1 << bits
+    levels = cfg.get("levels")
+    if levels == "nf":
+        return codebook_nf_levels(bits)
+    if isinstance(levels, str) or not isinstance(levels, list):
+        raise ValueError(f"codebook levels must be 'nf' or a list, got {levels!r}")
+    t = np.asarray(levels, dtype=np.float64)
+    per_channel = t.ndim == 2 and cfg.get("axis") == "channel"
+    if not (t.ndim == 1 or per_channel) or t.shape[-1] != n or (per_channel and d is not None and t.shape[0] != d):
+        raise ValueError(f"codebook table of shape {list(t.shape)} for {bits} bits, axis {cfg.get('axis')!r}"
+                         + (f", D = {d}" if d is not None else ""))
+    if not np.all(np.isfinite(t)) or np.any(t.astype(np.float16).astype(np.float64) != t):
+        raise ValueError("codebook levels must be finite float16 values")
+    if np.any(np.abs(t) > 1) or np.any(np.diff(t, axis=-1) <= 0):
+        raise ValueError("codebook levels must be strictly increasing within [-1, 1]")
+    return t + 0.0
+
+
+def _cb_grouped(x: np.ndarray, cfg: dict) -> tuple[np.ndarray, int]:
+    """float32 ``x [..., N, D]`` edge-padded and grouped: ``[..., N_pad/G, G, D]`` (channel) or
+    ``[..., N, D_pad/G, G]`` (token), with the axis the group members lie on."""
+    g, axis = cfg["group_size"], cfg["axis"]
+    *lead, n, d = x.shape
+    if axis == "channel":
+        xp = _pad_edge(x, -2, g)
+        return xp.reshape(*lead, xp.shape[-2] // g, g, d), -2
+    if axis == "token":
+        xp = _pad_edge(x, -1, g)
+        return xp.reshape(*lead, n, xp.shape[-1] // g, g), -1
+    raise ValueError(f"unknown axis {axis!r}")
+
+
+def encode_codebook(x: np.ndarray, cfg: dict) -> dict:
+    """The audit's codebook encoder: float32 ``x [..., N, D]`` in KIVI's groups (as
+    :func:`encode_int_grouped` forms them), per group in float32 ``offset = (max + min) * 0.5`` (+0 for
+    a zero) and ``scale = (max - min) * 0.5`` rounded to float16; ``u = (x - offset16) / scale16`` and
+    the code is the number of the table's midpoints (float64) strictly below ``u`` (0 in a group of zero
+    scale), packed along the last axis; arrays ``codes``, ``scale``, ``offset``, ``header``."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise ValueError(f"the codebook encoder's input must be float32, got {x.dtype}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("the codebook encoder's input holds a non-finite value")
+    *lead, n, d = x.shape
+    table = codebook_table(cfg, d)
+    grouped, red = _cb_grouped(x, cfg)
+    mn, mx = grouped.min(axis=red), grouped.max(axis=red)
+    with np.errstate(over="ignore"):
+        scale16 = ((mx - mn) * np.float32(0.5)).astype(np.float16)
+        offset16 = ((mx + mn) * np.float32(0.5) + np.float32(0.0)).astype(np.float16)
+    if np.any(np.isinf(scale16)) or np.any(np.isinf(offset16)):
+        raise ValueError("a group's range or midpoint exceeds float16")
+    s = np.expand_dims(scale16.astype(np.float32), red)
+    z = np.expand_dims(offset16.astype(np.float32), red)
+    live = s > 0
+    u = ((grouped - z) / np.where(live, s, np.float32(1.0))).astype(np.float64)
+    mids = (table[..., 1:] + table[..., :-1]) / 2.0
+    codes = np.zeros(u.shape, dtype=np.int64)
+    for k in range(mids.shape[-1]):  # a per-channel table's column k is a [D] row along the channel axis
+        codes += u > mids[..., k]
+    codes = np.where(live, codes, 0).astype(np.uint8)
+    codes = codes.reshape(*lead, -1, d) if cfg["axis"] == "channel" else codes.reshape(*lead, n, -1)
+    return {"codes": pack_bits(codes, cfg["bits"]), "scale": scale16, "offset": offset16,
+            "header": np.array([n, d], dtype=np.int64)}
+
+
+def decode_codebook(arrays: dict, cfg: dict, shape: tuple) -> np.ndarray:
+    """Codebook decode: ``level[code] * scale16 + offset16`` in float32 (each channel's own table where
+    the table is per channel)."""
+    g, axis, bits = cfg["group_size"], cfg["axis"], cfg["bits"]
+    *lead, n, d = shape
+    table = codebook_table(cfg, d).astype(np.float32)
+    scale, offset = arrays["scale"], arrays["offset"]
+    if scale.dtype != np.float16 or offset.dtype != np.float16 or scale.shape != offset.shape:
+        raise ValueError("scale and offset must be float16 arrays of one shape")
+    s, z = scale.astype(np.float32), offset.astype(np.float32)
+    if axis == "channel":
+        n_pad = -(-n // g) * g
+        if s.shape != (*lead, n_pad // g, d):
+            raise ValueError(f"scale shape {s.shape} does not match {(*lead, n_pad // g, d)}")
+        codes = unpack_bits(arrays["codes"], bits, d).astype(np.int64)
+        if codes.shape != (*lead, n_pad, d):
+            raise ValueError(f"codes shape {codes.shape} does not match {(*lead, n_pad, d)}")
+        vals = table[codes] if table.ndim == 1 else table[np.arange(d), codes]
+        x = vals.reshape(*lead, n_pad // g, g, d) * s[..., None, :] + z[..., None, :]
+        return x.reshape(*lead, n_pad, d)[..., :n, :]
+    if axis == "token":
+        d_pad = -(-d // g) * g
+        if s.shape != (*lead, n, d_pad // g):
+            raise ValueError(f"scale shape {s.shape} does not match {(*lead, n, d_pad // g)}")
+        codes = unpack_bits(arrays["codes"], bits, d_pad).astype(np.int64)
+        if codes.shape != (*lead, n, d_pad):
+            raise ValueError(f"codes shape {codes.shape} does not match {(*lead, n, d_pad)}")
+        x = table[codes].reshape(*lead, n, d_pad // g, g) * s[..., None] + z[..., None]
+        return x.reshape(*lead, n, d_pad)[..., :d]
+    raise ValueError(f"unknown axis {axis!r}")
+
+
+def label_codebook(cfg: dict) -> str:
+    """Bits, ``nf`` or ``cb`` with the first 8 hex digits of SHA-256 over ``"<shape>:"`` and the table's
+    little-endian float16 bytes (row-major), and the group size."""
+    if cfg.get("levels") == "nf":
+        tag = "nf"
+    else:
+        t = np.ascontiguousarray(codebook_table(cfg).astype("<f2"))
+        tag = "cb" + hashlib.sha256(f"{list(t.shape)}:".encode() + t.tobytes()).hexdigest()[:8]
+    return f"int{cfg.get('bits')}_{tag}_g{cfg.get('group_size')}"
+
+
 class Scheme(NamedTuple):
     """What the audit knows of one quantizer kind, each written from the kind's documented definition:
     ``decode(arrays, cfg, shape) -> x_hat``; ``encode(x, cfg) -> arrays`` (header included), compared
@@ -513,6 +648,7 @@ SCHEMES: dict[str, Scheme] = {
     "int_grouped": Scheme(decode_int_grouped, encode_int_grouped, label_int_grouped),
     "mx": Scheme(decode_mx, encode_mx_payload, label_mx),
     "int_dense_sparse": Scheme(decode_dense_sparse, encode_dense_sparse, label_dense_sparse),
+    "int_codebook": Scheme(decode_codebook, encode_codebook, label_codebook),
 }
 
 

@@ -64,6 +64,10 @@ def normalize(codec, where: str = "codec") -> dict:
         raise ValueError(f"{where}: a codec middle needs {{\"k\": quantizer, \"v\": quantizer}}, got {codec!r}")
     out = {part: _config_of(codec[part], f"{where}.{part}") for part in _PARTS}
     json.dumps(out, allow_nan=False)  # a row states it: it must be plain JSON
+    for part, q in zip(_PARTS, quantizers(out)):
+        if getattr(q, "table_bytes", lambda: 0)():
+            raise ValueError(f"{where}.{part}: a calibrated table is calibrated per layer and counted once per layer; "
+                             "one codec serves every layer, so a live middle takes table-free levels (\"nf\") only")
     return out
 
 

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed import quant
+from testbed.audit_checks import common
 
 SCHEMES = quant.names()
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,12 +202,85 @@ def dense_sparse_stable(x: torch.Tensor, cfg: dict) -> bool:
         _ds_filled(x, cfg), cfg)
 
 
-NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped, "mx": nbytes_mx, "int_dense_sparse": nbytes_dense_sparse}
-ERROR_BOUND = {"int_grouped": bound_int_grouped, "mx": bound_mx, "int_dense_sparse": bound_dense_sparse}
+def _codebook_table(cfg: dict, d: int) -> torch.Tensor:
+    """A codebook's levels, float64 ``[D, n]`` (a shared table repeated per channel): NormalFloat from
+    ``bits`` as the audit derives them on its own (tests/quant/test_codebook.py holds them to QLoRA's
+    table), else the config's table."""
+    nf = cfg["levels"] == "nf"
+    t = torch.tensor(common.codebook_nf_levels(cfg["bits"]) if nf else cfg["levels"], dtype=torch.float64)
+    return t.expand(d, -1) if t.dim() == 1 else t
+
+
+def _codebook_per_group(x: torch.Tensor, cfg: dict, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (one per group, ``[..., D, N_pad/G]`` for channel or ``[..., N, D_pad/G]`` for token)
+    spread over the elements of ``x``'s layout."""
+    n = x.shape[-2] if cfg["axis"] == "channel" else x.shape[-1]
+    b = values.unsqueeze(-1).expand(*values.shape, cfg["group_size"]).reshape(*values.shape[:-1], -1)[..., :n]
+    return b.transpose(-1, -2) if cfg["axis"] == "channel" else b
+
+
+def _codebook_row_stat(x: torch.Tensor, cfg: dict, stat) -> torch.Tensor:
+    """A per-channel statistic of the table, shaped to broadcast against ``_groups``' ``[..., Dg, 1]``:
+    per channel ``[D, 1]`` on the channel axis; the shared table's on the token axis."""
+    t = _codebook_table(cfg, x.shape[-1])
+    v = stat(t)
+    return v[:, None] if cfg["axis"] == "channel" else v[0]
+
+
+def bound_codebook(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Per group, ``h = (max - min) / 2`` and ``m = (max + min) / 2`` are the float16 scale and offset
+    up to ``e = 2**-9 (|m| + h) + 2**-23`` (float32 and float16 rounding, subnormals included). An element
+    of the group's range is then within half the table's widest gap times the scale of a level, or past an
+    end of the table by ``(l[0] + 1) s`` or ``(1 - l[-1]) s`` (plus ``e``); plus the float32 rounding of the
+    normalization and the decode, ``2**-22 (|m| + 2h)``."""
+    grp = _groups(x, cfg)
+    mn, mx = grp.amin(-1), grp.amax(-1)
+    h, m = (mx - mn) / 2, (mx + mn) / 2
+    s_hi = h * (1 + 2 ** -10) + 2 ** -24
+    e = 2 ** -9 * (m.abs() + h) + 2 ** -23
+    gap = _codebook_row_stat(x, cfg, lambda t: t.diff(dim=-1).amax(-1))
+    lo = _codebook_row_stat(x, cfg, lambda t: t[:, 0] + 1)
+    hi = _codebook_row_stat(x, cfg, lambda t: 1 - t[:, -1])
+    inner = torch.maximum(gap / 2 * s_hi, torch.maximum(lo, hi) * s_hi + e)
+    return _codebook_per_group(x, cfg, inner + e + 2 ** -22 * (m.abs() + 2 * h) + 2 ** -25)
+
+
+def codebook_grid_holds(x: torch.Tensor, cfg: dict) -> bool:
+    """Idempotence precondition: the table runs from -1 to 1; in every group of non-zero float16 scale
+    the minimum and maximum land within 0.45 of the end gaps of -1 and 1 (so they take the end codes and
+    decode to ``offset16 -/+ scale16``), those two decoded ends give back the same float16 offset and scale,
+    and the float32 rounding of a decoded level, ``2**-23 (|offset16| / scale16 + 3)`` in units of the scale,
+    stays below half the table's narrowest gap (so every code re-encodes to itself). A calibrated table
+    whose ends are not -1 and 1 shrinks the decoded range: it is not idempotent."""
+    t = _codebook_table(cfg, x.shape[-1])
+    if not (bool((t[:, 0] == -1).all()) and bool((t[:, -1] == 1).all())):
+        return False
+    grp = _groups(x, cfg).float()
+    mn, mx = grp.amin(-1), grp.amax(-1)
+    s16 = ((mx - mn) * 0.5).half().float()
+    z16 = ((mx + mn) * 0.5 + 0.0).half().float()
+    live = s16 > 0
+    safe = torch.where(live, s16, torch.ones_like(s16)).double()
+    first = _codebook_row_stat(x, cfg, lambda t: t[:, 1] - t[:, 0])
+    last = _codebook_row_stat(x, cfg, lambda t: t[:, -1] - t[:, -2])
+    narrow = _codebook_row_stat(x, cfg, lambda t: t.diff(dim=-1).amin(-1))
+    ends = ((mn.double() - z16.double()) / safe + 1).abs() < 0.45 * first
+    ends &= ((mx.double() - z16.double()) / safe - 1).abs() < 0.45 * last
+    a, b = z16 + (-s16), z16 + s16
+    same = (((b - a) * 0.5).half().float() == s16) & (((b + a) * 0.5 + 0.0).half().float() == z16)
+    codes = 2.0 ** -23 * (z16.double().abs() / safe + 3) < narrow / 2
+    return bool((ends & same & codes | ~live).all())
+
+
+NBYTES_FORMULA = {"int_grouped": nbytes_int_grouped, "mx": nbytes_mx, "int_dense_sparse": nbytes_dense_sparse,
+                  # the codebook's payload is the int kinds' layout (its table is a parameter, not stored)
+                  "int_codebook": nbytes_int_grouped}
+ERROR_BOUND = {"int_grouped": bound_int_grouped, "mx": bound_mx, "int_dense_sparse": bound_dense_sparse,
+               "int_codebook": bound_codebook}
 # MX is idempotent everywhere: a decoded block keeps its scale (its amax rounds into [2**emax, max] X,
 # or the scale was already clamped to 2**-127, where a smaller amax clamps to it again).
 IDEMPOTENT_WHEN = {"int_grouped": int_grouped_grid_holds, "mx": lambda x, cfg: True,
-                   "int_dense_sparse": dense_sparse_stable}
+                   "int_dense_sparse": dense_sparse_stable, "int_codebook": codebook_grid_holds}
 _TABLES = {"bytes": ("NBYTES_FORMULA", NBYTES_FORMULA), "bound": ("ERROR_BOUND", ERROR_BOUND)}
 
 
