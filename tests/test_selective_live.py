@@ -138,6 +138,24 @@ def test_the_budget_sets_the_share_of_sparse_pairs(fraction, keep):
         == got
 
 
+def test_the_frontier_selective_protocol_validates_at_equal_bytes():
+    from testbed.live.spec import policies_of
+    from testbed.protocol import validate_protocol
+
+    raw = json.loads((REPO / "protocols" / "frontier_selective.json").read_text())
+    proto = validate_protocol(raw, "frontier_selective")
+    assert proto["default"] is False and proto["live"]["segments"] == 8 and proto["live"]["prefill"] == 1792
+    pols = {pol.name: pol for pol in policies_of(proto["live"])}
+    rules = [pol for pol in pols.values() if pol.selective]
+    assert sorted((pol.alloc, pol.alloc_from) for pol in rules) == \
+        [("concentrated", "oracle"), ("concentrated", "prefill"), ("diffuse", "prefill"), ("random", "prefill")]
+    n, target = 2048, 0.5 * 2048 * 30 * 2 * 3 * 64 * 2
+    for pol in pols.values():  # every arm within 1 % below the budget; the rule and its controls at one byte count
+        got = pol.cache_bytes(n, 30, 3, 64, 1792)
+        assert got <= target and (target - got) / target <= 0.01, pol.name
+    assert len({(pol.keep, pol.sparse_share, pol.cache_bytes(n, 30, 3, 64, 1792)) for pol in rules}) == 1
+
+
 # -- inside a tiny random Llama ------------------------------------------------------------------------
 
 
@@ -325,6 +343,12 @@ def test_the_rule_its_controls_and_oracle_pass_the_audit(sel_run):
     assert score[conc == 1].max() <= score[conc == 0].min() and score[diff == 1].min() >= score[diff == 0].max()
     oracle = _arrays.load(sel_run, rows["sel_oracle"]["arrays"]["select_score"])
     assert not np.array_equal(oracle, score)  # the whole segment's attention, not the prefill's
+    from testbed.report_html import policy_family
+
+    # families of their own on the frontier figure (the audit re-derives the figure's data: passed above)
+    assert [policy_family(rows[a]) for a in ("sel_conc", "sel_rand", "sel_oracle")] == \
+        ["snapkv (prefill, selective concentrated)", "snapkv (prefill, selective random)",
+         "snapkv (prefill, selective concentrated oracle)"]
 
 
 def _rewrite(run: Path, rel: str, x) -> None:
