@@ -156,6 +156,26 @@ def test_the_frontier_selective_protocol_validates_at_equal_bytes():
     assert len({(pol.keep, pol.sparse_share, pol.cache_bytes(n, 30, 3, 64, 1792)) for pol in rules}) == 1
 
 
+def test_the_retrieval_study_and_sliding_models_refuse_the_rule():
+    import transformers as tf
+
+    from testbed.schema import ProtocolError
+    from testbed.policies.cache import PolicyCache
+    from testbed.protocol import validate_protocol
+
+    sel = {"kind": "knorm", "mode": "prefill", "keep": 40, "heads": "selective", "alloc": "concentrated"}
+    for entry in ({"name": "s", "selection": {**sel, "sparse_share": 0.5}},
+                  {"name": "s", "selection": sel, "budget": {"fp16_fraction": 0.5}}):
+        raw = {"name": "r", "kind": "retrieval", "default": False,
+               "retrieval": {"tasks": ["kv_needle"], "lengths": [512], "depths": [0.5], "trials": 1, "policies": [entry]}}
+        with pytest.raises(ProtocolError, match="selective"):
+            validate_protocol(raw, "r")
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="not served by a mixed or selective policy"):
+        PolicyCache.for_model(_sel(), cfg)
+
+
 # -- inside a tiny random Llama ------------------------------------------------------------------------
 
 
