@@ -108,6 +108,8 @@ def check_evidence(row, ctx, pol: dict, live: dict) -> None:
             if not isinstance(layer, int) or not 0 <= layer < len(pol["layer_keep"]):
                 raise ValueError(f"evidence layer {layer!r}: the pyramid has layers 0..{len(pol['layer_keep']) - 1}")
             pol = {**pol, "keep": pol["layer_keep"][layer], "layer_keep": None}
+        if pol.get("heads") == "selective":
+            _selective_score(row, ctx, pol, live, a, ev.get("layer"))
         scored_evidence(row, ctx, pol, live, a, ev.get("layer"))
         return
     s, p, f = spans(pol, n)
@@ -314,3 +316,34 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
             ctx.fail(row, f"alloc_score[{layer}, {h}] = {score[layer, h]:.8g}; the audit's float64 concentration "
                           f"from the recorded queries and keys is {mine[h]:.8g}")
     return bits[layer]
+
+
+def _selective_score(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
+    """The evidence layer of a selective row: its ``select.score`` is the row's ``select_score`` at the
+    layer and, for a rule that reads attention, the audit's own float64 concentration of the recorded
+    queries and keys (the prefill's: ``input.q``, ``input.k``; the oracle's: ``input.q`` then ``oracle.q``
+    over ``oracle.k``), within float32 softmax rounding."""
+    score = ctx.load(row.get("arrays", {}).get("select_score"))
+    if not isinstance(layer, int) or score.ndim != 2 or not 0 <= layer < score.shape[0]:
+        raise ValueError(f"evidence layer {layer!r} is outside select_score {list(score.shape)}")
+    stored = a.get("select.score")
+    ctx.numbers += 1
+    if stored is None or not np.array_equal(stored, score[layer]):
+        ctx.fail(row, f"the evidence layer's select.score is not select_score[{layer}]")
+    if pol["alloc"] not in ("concentrated", "diffuse"):
+        return
+    P, n = live["prefill"], live["prefill"] + live["steps"]
+    q, k, t = a.get("input.q"), a.get("input.k"), P
+    if pol["alloc_from"] == "oracle":
+        later, k, t = a.get("oracle.q"), a.get("oracle.k"), n
+        q = None if q is None or later is None or q.ndim != 3 or later.ndim != 3 else np.concatenate([q, later], axis=1)
+    if q is None or k is None or q.ndim != 3 or q.shape[1] != t or k.shape[1] < t or q.shape[0] % k.shape[0]:
+        raise ValueError(f"a {pol['alloc_from']} selective rule's evidence needs queries and keys of {t} tokens")
+    mine = concentration(q, k[:, :t])
+    tol = TOLERANCES["float32_softmax"]
+    ctx.numbers += mine.size
+    bad = ~(np.abs(score[layer] - mine) <= tol["atol"] + tol["rtol"] * np.abs(mine))
+    if bad.any():
+        h = int(np.flatnonzero(bad)[0])
+        ctx.fail(row, f"select_score[{layer}, {h}] = {score[layer, h]:.8g}; the audit's float64 concentration from the "
+                      f"recorded queries and keys is {mine[h]:.8g}")

@@ -25,7 +25,8 @@ from .common import HEADER_BYTES, MX_BLOCK_SIZE, encode_tensor, scheme
 
 __all__ = ["MODELS", "POLICY_TABLE", "MIXED", "HEAVY", "BUDGET_VERSUS", "HEADER", "SCORED_EXTRA", "ONE_FULL_LAYER",
            "budget_of", "versus_of", "declared_policy", "policy_names", "policy_of", "as_bytes", "pyramid",
-           "adaptive_safeguard", "spans", "scored_held", "low_count", "full_layers", "policy_bytes", "reference_bytes",
+           "adaptive_safeguard", "selective_sparse", "selective_budget", "spans", "scored_held", "low_count",
+           "full_layers", "policy_bytes", "reference_bytes",
            "quanto_bytes", "model_dims", "middle_config", "packed_payload", "next_change", "schedule"]
 
 
@@ -88,7 +89,8 @@ HEADER = HEADER_BYTES
 # evict_window) float32 and drops the middle
 DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window": None, "heavy": 0,
                       "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0, "layers": "uniform",
-                      "beta": 20, "heads": "uniform", "alpha": 0.2}
+                      "beta": 20, "heads": "uniform", "alpha": 0.2, "alloc": None, "alloc_from": "prefill",
+                      "sparse_share": 0.0}
 # scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
 # definitions, live_scored._scores); a user's scorer ("file.py:Class") is checked self-consistently only
 AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o", "expected_attention")
@@ -129,6 +131,35 @@ def pyramid(mean: int, P: int, layers: int, beta: int, w: int) -> list:
         return [mean] * layers
     step = (hi - lo) / (layers - 1) if layers > 1 else 0.0  # kvpress's order of operations: a count at .5 rounds alike
     return [round(hi - i * step) for i in range(layers)]
+
+
+def selective_sparse(pol: dict, pairs: int) -> int:
+    """The sparse pairs of a selective selection of ``pairs`` (layer, KV head) pairs: round(share x pairs),
+    half to even (Python's round)."""
+    return round(pol["sparse_share"] * pairs)
+
+
+def selective_budget(budget, keep: int, live: dict) -> tuple:
+    """The audit's own statement of the selective rule's budget: the fewest sparse pairs m whose bytes at
+    the segment's end (every pair dense at 8 D bytes per token, a sparse one the prefill's top keep and
+    every later token at 8 D + 8, a class byte per pair, a header per layer) fit the budget, then the
+    largest keep (at most the prefill) at that m that still fits; returns (m / pairs, keep)."""
+    (kind, value), = as_bytes(budget, live).items()
+    dims = MODELS.get(live.get("model"))
+    if dims is None or dims.get("sliding_window") or kind not in ("bytes_per_token", "fp16_fraction"):
+        raise ValueError(f"a selective rule's budget needs bytes (per token, a fraction of float16's or as a preset) for "
+                         f"a model of the audit's table without sliding layers, not {kind!r} on {live.get('model')!r}")
+    layers, h, d = dims["layers"], dims["kv_heads"], dims["head_dim"]
+    P, n = live["prefill"], live["prefill"] + live["steps"]
+    target = value * n if kind == "bytes_per_token" else value * n * layers * 4 * h * d
+    pairs = layers * h
+
+    def cost(m: int, k: int) -> int:
+        return layers * HEADER + pairs + m * (min(P, k) + n - P) * (8 * d + SCORED_EXTRA) + (pairs - m) * n * 8 * d
+
+    m = next((m for m in range(pairs + 1) if cost(m, keep) <= target), pairs)
+    k = max([x for x in range(keep, P + 1) if cost(m, x) <= target] or [keep])
+    return m / pairs, k
 
 
 def _pyramid_dims(live: dict) -> dict:
@@ -283,6 +314,17 @@ def declared_policy(entry: dict, live: dict) -> dict:
                 raise ValueError(f"declared policy {entry.get('name')!r}: a rest stored as {t['rest']!r} is not one the "
                                  "audit knows (a quantized middle, a prefill-mode selection)")
             out["rest"] = t["rest"]
+        if s["heads"] == "selective":  # the seed's rule: which pairs are sparse, and how many
+            if s["alloc"] not in ("concentrated", "diffuse", "late", "random") or \
+                    s["alloc_from"] not in ("prefill", "oracle") or s["mode"] != "prefill" or up:
+                raise ValueError(f"declared policy {entry.get('name')!r}: a selective rule of alloc {s['alloc']!r} from "
+                                 f"{s['alloc_from']!r} (mode {s['mode']!r}, layers {s['layers']!r}) is not one the audit "
+                                 "knows")
+            out.update({"heads": "selective", "alloc": s["alloc"], "alloc_from": s["alloc_from"],
+                        "sparse_share": float(s["sparse_share"])})
+            if "budget" in entry:
+                out["sparse_share"], out["keep"] = selective_budget(entry["budget"], keep, live)
+            return out
         if "budget" in entry:
             keep = _budget_keep(entry["budget"], s["mode"], live, beta=s["beta"] if up else None, w=w,
                                 store=out if out.get("store") or out.get("rest") else None)
@@ -417,7 +459,8 @@ def sliding_bytes(n: int, dims: dict) -> int:
     return (dims["layers"] - full_layers(dims)) * min(n, w - 1) * 2 * dims["kv_heads"] * dims["head_dim"] * 4
 
 
-def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, held: int | None = None) -> int:
+def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, held: int | None = None,
+                 sparse: int | None = None) -> int:
     """The cache's bytes after n tokens; a mixed policy's with ``low_pairs`` of its (layer, KV head)
     pairs at the low scheme (default: the protocol's share) and one byte of bits per pair; a
     heavy-hitter policy's with ``held`` heavy hitters per (layer, KV head) (default: C, or every
@@ -425,6 +468,11 @@ def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, he
     and a float32 score per float32 window token."""
     h, d = dims["kv_heads"], dims["head_dim"]
     full = full_layers(dims)
+    if pol.get("heads") == "selective":  # sparse pairs: held tokens with index and score; dense: every token
+        pairs = full * h
+        m = selective_sparse(pol, pairs) if sparse is None else sparse
+        return (full * HEADER + pairs + m * scored_held(pol, n) * (8 * d + SCORED_EXTRA) + (pairs - m) * n * 8 * d
+                + sliding_bytes(n, dims))
     if pol.get("scorer") and pol.get("layer_keep"):  # a pyramid: each layer its own count (no sliding layers)
         if len(pol["layer_keep"]) != full:
             raise ValueError(f"a pyramid of {len(pol['layer_keep'])} layers on a model of {full} full layers")

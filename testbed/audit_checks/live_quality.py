@@ -81,8 +81,8 @@ import numpy as np
 from .capture import read_json
 from .common import TOLERANCES
 from .live_evidence import check_evidence
-from .live_policies import (low_count, full_layers, model_dims, policy_bytes, policy_names, policy_of, quanto_bytes,
-                            reference_bytes, schedule, spans)
+from .live_policies import (HEADER, SCORED_EXTRA, full_layers, low_count, model_dims, policy_bytes, policy_names,
+                            policy_of, quanto_bytes, reference_bytes, schedule, scored_held, selective_sparse, spans)
 
 __all__ = ["check", "check_study", "check_grid", "views", "view_of", "segment_ids"]
 
@@ -127,6 +127,47 @@ def _check_allocation(row, ctx, pol: dict, dims: dict) -> np.ndarray:
     if not np.array_equal(bits.flatten(), want):
         ctx.fail(row, f"alloc_bits are not the {pol['alloc']} rule's choice from alloc_score")
     return bits
+
+
+def _check_selective(row, ctx, pol: dict, dims: dict, live: dict) -> tuple:
+    """A selective row's per-pair arrays ``[L, H]``: ``select_sparse`` (uint8, 1 sparse) the rule's choice
+    of ``round(sparse_share x pairs)`` pairs from ``select_score`` (float64, the concentration; zero for a
+    content-blind rule), ``select_count`` (int32) what each pair holds at the end (a sparse pair the
+    prefill's top keep and every later token, a dense pair every token). Returns (sparse pairs, the last
+    bytes re-derived from the counts: a header per layer, a class byte per pair, 8 D per held token,
+    8 more per held token of a sparse pair)."""
+    arrays = row.get("arrays", {})
+    sparse, score = ctx.load(arrays.get("select_sparse")), ctx.load(arrays.get("select_score"))
+    count = ctx.load(arrays.get("select_count"))
+    shape = (full_layers(dims), dims["kv_heads"])
+    if (sparse.shape != shape or score.shape != shape or count.shape != shape or sparse.dtype != np.uint8
+            or score.dtype != np.float64 or count.dtype != np.int32):
+        raise ValueError(f"select_sparse / select_score / select_count must be uint8 / float64 / int32 {list(shape)}, "
+                         f"got {sparse.dtype} {list(sparse.shape)} / {score.dtype} {list(score.shape)} / {count.dtype} "
+                         f"{list(count.shape)}")
+    if not np.all((sparse == 0) | (sparse == 1)):
+        ctx.fail(row, "select_sparse holds a class other than 0 (dense) or 1 (sparse)")
+    m = selective_sparse(pol, sparse.size)
+    ctx.equal(row, "sparse pairs", int(sparse.sum()), m)
+    if pol["alloc"] in ("late", "random"):
+        ctx.equal(row, "select_score of a content-blind rule (nothing measured)", float(np.abs(score).max()), 0.0)
+    elif not np.all(np.isfinite(score)) or np.any(score <= 0) or np.any(score > 1 + 1e-12):
+        ctx.fail(row, "select_score: an effective support outside (0, 1]")
+    order = np.argsort(allocation_keys(pol, score).flatten(), kind="stable")[:m]
+    want = np.zeros(sparse.size, dtype=np.uint8)
+    want[order] = 1
+    ctx.numbers += 2 * sparse.size
+    if not np.array_equal(sparse.flatten(), want):
+        ctx.fail(row, f"select_sparse is not the {pol['alloc']} rule's choice of {m} sparse pairs from select_score")
+    n = live["prefill"] + live["steps"]
+    held = np.where(sparse == 1, scored_held(pol, n), n)
+    if not np.array_equal(count, held):
+        ctx.fail(row, f"select_count: a sparse pair holds the prefill's top {pol['keep']} and every later token "
+                      f"({scored_held(pol, n)}), a dense pair all {n}")
+    d = dims["head_dim"]
+    last = (shape[0] * HEADER + sparse.size + int(count.astype(np.int64).sum()) * 8 * d
+            + int(count[sparse == 1].astype(np.int64).sum()) * SCORED_EXTRA)
+    return int(sparse.sum()), last
 
 
 def _check_heavy_index(row, ctx, pol: dict, dims: dict, n: int) -> int:
@@ -300,7 +341,7 @@ def check(row: dict, ctx) -> None:
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
                     "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope",
-                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest", "codec"):
+                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest", "sparse_share", "codec"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):
@@ -311,6 +352,10 @@ def check(row: dict, ctx) -> None:
             bits = _check_allocation(row, ctx, pol, dims)
             low_pairs = int((bits == int(pol["low"][3:])).sum())
             want_b = [policy_bytes(pol, n, dims, low_pairs) for n in want_ctx]
+        if pol.get("heads") == "selective":  # every forward's bytes at the classes stored, the last from the counts
+            m, last = _check_selective(row, ctx, pol, dims, live)
+            want_b = [policy_bytes(pol, n, dims, sparse=m) for n in want_ctx]
+            ctx.equal(row, "the last bytes against select_count's", want_b[-1], last)
         if pol.get("heavy"):  # the last bytes from the stored heavy-hitter indices themselves
             held = _check_heavy_index(row, ctx, pol, dims, want_ctx[-1])
             want_b[-1] = policy_bytes(pol, want_ctx[-1], dims, held=held)
@@ -396,6 +441,9 @@ def _check_shared_prefill(ctx, study: str, case: str, live: dict) -> bool:
         pol = policy_of(arm, live) if arm in policy_names(live) else {}
         if pol.get("low") and pol.get("alloc") in ("concentrated", "diffuse") and pol.get("alloc_from") == "prefill":
             groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("alloc_score")).tobytes()
+        if (pol.get("heads") == "selective" and pol.get("alloc") in ("concentrated", "diffuse")
+                and pol.get("alloc_from") == "prefill"):  # the selective rule reads the same measurement
+            groups["alloc_score (prefill rules)"][arm] = ctx.load((r.get("arrays") or {}).get("select_score")).tobytes()
     for what, by_arm in groups.items():
         ctx.numbers += len(by_arm)
         if len(set(by_arm.values())) > 1:

@@ -54,6 +54,9 @@ def scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     if pol.get("heads") == "adaptive":
         _adaptive_evidence(row, ctx, pol, live, a, layer)
         return
+    if pol.get("heads") == "selective":
+        _selective_evidence(row, ctx, pol, live, a, layer)
+        return
     n = live["prefill"] + live["steps"]
     idx, score = a.get("kept.index"), a.get("kept.score")
     k, v = a.get("input.k"), a.get("input.v")
@@ -214,6 +217,89 @@ def _adaptive_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     own = _own_scores(row, ctx, pol, live, a, layer)
     if own is not None:
         _check_adaptive(row, ctx, pol, live, own[0], idx, score, count, own[1], own[2])
+
+
+def _selective_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
+    """The evidence layer of a selective selection (``heads: "selective"``, the seed's rule, prefill
+    mode): ``kept.sparse [H]`` and ``kept.count [H]`` the row's ``select_sparse`` / ``select_count`` at
+    the layer; a sparse head holds the prefill's top ``keep`` and every later token, a dense head every
+    token (index 0..n-1); the arrays ``[H, max count]`` in Ada-KV's layout (each head's held tokens first,
+    ascending, K/V the recorded inputs there; empty slots after them: index -1, zero K, V and score); the
+    bytes from the counts (a header, a class byte per head, 8 D per held token, 8 more per token of a
+    sparse head); for a scorer the audit re-derives, each sparse head's kept prefill tokens its top keep."""
+    n, P = live["prefill"] + live["steps"], live["prefill"]
+    idx, score, count, sp = a.get("kept.index"), a.get("kept.score"), a.get("kept.count"), a.get("kept.sparse")
+    k, v = a.get("input.k"), a.get("input.v")
+    if idx is None or score is None or count is None or sp is None or k is None or v is None:
+        raise ValueError("a selective selection's evidence needs kept.index, kept.score, kept.count, kept.sparse, "
+                         "input.k and input.v")
+    h = k.shape[0]
+    if count.dtype != np.int32 or count.shape != (h,) or sp.dtype != np.uint8 or sp.shape != (h,):
+        raise ValueError(f"kept.count / kept.sparse {count.dtype} {list(count.shape)} / {sp.dtype} {list(sp.shape)}: "
+                         f"expected int32 / uint8 [{h}]")
+    arrays = row.get("arrays", {})
+    row_sparse, row_count = ctx.load(arrays.get("select_sparse")), ctx.load(arrays.get("select_count"))
+    if not isinstance(layer, int) or not 0 <= layer < row_sparse.shape[0] or row_sparse.shape[1:] != (h,):
+        raise ValueError(f"evidence layer {layer!r} is outside select_sparse {list(row_sparse.shape)}")
+    ctx.numbers += 2 * h
+    if not np.array_equal(sp, row_sparse[layer]):
+        ctx.fail(row, f"the evidence layer's kept.sparse is not select_sparse[{layer}]")
+    if not np.array_equal(count, row_count[layer]):
+        ctx.fail(row, f"the evidence layer's kept.count is not select_count[{layer}]")
+    held = scored_held(pol, n)
+    if not np.array_equal(count, np.where(sp == 1, held, n)):
+        ctx.fail(row, f"kept.count: a sparse head holds {held} tokens, a dense one {n}: {count.tolist()}")
+        return
+    slots = int(count.max())
+    if (k.shape[1] != n or idx.dtype != np.int32 or idx.shape != (h, slots) or score.shape != idx.shape
+            or score.dtype != np.float32):
+        raise ValueError(f"kept.index {idx.dtype} {list(idx.shape)} / kept.score {score.dtype} {list(score.shape)}: "
+                         f"expected int32 / float32 [{h}, {slots}] (the largest kept.count) over {n} recorded tokens")
+    real = np.arange(slots)[None, :] < count[:, None]
+    fk, fv = a.get("float.k"), a.get("float.v")
+    if fk is None or fv is None or fk.shape != (h, slots, k.shape[2]) or fv.shape != (h, slots, v.shape[2]):
+        raise ValueError(f"float.k / float.v: expected [{h}, {slots}, D], the kept K/V in the slots of kept.index")
+    ctx.numbers += idx.size
+    if np.any(idx[~real] != -1) or np.any(score[~real] != 0) or np.any(fk[~real] != 0) or np.any(fv[~real] != 0):
+        ctx.fail(row, "kept.index: a head's slots after its count are not empty (index -1, zero K, V and score)")
+        return
+    w = pol.get("window", 0)
+    for hh in range(h):
+        got = idx[hh, : count[hh]]
+        if np.any(np.diff(got) <= 0) or got.min() < 0 or got.max() >= n:
+            ctx.fail(row, f"kept.index: head {hh}'s kept tokens are not distinct positions in arrival order within the "
+                          "segment")
+            return
+        if sp[hh] == 0 and not np.array_equal(got, np.arange(n)):
+            ctx.fail(row, f"kept set: dense head {hh} does not hold every token")
+            return
+        for name, x, stored in (("k", k, fk), ("v", v, fv)):
+            if stored[hh, : count[hh]].tobytes() != x[hh, got.astype(np.int64)].tobytes():
+                ctx.fail(row, f"float.{name}: head {hh}'s kept K/V are not the recorded inputs at kept.index")
+        if not np.all(np.isin(np.arange(P, n), got)):
+            ctx.fail(row, "kept set: a prefill-mode selection keeps every token after the prefill")
+        if w and not np.all(np.isin(np.arange(P - w, P), got)):
+            ctx.fail(row, f"kept set: the newest {w} tokens are always kept")
+    extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "kept.count",
+                                             "kept.sparse", "select.score", "input.k", "input.v", "input.q", "prefill.q",
+                                             "rope.inv_freq", "oracle.q", "oracle.k"))
+    if extra:
+        ctx.fail(row, f"a selective selection stores float K/V, indices, scores, per-head counts and classes only, "
+                      f"found {extra}")
+    d = k.shape[2]
+    ctx.close(row, "evidence layer bytes", HEADER + h + int(count.sum()) * 8 * d
+              + int(count[sp == 1].sum()) * SCORED_EXTRA,
+              policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}, sparse=int(sp.sum())))
+    attention = pol["scorer"] in ATTENTION_SCORERS
+    if pol["scorer"] not in AUDIT_SCORERS or (attention and pol["scorer"] == "h2o"):
+        ctx.user_scorers.setdefault(row.get("study"), set()).add(f"{pol['scorer']} (prefill, selective)")
+        return
+    on = sp == 1
+    if not on.any():
+        return
+    own = _own_scores(row, ctx, pol, live, a, layer)
+    if own is not None:
+        _check_kept(row, ctx, pol, live, own[0][on], idx[on][:, :held], score[on][:, :held], own[1], atol=own[2])
 
 
 def _check_adaptive(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarray, score: np.ndarray,

@@ -72,9 +72,18 @@ class SharedPrefill:
                     if getattr(layer.scorer, "ATTENTION", False) and self.tails is None:
                         raise ValueError(f"policy {layer.policy.name} scores tokens by the prefill's attention, but "
                                          "the shared prefill recorded no queries")
+                    classes = layer.policy.selective and layer.policy.observes
+                    if classes and self.concentration is None:
+                        raise ValueError(f"policy {layer.policy.name} classes its pairs by the prefill's attention, "
+                                         "but the shared prefill measured no concentration")
+                    if classes and layer.record and i != self.record_layer:
+                        raise ValueError(f"layer {i} records evidence; the shared prefill recorded the queries of "
+                                         f"layer {self.record_layer}")
                     layer.load_prefill(k, v, None if self.tails is None else self.tails[i],
                                        None if self.scales is None else self.scales[i],
-                                       None if self.received is None else self.received[i])
+                                       None if self.received is None else self.received[i],
+                                       self.concentration[i] if classes else None,
+                                       self.query0 if classes and layer.record else None)
                 elif isinstance(layer, PolicyLayer):
                     mass = layer.policy.sink_select == "mass"
                     measured = layer.policy.mixed and layer.policy.observes
@@ -286,5 +295,6 @@ def mass_candidates(p: dict) -> int | None:
 
 
 def measures_concentration(p: dict) -> bool:
-    """Whether some policy of the study allocates per-head bits from the prefill's attention."""
-    return any(pol.mixed and pol.observes for pol in policies_of(p))
+    """Whether some policy of the study allocates per-head bits, or classes its pairs (the selective
+    rule), from the prefill's attention."""
+    return any((pol.mixed or pol.selective) and pol.observes for pol in policies_of(p))

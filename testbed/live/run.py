@@ -231,6 +231,10 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         if isinstance(what, Policy) and what.mixed:  # the allocation: each pair's bits, from which scores
             arrays["alloc_bits"] = store.save(f"{prefix}/alloc_bits", cache.alloc_bits()[j].numpy())
             arrays["alloc_score"] = store.save(f"{prefix}/alloc_score", cache.alloc_score[j].numpy().astype(np.float64))
+        elif isinstance(what, Policy) and what.selective:  # each pair's class, what it was read from, what it holds
+            arrays["select_sparse"] = store.save(f"{prefix}/select_sparse", cache.sel_sparse[j].numpy().astype(np.uint8))
+            arrays["select_score"] = store.save(f"{prefix}/select_score", cache.sel_score[j].numpy().astype(np.float64))
+            arrays["select_count"] = store.save(f"{prefix}/select_count", cache.held_counts()[j].numpy().astype(np.int32))
         elif isinstance(what, Policy) and what.heavy:  # the heavy hitters held at the end: [L, H, count] token indices
             held = [layer.hh_index[j] for layer in cache.layers if getattr(layer, "hh_index", None) is not None]
             arrays["hh_index"] = store.save(f"{prefix}/hh_index", torch.stack(held).numpy().astype(np.int32))

@@ -125,10 +125,10 @@ def check_model(p: dict, dims: dict, where: str) -> None:
         raise ProtocolError(f"{where}.evidence_layer: layer {ev} of {p['model']} is a sliding-window layer, which keeps "
                             f"what DynamicCache keeps; the policy runs on its full-attention layers {full}")
     pols = policies_of(p)
-    mixed = [q.name for q in pols if q.mixed]
+    mixed = [q.name for q in pols if q.mixed or q.selective]
     if dims.get("sliding_window") and mixed:
-        raise ProtocolError(f"{where}.policies: per-head precision ({', '.join(mixed)}) allocates bits over every "
-                            f"layer's KV heads, and {p['model']} has sliding-window layers (window "
+        raise ProtocolError(f"{where}.policies: per-head precision or the selective rule ({', '.join(mixed)}) "
+                            f"allocates over every layer's KV heads, and {p['model']} has sliding-window layers (window "
                             f"{dims['sliding_window']}), which keep what DynamicCache keeps; drop those policies")
     oracles = [q.name for q in pols if q.heavy_oracle]
     if dims.get("sliding_window") and oracles:

@@ -168,7 +168,7 @@ class PolicyCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
         self.kinds = list(kinds) if kinds is not None else ["full_attention"] * num_layers
-        if policy.mixed and policy.alloc_from == "oracle" and scores is None:
+        if (policy.mixed or policy.selective) and policy.alloc_from == "oracle" and scores is None:
             raise ValueError(f"policy {policy.name}: an oracle allocation needs its scores ([B, layers, KV heads])")
         if policy.heavy_oracle:
             if received is None or len(received) != num_layers:
@@ -179,6 +179,7 @@ class PolicyCache(Cache):
                     layer.oracle_received = got.to(torch.float64)
         self.given_scores = scores
         self.alloc_low = self.alloc_score = None  # [B, L, H] after finish_prefill
+        self.sel_sparse = self.sel_score = None  # [B, L, H] after a selective selection's finish_prefill
 
     @classmethod
     def for_model(cls, policy: Policy, config, record_layer: int | None = None, direct: bool = False,
@@ -212,10 +213,10 @@ class PolicyCache(Cache):
             if kinds[record_layer][0] != "full_attention":
                 raise ValueError(f"record_layer {record_layer} ({kinds[record_layer][0]}): the policy is applied to "
                                  "full-attention layers only; a sliding layer has no policy evidence to record")
-        if policy.mixed and any(k != "full_attention" for k, _ in kinds):
+        if (policy.mixed or policy.selective) and any(k != "full_attention" for k, _ in kinds):
             i = next(i for i, (k, _) in enumerate(kinds) if k != "full_attention")
-            raise ValueError(f"layer {i} ({kinds[i][0]}): policy {policy.name} allocates bits over every layer's KV "
-                             "heads; a model with sliding layers is not served by a mixed policy")
+            raise ValueError(f"layer {i} ({kinds[i][0]}): policy {policy.name} allocates over every layer's KV "
+                             "heads; a model with sliding layers is not served by a mixed or selective policy")
         if policy.middle != "float32" and not any(k == "full_attention" for k, _ in kinds):
             raise ValueError(f"policy {policy.name}: layers 0..{n - 1} are all {kinds[0][0]}; the policy applies to "
                              "full-attention layers only, so it would apply nowhere")
@@ -240,6 +241,9 @@ class PolicyCache(Cache):
         concentration, or the oracle's ``scores``, and flush what the prefill aged out. Nothing for
         other policies."""
         p = self.policy
+        if p.selective:
+            self._finish_selective()
+            return
         if not p.mixed:
             return
         layer0 = self.layers[0]
@@ -262,14 +266,47 @@ class PolicyCache(Cache):
             layer.alloc_score = scores[:, i]
         self.alloc_low, self.alloc_score = low, scores
 
+    def _finish_selective(self) -> None:
+        """The selective rule, once the prefill has gone through every layer: per sequence the
+        ``sparse_count(L·H)`` pairs with the smallest :func:`~testbed.policies.selection.allocation_keys`
+        of the prefill's measured concentration (or the oracle's ``scores``; zeros for a content-blind
+        rule) are sparse (:func:`allocate`), and every layer cuts its held prefill (``cut_selective``)."""
+        p = self.policy
+        waiting = [layer for layer in self.layers if getattr(layer, "uncut", None) is not None]
+        if len(waiting) != len(self.layers):
+            raise RuntimeError(f"policy {p.name}: {len(self.layers) - len(waiting)} of {len(self.layers)} layers hold "
+                               "no prefill waiting for its classes")
+        b, h = waiting[0].uncut[4].shape[:2]
+        if self.given_scores is not None:
+            scores = self.given_scores.to(torch.float64)
+        elif p.observes:
+            missing = [i for i, layer in enumerate(self.layers) if layer.sel_score is None]
+            if missing:
+                raise RuntimeError(f"layers {missing[:4]}: no prefill concentration was measured (run the model inside "
+                                   "testbed.policies.hook.policy_attention(model), or hand the shared prefill's)")
+            scores = torch.stack([layer.sel_score.cpu() for layer in self.layers], dim=1)
+        else:
+            scores = torch.zeros(b, len(self.layers), h, dtype=torch.float64)
+        if scores.shape != (b, len(self.layers), h):
+            raise ValueError(f"class scores {list(scores.shape)}, expected [{b}, {len(self.layers)}, {h}]")
+        sparse = allocate(p, scores, p.sparse_count(len(self.layers) * h))
+        for i, layer in enumerate(self.layers):
+            layer.cut_selective(sparse[:, i], scores[:, i])
+        self.sel_sparse, self.sel_score = sparse, scores
+
+    def held_counts(self) -> torch.Tensor:
+        """``[B, L, H]`` int64: the tokens each (layer, KV head) pair holds (a selective selection's)."""
+        return torch.stack([layer.head_counts() for layer in self.layers], dim=1)
+
     def alloc_bits(self) -> torch.Tensor:
         """``[B, L, H]`` uint8: each pair's bits (after :meth:`finish_prefill`)."""
         return torch.stack([layer.mixed.bits.cpu() for layer in self.layers], dim=1)
 
     def stored_bytes(self) -> int:
         """Bytes of every layer's cache for one sequence."""
-        if self.policy.mixed:  # the layers differ per sequence, their sum does not
-            batch = next((layer.sink_k.shape[0] for layer in self.layers if layer.is_initialized), 1)
+        if self.policy.mixed or self.policy.selective:  # the layers differ per sequence, their sum does not
+            batch = next(((layer.kept_index if self.policy.selective else layer.sink_k).shape[0]
+                          for layer in self.layers if layer.is_initialized), 1)
             total = sum(layer.batch_bytes() for layer in self.layers)
             if total % batch:
                 raise RuntimeError(f"{total} bytes over a batch of {batch} sequences: the allocation differs in size")

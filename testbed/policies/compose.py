@@ -39,12 +39,12 @@ from dataclasses import dataclass, field, fields
 
 from . import scorers
 from .policy import (ADA_ALPHA, HEAD_SCHEDULES, HEADER_BYTES, LAYER_SCHEDULES, SCORED_TOKEN_EXTRA, Policy, pyramid_keep,
-                     scored_held)
+                     scored_held, selective_bytes)
 from .presets import PRESETS, preset
 
 __all__ = ["Selection", "Storage", "SELECTIONS", "compose", "decompose", "declared", "policy_name", "policies_from",
            "RESERVED_NAMES", "budget_keep", "scored_bytes", "BUDGET_KINDS", "check_scored_prefill", "as_bytes",
-           "stored_bytes"]
+           "stored_bytes", "selective_budget"]
 
 # which tokens a selection keeps: every one, or the first S and the newest W
 SELECTIONS = ("all", "sink_window")
@@ -72,7 +72,12 @@ class Selection:
     steepness ``beta``; :func:`~testbed.policies.policy.pyramid_keep`). ``heads``: ``"uniform"``
     (``keep`` per KV head) or ``"adaptive"`` (Ada-KV, prefill mode only: the layer keeps ``keep x``
     KV heads tokens, each head at least its own top ``safeguard_count(keep, alpha)``, the rest the
-    layer's top scores over every head; :mod:`testbed.policies.scored`)."""
+    layer's top scores over every head; :mod:`testbed.policies.scored`) or ``"selective"`` (the seed's
+    rule, prefill mode only: ``round(sparse_share x pairs)`` of the model's (layer, KV head) pairs keep
+    the scorer's top ``keep``, the rest every token, the sparse pairs chosen at the prefill's end by
+    ``alloc`` -- ``"concentrated"`` (the seed's rule), ``"diffuse"`` (reversed), ``"random"``
+    (content-blind), ``"late"`` -- from ``alloc_from``, ``"prefill"`` or ``"oracle"``, the whole
+    segment's attention; with a ``budget``, ``sparse_share`` from it, :func:`selective_budget`)."""
 
     kind: str = "all"
     sink: int = 0
@@ -87,6 +92,9 @@ class Selection:
     beta: int = 20
     heads: str = "uniform"
     alpha: float = ADA_ALPHA
+    alloc: str | None = None
+    alloc_from: str = "prefill"
+    sparse_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,9 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         raise ValueError(f"policy {name}: selection heads must be one of {list(HEAD_SCHEDULES)}, got {s.heads!r}")
     if (s.heads != "uniform" or s.alpha != ADA_ALPHA) and s.kind in SELECTIONS:
         raise ValueError(f"policy {name}: a per-head schedule (heads {s.heads!r}, alpha) belongs to a scored selection")
+    if (s.alloc is not None or s.alloc_from != "prefill" or s.sparse_share) and s.heads != "selective":
+        raise ValueError(f"policy {name}: selection alloc, alloc_from and sparse_share belong to the selective rule "
+                         f"(heads 'selective'), got heads {s.heads!r}")
     if s.kind not in SELECTIONS and not (s.kind in scorers.SCORERS or scorers.is_user_scorer(s.kind)):
         raise ValueError(f"policy {name}: selection kind must be one of {list(SELECTIONS)}, a scorer "
                          f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
@@ -170,7 +181,9 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
                      **({"rest": t.rest} if t.rest is not None else {}),
                      **({"layers": s.layers, "beta": s.beta, "layer_keep": tuple(layer_keep)}
                         if s.layers != "uniform" else {}),
-                     **({"heads": s.heads, "alpha": s.alpha} if s.heads != "uniform" or s.alpha != ADA_ALPHA else {}))
+                     **({"heads": s.heads, "alpha": s.alpha} if s.heads != "uniform" or s.alpha != ADA_ALPHA else {}),
+                     **({"alloc": s.alloc, "alloc_from": s.alloc_from, "sparse_share": s.sparse_share}
+                        if s.heads == "selective" else {}))
         if s.kind in scorers.SCORERS:  # a user's class is read when its file is loaded (the cache's ScoredLayer)
             pol.always_kept(scorers.kept_first(s.kind))
         return pol
@@ -205,7 +218,8 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
     p = policy
     if p.scored:
         return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed, layers=p.layers,
-                          beta=p.beta, heads=p.heads, alpha=p.alpha),
+                          beta=p.beta, heads=p.heads, alpha=p.alpha, alloc=p.alloc, alloc_from=p.alloc_from,
+                          sparse_share=p.sparse_share),
                 Storage(p.store or "float32", p.store_window, p.group, p.feature_group, p.key_axis, rest=p.rest))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
@@ -225,7 +239,7 @@ def _fields_of(cls, given, where: str) -> dict:
     out = {}
     for key, value in given.items():
         want = known[key].type
-        if key in ("low_share", "alpha"):  # a share; 1/2 may be written 0.5
+        if key in ("low_share", "alpha", "sparse_share"):  # a share; 1/2 may be written 0.5
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{where}.{key}: expected a number, got {value!r}")
             value = float(value)
@@ -307,7 +321,19 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
     beta = sel.get("beta", 20)
     if pyramid and (isinstance(beta, bool) or not isinstance(beta, int) or beta < 1):
         raise ValueError(f"{where} ({name}).selection.beta: the pyramid's steepness must be an integer >= 1, got {beta!r}")
-    if "budget" in entry:
+    selective = sel.get("heads", "uniform") == "selective"
+    if "budget" in entry and selective:  # the sparse pairs' share from the budget, at their kept count
+        if budget is None or budget.get("layers") is None:
+            raise ValueError(f"{where} ({name}): the selective rule's share of sparse pairs is derived from a budget "
+                             "in bytes for a known model without sliding layers (the live study)")
+        if "sparse_share" in sel or not isinstance(sel.get("keep"), int):
+            raise ValueError(f"{where} ({name}): the selective rule with a budget takes the sparse pairs' kept count "
+                             "(keep) and derives sparse_share from the budget; give keep, not sparse_share")
+        given = as_bytes(entry["budget"], budget, window=window, group=group, evict_window=evict_window,
+                         where=f"{where} ({name}).budget")
+        sel["sparse_share"], sel["keep"] = selective_budget(given, sel["keep"], where=f"{where} ({name}).budget",
+                                                            **budget)
+    elif "budget" in entry:
         if kind == "all":
             raise ValueError(f"{where} ({name}): a budget sets the kept count of a scored or sink_window selection; "
                              "selection kind 'all' keeps every token")
@@ -436,6 +462,52 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
         raise ValueError(f"{where}: the nearest kept count ({keep}) lands {(target - got) / target:.2%} below the "
                          f"budget at {n} tokens, more than the tolerance {tolerance:.2%}")
     return keep
+
+
+def selective_budget(budget, keep: int, *, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
+                     tolerance: float = 0.01, where: str = "budget") -> tuple[float, int]:
+    """``(sparse_share, keep)`` of a selective selection (prefill mode) whose sparse pairs keep at least
+    ``keep`` prefill tokens, within ``tolerance`` below ``budget`` (bytes per token or a fraction of
+    float16's) at the segment's end (``n = prefill + steps`` tokens).
+
+    Its bytes with m of the ``pairs = layers x kv_heads`` pairs sparse are
+    :func:`~testbed.policies.policy.selective_bytes`: a dense pair holds n tokens of 8 D bytes, a sparse
+    one ``h = min(keep, prefill) + steps`` tokens of 8 D + 8 (its index and score), and each pair has a
+    class byte. In tokens alone (a budget f of a float32 cache's, a sparse pair keeping rho = h / n of
+    its tokens) the share is s = (1 - f) / (1 - rho); here m is the fewest sparse pairs whose bytes fit,
+    ``m = ceil((pairs n 8D + layers header + pairs - B) / (n 8D - h (8D + 8)))``, and the slack left by
+    rounding m up goes back to the sparse pairs: ``keep`` is raised to the largest count (at most the
+    prefill) that still fits. ``sparse_share = m / pairs`` (``Policy.sparse_count`` rounds it back to m).
+    ``ValueError`` when the budget is out of reach (below every pair sparse, at or above every pair
+    dense) or lands more than ``tolerance`` below it."""
+    if not isinstance(budget, dict) or len(budget) != 1 or next(iter(budget)) not in ("bytes_per_token", "fp16_fraction"):
+        raise ValueError(f"{where}: the selective rule's budget is bytes_per_token, fp16_fraction or as, got {budget!r}")
+    (kind, value), = budget.items()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{where}.{kind}: expected a positive number, got {value!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= prefill:
+        raise ValueError(f"{where}: the sparse pairs' keep must be an integer in [1, {prefill}], got {keep!r}")
+    n, pairs = prefill + steps, layers * kv_heads
+    target = value * n if kind == "bytes_per_token" else value * n * layers * 2 * kv_heads * head_dim * 2
+
+    def cost(m: int, k: int) -> int:
+        return selective_bytes(m, k, n, prefill, layers, kv_heads, head_dim)
+
+    m = next((m for m in range(pairs + 1) if cost(m, keep) <= target), None)
+    if m is None or m == 0:
+        fp16 = layers * 2 * kv_heads * head_dim * 2
+        raise ValueError(f"{where}: {target / n:,.1f} bytes per token ({target / n / fp16:.4f} of float16's) is out of "
+                         f"reach of the selective rule at keep {keep} over {pairs} pairs: every pair sparse costs "
+                         f"{cost(pairs, keep) / n:,.1f}, every pair dense {cost(0, keep) / n:,.1f} per token")
+    k = max(x for x in range(keep, prefill + 1) if cost(m, x) <= target)
+    got = cost(m, k)
+    if (target - got) / target > tolerance:
+        raise ValueError(f"{where}: {m} sparse pairs keeping {k} land {(target - got) / target:.2%} below the budget at "
+                         f"{n} tokens, more than the tolerance {tolerance:.2%}")
+    share = m / pairs
+    if round(share * pairs) != m:
+        raise RuntimeError(f"{where}: the share {share!r} of {pairs} pairs does not round back to {m}")
+    return share, k
 
 
 def stored_bytes(keep: int, store: Policy | None, *, prefill: int, steps: int, layers: int, kv_heads: int,

@@ -61,7 +61,7 @@ from ..quant.constants import HEADER_BYTES
 from . import codec as codec_of
 
 __all__ = ["Policy", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS", "HEAD_SCHEDULES",
-           "HEAD_FIELDS", "ADA_ALPHA", "safeguard_count",
+           "HEAD_FIELDS", "ADA_ALPHA", "safeguard_count", "SELECT_FIELDS", "SELECT_CLASS_BYTES", "selective_bytes",
            "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA", "STORE_SCHEMES", "STORE_FIELDS",
            "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "HEAVY_TOKEN_EXTRA"]
@@ -93,8 +93,15 @@ LAYER_FIELDS = ("layers", "beta", "layer_keep")
 # or Ada-KV's (Feng et al., 2024) one top-(keep x KV heads) over the layer's heads with a per-head
 # safeguard of ``alpha`` (kvpress's AdaKVPress alpha_safeguard, default 0.20; :func:`safeguard_count`);
 # the fields are in a row's policy config only when adaptive
-HEAD_SCHEDULES = ("uniform", "adaptive")
+HEAD_SCHEDULES = ("uniform", "adaptive", "selective")
 HEAD_FIELDS = ("heads", "alpha")
+# the seed's selective rule (``heads="selective"``): a prefill-mode scored selection whose (layer, KV head) pairs are
+# classed at the prefill's end, ``round(sparse_share x pairs)`` of them sparse (the scorer's top ``keep``), the rest
+# dense (every token); which pairs by the rule ``alloc`` (:data:`ALLOC`) from ``alloc_from``; in a row's policy config
+# (with ``heads``, without ``alpha``) only when selective
+SELECT_FIELDS = ("sparse_share", "alloc", "alloc_from")
+# bytes per (layer, KV head) pair of a selective selection: its class (sparse or dense), one byte
+SELECT_CLASS_BYTES = 1
 ADA_ALPHA = 0.2
 # bytes per kept token per KV head of a scored selection beside its float32 K and V: int32 index, float32 score
 SCORED_TOKEN_EXTRA = 8
@@ -137,6 +144,20 @@ def scored_held(keep: int, mode: str, n: int, prefill: int) -> int:
     if mode == "online":
         return min(n, keep)
     return min(prefill, keep) + max(0, n - prefill)
+
+
+def selective_bytes(sparse: int, keep: int, n: int, prefill: int, layers: int, heads: int, head_dim: int) -> int:
+    """Whole-cache bytes of a selective selection (one sequence) after ``n >= prefill`` tokens, ``sparse``
+    of its ``layers x heads`` pairs sparse: per layer a header; per pair its class byte; per sparse pair
+    its held tokens (the prefill's top ``keep`` and every later token, :func:`scored_held`) of float32 K
+    and V with an int32 index and a float32 score each; per dense pair every token's float32 K and V
+    (no index: its positions are implied)."""
+    pairs = layers * heads
+    if not 0 <= sparse <= pairs:
+        raise ValueError(f"{sparse} sparse pairs of {pairs}")
+    held = scored_held(keep, "prefill", n, prefill)
+    return (layers * HEADER_BYTES + pairs * SELECT_CLASS_BYTES + sparse * held * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
+            + (pairs - sparse) * n * 2 * head_dim * 4)
 
 
 def pyramid_keep(keep: int, prefill: int, layers: int, beta: int, window: int = 0) -> tuple[int, ...]:
@@ -225,6 +246,7 @@ class Policy:
     store: str | None = None
     store_window: int = 0
     rest: str | None = None
+    sparse_share: float = 0.0
     codec: dict | None = field(default=None, hash=False)  # a dict: hashed by the other fields
 
     def __post_init__(self):
@@ -243,7 +265,7 @@ class Policy:
         if self.store is not None or self.store_window or self.rest is not None:
             raise ValueError(f"policy {self.name}: store, store_window and rest belong to a scored selection (set scorer)")
         if self.keep or self.seed or self.scorer_mode != "online" or self.layers != "uniform" or self.layer_keep \
-                or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA:
+                or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA or self.sparse_share:
             raise ValueError(f"policy {self.name}: keep, seed, scorer_mode and a per-layer or per-head schedule belong "
                              "to a scored selection (set scorer)")
         if self.middle not in MIDDLE_SCHEMES:
@@ -359,6 +381,12 @@ class Policy:
     def _check_heads(self) -> None:
         if self.heads not in HEAD_SCHEDULES:
             raise ValueError(f"policy {self.name}: heads must be one of {list(HEAD_SCHEDULES)}, got {self.heads!r}")
+        if self.heads == "selective":
+            self._check_selective()
+            return
+        if self.sparse_share or self.alloc is not None or self.alloc_from != "prefill":
+            raise ValueError(f"policy {self.name}: sparse_share, alloc and alloc_from of a scored selection belong to the "
+                             "selective rule (heads 'selective')")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, float) or not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"policy {self.name}: alpha (the per-head safeguard's share of keep) must be a number in "
                              f"[0, 1], got {self.alpha!r}")
@@ -369,6 +397,27 @@ class Policy:
         if self.scorer_mode != "prefill":
             raise ValueError(f"policy {self.name}: adaptive per-head budgets (Ada-KV, kvpress's AdaKVPress) cut the "
                              f"prefill once; scorer_mode must be 'prefill', got {self.scorer_mode!r}")
+
+    def _check_selective(self) -> None:
+        """The seed's selective rule (:data:`SELECT_FIELDS`): a prefill cut of one ``keep`` for the sparse pairs."""
+        if self.scorer_mode != "prefill" or self.layers != "uniform" or self.store is not None or self.rest is not None:
+            raise ValueError(f"policy {self.name}: the selective rule cuts the prefill once, the sparse pairs to keep "
+                             f"tokens of float32 (mode 'prefill', layers 'uniform', no store or rest), got mode "
+                             f"{self.scorer_mode!r}, layers {self.layers!r}, store {self.store!r}, rest {self.rest!r}")
+        if self.alpha != ADA_ALPHA:
+            raise ValueError(f"policy {self.name}: alpha belongs to Ada-KV (heads 'adaptive'), not the selective rule")
+        if isinstance(self.sparse_share, bool) or not isinstance(self.sparse_share, float) \
+                or not 0.0 <= self.sparse_share <= 1.0:
+            raise ValueError(f"policy {self.name}: sparse_share (the share of (layer, KV head) pairs kept sparse) must be "
+                             f"a float in [0, 1], got {self.sparse_share!r}")
+        if self.alloc not in ALLOC:
+            raise ValueError(f"policy {self.name}: the selective rule's alloc (which pairs are sparse) must be one of "
+                             f"{list(ALLOC)}, got {self.alloc!r}")
+        if self.alloc_from not in ALLOC_FROM:
+            raise ValueError(f"policy {self.name}: alloc_from must be one of {list(ALLOC_FROM)}, got {self.alloc_from!r}")
+        if self.alloc_from == "oracle" and self.alloc not in ("concentrated", "diffuse"):
+            raise ValueError(f"policy {self.name}: an oracle class needs a rule that reads attention (concentrated or "
+                             f"diffuse), got {self.alloc!r}")
 
     def _check_layers(self) -> None:
         if self.layers not in LAYER_SCHEDULES:
@@ -405,6 +454,17 @@ class Policy:
         """A prefill scored selection whose layer's kept count is shared unevenly among its KV heads
         (``heads="adaptive"``, Ada-KV)."""
         return self.heads == "adaptive"
+
+    @property
+    def selective(self) -> bool:
+        """The seed's selective rule: some (layer, KV head) pairs keep the scorer's top ``keep``, the rest
+        every token (``heads="selective"``)."""
+        return self.heads == "selective"
+
+    def sparse_count(self, pairs: int) -> int:
+        """How many of ``pairs`` (layer, KV head) pairs a selective selection keeps sparse (Python's round,
+        half to even, as :meth:`low_count`)."""
+        return round(self.sparse_share * pairs) if self.selective else 0
 
     @property
     def per_layer(self) -> bool:
@@ -455,7 +515,8 @@ class Policy:
     @property
     def observes(self) -> bool:
         """The prefill's attention decides something (the sink, the allocation or the heavy hitters)."""
-        return self.sink_select == "mass" or self.heavy > 0 or (self.mixed and self.alloc_from == "prefill"
+        return self.sink_select == "mass" or self.heavy > 0 or ((self.mixed or self.selective)
+                                                                 and self.alloc_from == "prefill"
                                                                  and self.alloc in ("concentrated", "diffuse"))
 
     @property
@@ -467,7 +528,7 @@ class Policy:
     def oracle(self) -> bool:
         """The policy decides from the whole segment's float32 attention, measured by a pass over the
         segment in advance: a mixed oracle allocation or a heavy-hitter oracle."""
-        return (self.mixed and self.alloc_from == "oracle") or self.heavy_oracle
+        return ((self.mixed or self.selective) and self.alloc_from == "oracle") or self.heavy_oracle
 
     def heavy_held(self, n: int) -> int:
         """Heavy hitters held per (sequence, KV head) after ``n`` tokens: C, or every packed token
@@ -503,7 +564,10 @@ class Policy:
         out = asdict(self)
         if not self.mixed:
             for key in MIXED_FIELDS:
-                del out[key]
+                if not (self.selective and key in SELECT_FIELDS):
+                    del out[key]
+        if not self.selective:  # rows read as they did before the selective rule existed
+            del out["sparse_share"]
         if not self.heavy:
             for key in HEAVY_FIELDS:
                 del out[key]
@@ -517,7 +581,9 @@ class Policy:
                 del out[key]
         else:
             out["layer_keep"] = list(self.layer_keep)
-        if not self.adaptive:  # the uniform per-head count: rows read as they did before per-head budgets existed
+        if self.selective:  # its class fields beside heads; alpha is Ada-KV's
+            del out["alpha"]
+        elif not self.adaptive:  # the uniform per-head count: rows read as they did before per-head budgets existed
             for key in HEAD_FIELDS:
                 del out[key]
         if self.store is None:  # a kept set of float32 tokens: rows read as they did before stored kept sets existed
@@ -591,6 +657,9 @@ class Policy:
         policy, whose layers differ: :meth:`cache_bytes`); a scored selection's, after a prefill of
         ``prefill`` tokens: every held token's float32 K and V, int32 index and float32 score (of
         layer ``layer`` under a per-layer schedule)."""
+        if self.selective:
+            raise ValueError(f"policy {self.name}: a selective selection's layer bytes depend on its classes; use "
+                             "cache_bytes")
         if self.scored:
             if prefill is None:
                 raise ValueError(f"policy {self.name}: a scored selection's bytes depend on the prefill length")
@@ -617,6 +686,10 @@ class Policy:
         """Exact bytes of the whole cache (one sequence, ``layers`` layers) after ``n`` tokens; a
         mixed policy's: ``low_count`` head middles at ``low``'s bits, the rest at ``middle``'s, one
         byte of bits per (layer, KV head) pair."""
+        if self.selective:
+            if prefill is None:
+                raise ValueError(f"policy {self.name}: a scored selection's bytes depend on the prefill length")
+            return selective_bytes(self.sparse_count(layers * heads), self.keep, n, prefill, layers, heads, head_dim)
         if self.per_layer:
             if layers != len(self.layer_keep):
                 raise ValueError(f"policy {self.name}: its per-layer schedule has {len(self.layer_keep)} layers, not "

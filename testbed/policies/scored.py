@@ -44,6 +44,20 @@ the prefill gets a per-head mask that hides the empty slots (``mask_hook`` with 
 t]`` mask; :func:`testbed.policies.hook.policy_attention` spreads it over the query heads). The
 bytes count only the held tokens, per (layer, KV head): their sum over heads is the uniform
 arm's, so a budget derives the same ``keep``.
+
+The seed's selective rule (``heads="selective"``, prefill mode only): each (layer, KV head) pair is
+either sparse, keeping the scorer's top ``keep`` of the prefill as a uniform selection would, or
+dense, keeping every token. The class is global over the model's pairs, so the prefill is held
+whole until every layer has seen it: the cut waits for :meth:`ScoredLayer.cut_selective`, which
+:meth:`testbed.policies.cache.PolicyCache.finish_prefill` calls with each pair's class once it has
+ranked every pair (:func:`testbed.policies.selection.allocate`). The layer then stores Ada-KV's
+masked layout (each head's held tokens first, the empty slots hidden); its bytes count every held
+token's float32 K and V, an int32 index and a float32 score per held token of a sparse pair only
+(a dense pair's positions are implied), and one class byte per pair
+(:func:`~testbed.policies.policy.selective_bytes`). The prefill's concentration per KV head
+(:func:`~testbed.policies.selection.concentration`), which the rule reads, comes from the shared
+prefill (:meth:`ScoredLayer.load_prefill`'s ``concentration``) or from the prefill's own attention
+call (:meth:`ScoredLayer.observe_prefill`).
 """
 
 from __future__ import annotations
@@ -52,8 +66,9 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .causal import accumulated_attention
-from .policy import HEADER_BYTES, SCORED_TOKEN_EXTRA, Policy, safeguard_count
+from .policy import HEADER_BYTES, SCORED_TOKEN_EXTRA, SELECT_CLASS_BYTES, Policy, safeguard_count
 from .scorers import Scorer, keep_adaptive, keep_top
+from .selection import concentration
 
 __all__ = ["ScoredLayer", "held_first"]
 
@@ -108,6 +123,14 @@ class ScoredLayer(DynamicLayer):
         # [B, H, N] bool: which slots hold a kept token (an adaptive selection's heads hold different
         # counts); None while every slot does
         self.kept_valid = None
+        # the selective rule: the prefill's concentration per (sequence, KV head) [B, H] float64 (None until
+        # measured), the prefill held whole until the class is known (keys, values, index, scores, rank), and
+        # each pair's class [B, H] bool (True: sparse) after cut_selective
+        self.sel_score = None
+        self.uncut = None
+        self.sparse = None
+        self.class_score = None
+        self.input_q = None  # a recording selective layer's prefill queries (batch row 0), when the rule read them
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -148,6 +171,15 @@ class ScoredLayer(DynamicLayer):
                 visible = visible.to(self.kept_valid.device).expand(b, h, t, held + t).clone()
                 visible[..., :held] &= self.kept_valid[:, :, None, :]
             self.mask_hook(self, visible)
+        if self.uncut is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the selective rule's prefill waits for its classes "
+                               "(PolicyCache.finish_prefill) before any later token")
+        if (self.policy.selective and self.seen == 0 and self.sel_score is None and not self._loading
+                and self.policy.observes):  # the prefill's attention call measures its concentration
+            if self.select_hook is None:
+                raise RuntimeError(f"layer {self.layer_idx}: the selective rule measures the prefill's attention; run "
+                                   "the model inside testbed.policies.hook.policy_attention(model)")
+            self.select_hook(self)
         if self.stored is not None:  # the held tokens decoded from the storage, then the new ones (stored too)
             keys, values = self.stored.update(k_new, v_new)
             if self.rest is not None:  # the rest first
@@ -197,6 +229,10 @@ class ScoredLayer(DynamicLayer):
         if self.policy.adaptive:
             self._keep_adaptive(keys, values, index, scores, rank)
             return
+        if self.policy.selective:  # held whole until every layer's pairs are classed (cut_selective)
+            self.uncut = (keys, values, index, scores, rank)
+            self.kept_k, self.kept_v, self.kept_index, self.kept_score = keys, values, index, scores
+            return
         keep = keep_top(rank, self.policy.keep_of(self.layer_idx))  # a per-layer schedule's count of this layer
         at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
@@ -223,18 +259,40 @@ class ScoredLayer(DynamicLayer):
             pos = torch.arange(n, device=rank.device)
             rank = torch.where((pos < first) | (pos >= n - last), torch.full_like(rank, float("inf")), rank)
         keep = self.policy.keep_of(self.layer_idx)
-        kept = keep_adaptive(rank, keep, safeguard_count(keep, self.policy.alpha))
+        self._store_masked(keys, values, index, scores, keep_adaptive(rank, keep, safeguard_count(keep, self.policy.alpha)))
+
+    def cut_selective(self, sparse: torch.Tensor, score: torch.Tensor) -> None:
+        """The selective rule's cut of the held prefill: ``sparse [B, H]`` bool, True where the pair keeps
+        the scorer's top ``keep`` (ties to the older token, as a uniform selection), else every token;
+        ``score [B, H]`` float64, what the class was read from (kept as evidence)."""
+        if self.uncut is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no prefill waits for its classes")
+        keys, values, index, scores, rank = self.uncut
+        b, h, n = rank.shape
+        if tuple(sparse.shape) != (b, h) or sparse.dtype != torch.bool:
+            raise ValueError(f"layer {self.layer_idx}: classes {sparse.dtype} {list(sparse.shape)}, expected bool [{b}, {h}]")
+        self.uncut = None
+        self.class_score = score.to(torch.float64)
+        top = torch.zeros(b, h, n, dtype=torch.bool, device=rank.device)
+        top.scatter_(-1, keep_top(rank, self.policy.keep), True)
+        sparse = sparse.to(rank.device)
+        self.sparse = sparse
+        self._store_masked(keys, values, index, scores, torch.where(sparse[..., None], top, torch.ones_like(top)),
+                           always_masked=True)
+
+    def _store_masked(self, keys, values, index, scores, kept: torch.Tensor, always_masked: bool = False) -> None:
+        """Each head's ``kept [B, H, n]`` tokens in the dense masked layout (the module's docstring)."""
         count = kept.sum(dim=-1)  # [B, H]
         slots = int(count.max())
         at = held_first(kept, slots)  # each head's kept positions first, in arrival order
-        valid = torch.arange(slots, device=rank.device) < count[..., None]
+        valid = torch.arange(slots, device=scores.device) < count[..., None]
         kk = torch.gather(keys, 2, at[..., None].expand(-1, -1, -1, keys.shape[-1]))
         vv = torch.gather(values, 2, at[..., None].expand(-1, -1, -1, values.shape[-1]))
         self.kept_k = kk * valid[..., None]
         self.kept_v = vv * valid[..., None]
         self.kept_index = torch.where(valid, torch.gather(index, 2, at), torch.full_like(at, -1))
         self.kept_score = torch.where(valid, torch.gather(scores, 2, at), torch.zeros((), dtype=scores.dtype))
-        self.kept_valid = None if bool(valid.all()) else valid
+        self.kept_valid = None if bool(valid.all()) and not always_masked else valid
 
     def _rest_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest's K and V decoded from its stored bytes (packed groups, then the float32 remainder)."""
@@ -254,7 +312,14 @@ class ScoredLayer(DynamicLayer):
         """The attention call's queries ``[B, H_q, t, D]`` (the last t of the keys it attended; or the
         scorer's last ``QUERIES`` of them) and keys ``[B, H_kv, n, D]``: a scorer of attention scores
         every held token and the newest, and the layer keeps its top ``keep``. ``received``: the
-        accumulated attention of the call's queries, when the call was a shared prefill that measured it."""
+        accumulated attention of the call's queries, when the call was a shared prefill that measured it.
+        A selective rule that reads the prefill's attention measures each KV head's concentration here."""
+        if self.policy.selective and self.policy.observes and self.sel_score is None and not self._loading:
+            self.sel_score = concentration(query, key, scale)
+            if self.record:  # every prefill query of batch row 0: the audit re-derives the concentration
+                self.input_q = query[0].detach().float().clone()
+            if self._waiting is None:  # a static scorer decided in update; the class waits for finish_prefill
+                return
         if self._waiting is None:
             raise RuntimeError(f"layer {self.layer_idx}: no update waits for its attention call")
         keys, values, index, previous = self._waiting
@@ -278,13 +343,26 @@ class ScoredLayer(DynamicLayer):
         self._keep(keys, values, index, self._checked(score, tuple(previous.shape)))
 
     def load_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor | None = None,
-                     scale: float | None = None, received: torch.Tensor | None = None) -> None:
+                     scale: float | None = None, received: torch.Tensor | None = None,
+                     concentration: torch.Tensor | None = None, query0: torch.Tensor | None = None) -> None:
         """A shared float32 prefill's post-RoPE K/V, taken as the model's own prefill would be; a
         scorer of attention also needs the prefill's last queries (``query``, at least the scorer's
         ``QUERIES``; all of them when it reads ``received``, which the shared prefill may hand instead)
-        and the attention ``scale``."""
+        and the attention ``scale``; a selective rule that reads attention, the prefill's
+        ``concentration [B, H_kv]`` (:func:`~testbed.policies.selection.concentration`) and, when the layer
+        records, every prefill query of batch row 0 (``query0``) it was measured from."""
         if self.seen:
             raise RuntimeError(f"layer {self.layer_idx}: load_prefill needs an empty layer ({self.seen} tokens held)")
+        if self.policy.selective and self.policy.observes:
+            if concentration is None or tuple(concentration.shape) != tuple(key_states.shape[:2]):
+                raise ValueError(f"layer {self.layer_idx}: policy {self.policy.name} classes its pairs by the prefill's "
+                                 f"attention; load_prefill needs its concentration [B, H_kv] = {list(key_states.shape[:2])}")
+            self.sel_score = concentration.to(torch.float64)
+            if self.record:
+                if query0 is None:
+                    raise ValueError(f"layer {self.layer_idx} records evidence; load_prefill needs the prefill's queries "
+                                     "the concentration was measured from (query0)")
+                self.input_q = query0
         self._loading = True
         try:
             self.update(key_states, value_states)
@@ -334,6 +412,12 @@ class ScoredLayer(DynamicLayer):
         of every held token (an adaptive layer's empty slots are not held)."""
         if not self.is_initialized:
             return 0
+        if self.uncut is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the selective rule's prefill waits for its classes")
+        if self.sparse is not None:  # every held token's K/V; a sparse pair's index and score; a class byte per pair
+            per = self.kept_valid.sum(dim=-1)  # [B, H]
+            return (int(per.sum()) * 2 * self.kept_k.shape[-1] * 4 + int(per[self.sparse].sum()) * SCORED_TOKEN_EXTRA
+                    + self.sparse.numel() * SELECT_CLASS_BYTES)
         if self.stored is not None:  # the storage's arrays (its header not counted), indices as int32, scores
             return (self.stored.batch_bytes() + self.kept_score.numel() * self.kept_score.element_size()
                     + self.kept_index.numel() * 4 + (self.rest.batch_bytes() if self.rest is not None else 0))
@@ -347,6 +431,9 @@ class ScoredLayer(DynamicLayer):
         its heads)."""
         if not self.is_initialized:
             return 0
+        if self.policy.selective:
+            raise RuntimeError(f"layer {self.layer_idx}: a selective layer's bytes differ per sequence (its classes); "
+                               "the cache's stored_bytes sums them over the layers")
         if self.kept_valid is not None:  # an adaptive layer: each sequence's heads share keep x H alike
             held = self.kept_valid.sum((1, 2))
             if bool((held != held[0]).any()):
@@ -363,8 +450,10 @@ class ScoredLayer(DynamicLayer):
         queries a prefill decision read (``prefill.q``) and, for a scorer that reads the rotary
         embedding, its ``rope.inv_freq`` (float32). An adaptive selection's also ``kept.count`` (int32
         ``[H]``, the tokens each head holds); its arrays are ``[H, max count]``, each head's held tokens
-        first and the slots after its count empty (zero K, V and score, index -1)."""
-        if self.policy.adaptive:
+        first and the slots after its count empty (zero K, V and score, index -1). A selective selection's
+        likewise, with ``kept.sparse`` (uint8 ``[H]``, 1 where the pair is sparse) and ``select.score``
+        (float64 ``[H]``, the concentration its class was read from; zero for a content-blind rule)."""
+        if self.policy.adaptive or self.policy.selective:
             count = self.head_counts()[0]
             slots = int(count.max())
             out = {"float.k": self.kept_k[0, :, :slots], "float.v": self.kept_v[0, :, :slots],
@@ -377,6 +466,9 @@ class ScoredLayer(DynamicLayer):
                     out[key] = torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[-1]))
                 out["kept.index"] = torch.gather(self.kept_index[0], 1, order).to(torch.int32)
                 out["kept.score"] = torch.gather(self.kept_score[0], 1, order)
+            if self.policy.selective:
+                out["kept.sparse"] = self.sparse[0].to(torch.uint8)
+                out["select.score"] = self.class_score[0]
         elif self.stored is not None:  # the storage's arrays (sink.*, key.*, value.*, float.*), indices, scores
             out = {**self.stored.evidence(), "kept.index": self.kept_index[0].to(torch.int32),
                    "kept.score": self.kept_score[0]}
@@ -392,6 +484,8 @@ class ScoredLayer(DynamicLayer):
             out["input.v"] = torch.cat(self.recorded_v, dim=-2)
             if self.recorded_q is not None:
                 out["prefill.q"] = self.recorded_q  # the last queries the prefill decision read
+            if self.input_q is not None:
+                out["input.q"] = self.input_q  # every prefill query the selective rule's concentration read
             rope = getattr(self.scorer, "rope", None)
             if getattr(self.scorer, "ROPE", False) and rope is not None:
                 out["rope.inv_freq"] = rope.inv_freq  # the angles the decision rotated the queries back with

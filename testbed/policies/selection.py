@@ -82,13 +82,14 @@ def allocation_keys(policy: Policy, scores: torch.Tensor) -> torch.Tensor:
     return torch.tensor(keys, dtype=torch.float64)[None].expand(b, n_layers, h).clone()
 
 
-def allocate(policy: Policy, scores: torch.Tensor) -> torch.Tensor:
-    """``[B, L, H]`` bool, True where the pair gets the low bits: per sequence, the
-    ``policy.low_count(L·H)`` pairs with the smallest :func:`allocation_keys` (ties to the lower
-    flat index ``layer·H + head``)."""
+def allocate(policy: Policy, scores: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """``[B, L, H]`` bool, True where the pair gets the low bits (a selective selection: is sparse): per
+    sequence, the ``count`` (default ``policy.low_count(L·H)``) pairs with the smallest
+    :func:`allocation_keys` (ties to the lower flat index ``layer·H + head``)."""
     keys = allocation_keys(policy, scores)
     b, n_layers, h = keys.shape
-    order = torch.sort(keys.reshape(b, -1), dim=-1, stable=True).indices[:, :policy.low_count(n_layers * h)]
+    count = policy.low_count(n_layers * h) if count is None else count
+    order = torch.sort(keys.reshape(b, -1), dim=-1, stable=True).indices[:, :count]
     low = torch.zeros(b, n_layers * h, dtype=torch.bool)
     low.scatter_(1, order, True)
     return low.reshape(b, n_layers, h)
