@@ -90,7 +90,7 @@ HEADER = HEADER_BYTES
 DECLARED_SELECTION = {"kind": "all", "sink": 0, "sink_select": "first", "window": None, "heavy": 0,
                       "heavy_rule": "attention", "keep": 0, "mode": "online", "seed": 0, "layers": "uniform",
                       "beta": 20, "heads": "uniform", "alpha": 0.2, "alloc": None, "alloc_from": "prefill",
-                      "sparse_share": 0.0}
+                      "sparse_share": 0.0, "block": 0}
 # scored selections: the scorers whose choice the audit re-derives from the stored keys (its own
 # definitions, live_scored._scores); a user's scorer ("file.py:Class") is checked self-consistently only
 AUDIT_SCORERS = ("knorm", "random", "snapkv", "tova", "h2o", "expected_attention")
@@ -337,6 +337,13 @@ def declared_policy(entry: dict, live: dict) -> dict:
                              "audit knows")
         if s["heads"] == "adaptive":  # a row's config has the per-head fields only then
             out.update({"heads": "adaptive", "alpha": float(s["alpha"])})
+        if s["block"]:  # the top keep / B blocks of B prefill tokens; a row's config has the field only then
+            b = s["block"]
+            if not (isinstance(b, int) and b >= 2 and not b & (b - 1)) or keep % b or "budget" in entry \
+                    or s["mode"] != "prefill" or up or s["heads"] != "uniform" or out.get("store") or out.get("rest"):
+                raise ValueError(f"declared policy {entry.get('name')!r}: block {b!r} is not one the audit knows (a power "
+                                 "of two dividing keep, a prefill cut of one count kept float32, no budget)")
+            out["block"] = b
         return out
     if s["kind"] == "sink_window":
         window = live.get("evict_window", 256) if s["window"] is None else s["window"]
@@ -479,6 +486,9 @@ def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, he
         return sum(HEADER + h * scored_held(pol, n, i) * (8 * d + SCORED_EXTRA) for i in range(full))
     if pol.get("scorer") and pol.get("store"):  # the kept set stored by its storage (and a quantized rest)
         return full * (stored_layer_bytes(pol, scored_held(pol, n), h, d) + rest_bytes(pol, h, d)) + sliding_bytes(n, dims)
+    if pol.get("scorer") and pol.get("block"):  # float32 K and V per held token, index and score per block of B
+        held = scored_held(pol, n)
+        return full * (HEADER + h * (held * 8 * d + -(-held // pol["block"]) * SCORED_EXTRA)) + sliding_bytes(n, dims)
     if pol.get("scorer"):
         return (full * (HEADER + h * scored_held(pol, n) * (8 * d + SCORED_EXTRA) + rest_bytes(pol, h, d))
                 + sliding_bytes(n, dims))

@@ -341,7 +341,8 @@ def check(row: dict, ctx) -> None:
         cfg = row.get("policy", {})
         for key in ("middle", "sink", "window", "group", "feature_group", "key_axis", "sink_select", "low", "alloc",
                     "alloc_from", "heavy", "heavy_rule", "scorer", "scorer_mode", "keep", "seed", "key_rope",
-                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest", "sparse_share", "codec"):
+                    "layers", "beta", "layer_keep", "heads", "alpha", "store", "store_window", "rest", "sparse_share", "codec",
+                    "block"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if pol.get("low"):

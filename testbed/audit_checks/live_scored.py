@@ -87,6 +87,9 @@ def scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         if extra:
             ctx.fail(row, f"a scored selection stores float K/V, indices and scores only, found {extra}")
         total = sum(int(a[x].nbytes) for x in ("float.k", "float.v", "kept.index", "kept.score")) + rest
+        if pol.get("block"):  # the per-token indices and scores are evidence; the cache stores one of each per block
+            total = sum(int(a[x].nbytes) for x in ("float.k", "float.v")) \
+                + idx.shape[0] * -(-held // pol["block"]) * SCORED_EXTRA
     ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
     w, last = pol.get("window", 0), (live["prefill"] if pol["scorer_mode"] == "prefill" else n)
     if w and not all(np.all(np.isin(np.arange(last - w, last), idx[hh])) for hh in range(idx.shape[0])):
@@ -97,8 +100,49 @@ def scored_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
         ctx.user_scorers.setdefault(row.get("study"), set()).add(what)  # self-consistent only: said in the summary
         return
     own = _own_scores(row, ctx, pol, live, a, layer)
-    if own is not None:
+    if own is not None and pol.get("block"):
+        _check_blocks(row, ctx, pol, live, own[0], idx, score, own[1], atol=own[2])
+    elif own is not None:
         _check_kept(row, ctx, pol, live, own[0], idx, score, own[1], atol=own[2])
+
+
+def _check_blocks(row, ctx, pol: dict, live: dict, own: np.ndarray, idx: np.ndarray, score: np.ndarray, tol: float,
+                  atol: float = 0.0) -> None:
+    """A block selection (``block`` B, prefill mode): the stored scores the audit's own; the kept prefill
+    tokens whole blocks of B from position 0, keep / B of them, each kept block's summed score (the
+    newest ``window`` prefill tokens ranked above every score) at least every dropped block's, up to a
+    near tie (the tolerance scaled by the block's size); every later token kept."""
+    P, b = live["prefill"], pol["block"]
+    kept_own = np.take_along_axis(own, idx.astype(np.int64), axis=1)
+    decided = idx < (P if pol["scorer"] in ATTENTION_SCORERS else own.shape[1])
+    ctx.numbers += score.size
+    if not np.allclose(score[decided], kept_own[decided], rtol=tol, atol=atol):
+        ctx.fail(row, f"kept.score: not the {pol['scorer']} scores of the kept keys")
+    if P % b:
+        ctx.fail(row, f"a block selection of {b} tokens needs a prefill of whole blocks, not {P}")
+        return
+    rank = own[:, :P].astype(np.float64)
+    if pol.get("window"):
+        rank[:, P - pol["window"]:] = np.inf
+    sums = rank.reshape(rank.shape[0], P // b, b).sum(axis=2)
+    for hh in range(idx.shape[0]):
+        pre = idx[hh][idx[hh] < P].astype(np.int64)
+        blocks = np.unique(pre // b)
+        if pre.size != blocks.size * b or blocks.size != pol["keep"] // b \
+                or not np.array_equal(pre, (blocks[:, None] * b + np.arange(b)).ravel()):
+            ctx.fail(row, f"kept set: head {hh} does not keep {pol['keep'] // b} whole blocks of {b} prefill tokens")
+            return
+        if not np.array_equal(idx[hh][idx[hh] >= P], np.arange(P, P + live["steps"])):
+            ctx.fail(row, "kept set: a prefill-mode selection keeps every token after the prefill")
+            return
+        dropped = np.ones(P // b, dtype=bool)
+        dropped[blocks] = False
+        if dropped.any():
+            lo, hi = sums[hh][blocks].min(), sums[hh][dropped].max()
+            if hi > lo + b * (tol * max(abs(float(lo)), abs(float(hi))) + atol):
+                ctx.fail(row, f"kept set: head {hh} dropped a block scored {hi!r} and kept one scored {lo!r} "
+                              f"({pol['scorer']}: the kept ones are the top {pol['keep'] // b} blocks of {b})")
+                return
 
 
 def _rest_evidence(row, ctx, pol: dict, live: dict, a: dict, idx: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:

@@ -77,7 +77,10 @@ class Selection:
     the scorer's top ``keep``, the rest every token, the sparse pairs chosen at the prefill's end by
     ``alloc`` -- ``"concentrated"`` (the seed's rule), ``"diffuse"`` (reversed), ``"random"``
     (content-blind), ``"late"`` -- from ``alloc_from``, ``"prefill"`` or ``"oracle"``, the whole
-    segment's attention; with a ``budget``, ``sparse_share`` from it, :func:`selective_budget`)."""
+    segment's attention; with a ``budget``, ``sparse_share`` from it, :func:`selective_budget`).
+    ``block``: B, a prefill-mode selection of one count keeps the top ``keep / B`` blocks of B
+    consecutive prefill tokens by summed score, one int32 index and one float32 score per block of
+    held tokens counted (0: per token; :func:`~testbed.policies.scorers.keep_blocks`)."""
 
     kind: str = "all"
     sink: int = 0
@@ -95,6 +98,7 @@ class Selection:
     alloc: str | None = None
     alloc_from: str = "prefill"
     sparse_share: float = 0.0
+    block: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,12 +187,13 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
                         if s.layers != "uniform" else {}),
                      **({"heads": s.heads, "alpha": s.alpha} if s.heads != "uniform" or s.alpha != ADA_ALPHA else {}),
                      **({"alloc": s.alloc, "alloc_from": s.alloc_from, "sparse_share": s.sparse_share}
-                        if s.heads == "selective" else {}))
+                        if s.heads == "selective" else {}),
+                     **({"block": s.block} if s.block else {}))
         if s.kind in scorers.SCORERS:  # a user's class is read when its file is loaded (the cache's ScoredLayer)
             pol.always_kept(scorers.kept_first(s.kind))
         return pol
-    if s.keep or s.seed or s.mode != "online" or s.beta != 20:
-        raise ValueError(f"policy {name}: keep, mode, seed and beta belong to a scored selection (kind a scorer)")
+    if s.keep or s.seed or s.mode != "online" or s.beta != 20 or s.block:
+        raise ValueError(f"policy {name}: keep, mode, seed, beta and block belong to a scored selection (kind a scorer)")
     if t.rest is not None:
         raise ValueError(f"policy {name}: storage rest (how a scored selection's dropped tokens are stored) belongs to "
                          "a scored selection")
@@ -219,7 +224,7 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
     if p.scored:
         return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed, layers=p.layers,
                           beta=p.beta, heads=p.heads, alpha=p.alpha, alloc=p.alloc, alloc_from=p.alloc_from,
-                          sparse_share=p.sparse_share),
+                          sparse_share=p.sparse_share, block=p.block),
                 Storage(p.store or "float32", p.store_window, p.group, p.feature_group, p.key_axis, rest=p.rest))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
@@ -333,6 +338,9 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
                          where=f"{where} ({name}).budget")
         sel["sparse_share"], sel["keep"] = selective_budget(given, sel["keep"], where=f"{where} ({name}).budget",
                                                             **budget)
+    elif "budget" in entry and sel.get("block"):
+        raise ValueError(f"{where} ({name}): a block selection keeps whole blocks; give keep (a multiple of block), "
+                         "and a per-token arm its bytes as a budget in bytes_per_token")
     elif "budget" in entry:
         if kind == "all":
             raise ValueError(f"{where} ({name}): a budget sets the kept count of a scored or sink_window selection; "

@@ -248,6 +248,7 @@ class Policy:
     rest: str | None = None
     sparse_share: float = 0.0
     codec: dict | None = field(default=None, hash=False)  # a dict: hashed by the other fields
+    block: int = 0
 
     def __post_init__(self):
         if self.codec is not None or self.middle == "codec":
@@ -265,9 +266,9 @@ class Policy:
         if self.store is not None or self.store_window or self.rest is not None:
             raise ValueError(f"policy {self.name}: store, store_window and rest belong to a scored selection (set scorer)")
         if self.keep or self.seed or self.scorer_mode != "online" or self.layers != "uniform" or self.layer_keep \
-                or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA or self.sparse_share:
-            raise ValueError(f"policy {self.name}: keep, seed, scorer_mode and a per-layer or per-head schedule belong "
-                             "to a scored selection (set scorer)")
+                or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA or self.sparse_share or self.block:
+            raise ValueError(f"policy {self.name}: keep, seed, scorer_mode, blocks and a per-layer or per-head schedule "
+                             "belong to a scored selection (set scorer)")
         if self.middle not in MIDDLE_SCHEMES:
             raise ValueError(f"policy {self.name}: middle {self.middle!r} is not one of {list(MIDDLE_SCHEMES)}")
         for label in ("sink", "window"):
@@ -341,6 +342,22 @@ class Policy:
         self._check_layers()
         self._check_heads()
         self._check_store()
+        self._check_block()
+
+    def _check_block(self) -> None:
+        """Structured blocks (``block`` B): the prefill cut to its top ``keep / B`` blocks of B tokens."""
+        b = self.block
+        if b == 0:
+            return
+        if isinstance(b, bool) or not isinstance(b, int) or b < 2 or b & (b - 1):
+            raise ValueError(f"policy {self.name}: block (tokens per kept block) must be a power of two >= 2, got {b!r}")
+        if self.scorer_mode != "prefill" or self.layers != "uniform" or self.heads != "uniform" \
+                or self.store is not None or self.rest is not None:
+            raise ValueError(f"policy {self.name}: blocks are built for a prefill cut of one count at every layer and KV "
+                             f"head, kept float32 (mode 'prefill', layers and heads 'uniform', no store or rest)")
+        if self.keep % b:
+            raise ValueError(f"policy {self.name}: a block selection keeps whole blocks: keep ({self.keep}) must be a "
+                             f"multiple of block ({b})")
 
     def _check_store(self) -> None:
         if self.rest is not None:
@@ -593,6 +610,8 @@ class Policy:
             del out["rest"]
         if self.codec is None:  # a built-in middle: rows read as they did before codec middles existed
             del out["codec"]
+        if not self.block:  # per-token indices: rows read as they did before blocks existed
+            del out["block"]
         return out
 
     def with_(self, **changes) -> "Policy":
@@ -669,6 +688,8 @@ class Policy:
                 rest = self.rest_policy().layer_bytes(max(0, prefill - self.keep_of(layer)), heads, head_dim) - HEADER_BYTES
             if self.store is not None:  # the storage's bytes for the held tokens (one header), index and score
                 return self.storage_policy().layer_bytes(held, heads, head_dim) + heads * held * SCORED_TOKEN_EXTRA + rest
+            if self.block:  # an int32 index and a float32 score per block of B held tokens
+                return HEADER_BYTES + heads * (held * 2 * head_dim * 4 + -(-held // self.block) * SCORED_TOKEN_EXTRA)
             return HEADER_BYTES + heads * held * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA) + rest
         if self.mixed:
             raise ValueError(f"policy {self.name}: a mixed policy's layer bytes depend on its allocation; use cache_bytes")

@@ -67,7 +67,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .causal import accumulated_attention
 from .policy import HEADER_BYTES, SCORED_TOKEN_EXTRA, SELECT_CLASS_BYTES, Policy, safeguard_count
-from .scorers import Scorer, keep_adaptive, keep_top
+from .scorers import Scorer, keep_adaptive, keep_blocks, keep_top
 from .selection import concentration
 
 __all__ = ["ScoredLayer", "held_first"]
@@ -233,7 +233,10 @@ class ScoredLayer(DynamicLayer):
             self.uncut = (keys, values, index, scores, rank)
             self.kept_k, self.kept_v, self.kept_index, self.kept_score = keys, values, index, scores
             return
-        keep = keep_top(rank, self.policy.keep_of(self.layer_idx))  # a per-layer schedule's count of this layer
+        if self.policy.block:  # the top keep / B blocks of B consecutive prefill tokens by summed score
+            keep = keep_blocks(rank, self.policy.keep, self.policy.block)
+        else:
+            keep = keep_top(rank, self.policy.keep_of(self.layer_idx))  # a per-layer schedule's count of this layer
         at = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kept_k, self.kept_v = torch.gather(keys, 2, at), torch.gather(values, 2, at)
         self.kept_index, self.kept_score = torch.gather(index, 2, keep), torch.gather(scores, 2, keep)
@@ -423,6 +426,10 @@ class ScoredLayer(DynamicLayer):
                     + self.kept_index.numel() * 4 + (self.rest.batch_bytes() if self.rest is not None else 0))
         if self.kept_valid is not None:
             return int(self.kept_valid.sum()) * (2 * self.kept_k.shape[-1] * 4 + SCORED_TOKEN_EXTRA)
+        if self.policy.block:  # float32 K and V of every held token, an int32 index and a float32 score per block
+            b, h, held = self.kept_index.shape
+            return (sum(x.numel() * x.element_size() for x in (self.kept_k, self.kept_v))
+                    + b * h * -(-held // self.policy.block) * SCORED_TOKEN_EXTRA)
         return (sum(x.numel() * x.element_size() for x in (self.kept_k, self.kept_v, self.kept_score))
                 + self.kept_index.numel() * 4 + (self.rest.batch_bytes() if self.rest is not None else 0))
 

@@ -29,10 +29,10 @@ import inspect
 from pathlib import Path
 
 from . import expected_attention, h2o, knorm, random, snapkv, tova  # noqa: F401  (the built-in scorers register themselves)
-from .base import MODES, SCORERS, USER_SCORER, Scorer, keep_adaptive, keep_top, register
+from .base import MODES, SCORERS, USER_SCORER, Scorer, keep_adaptive, keep_blocks, keep_top, register
 
-__all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "keep_adaptive", "MODES", "is_user_scorer", "user_file_sha256",
-           "kept_first"]
+__all__ = ["Scorer", "SCORERS", "register", "get", "keep_top", "keep_blocks", "keep_adaptive", "MODES", "is_user_scorer",
+           "user_file_sha256", "kept_first"]
 
 # a user's scorer module per (resolved path, SHA-256 of its bytes): imported once, not once per layer
 _LOADED: dict[tuple[str, str], object] = {}

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Scorer", "SCORERS", "register", "keep_top", "keep_adaptive", "MODES", "USER_SCORER"]
+__all__ = ["Scorer", "SCORERS", "register", "keep_top", "keep_blocks", "keep_adaptive", "MODES", "USER_SCORER"]
 
 # when a scorer decides: once, on the prefill (kvpress's compression), or at every token as it arrives
 MODES = ("prefill", "online")
@@ -69,6 +69,20 @@ def keep_top(score: torch.Tensor, keep: int) -> torch.Tensor:
         return torch.arange(score.shape[-1], device=score.device).expand(score.shape)
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :keep]
     return torch.sort(order, dim=-1).values  # ascending position = ascending index
+
+
+def keep_blocks(score: torch.Tensor, keep: int, block: int) -> torch.Tensor:
+    """Positions along the last axis of the ``keep / block`` blocks of ``block`` consecutive tokens
+    (from position 0) of largest summed score (summed in float64; ties to the earlier block), in
+    ascending order; every position when there are ``keep`` or fewer. The axis must hold whole blocks."""
+    *lead, n = score.shape
+    if n % block:
+        raise ValueError(f"a block selection cuts whole blocks of {block} tokens; the prefill has {n}")
+    if n <= keep:
+        return torch.arange(n, device=score.device).expand(score.shape)
+    sums = score.to(torch.float64).reshape(*lead, n // block, block).sum(dim=-1)
+    top = keep_top(sums, keep // block)
+    return (top[..., None] * block + torch.arange(block, device=score.device)).flatten(-2)
 
 
 def keep_adaptive(rank: torch.Tensor, keep: int, safeguard: int) -> torch.Tensor:
