@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from testbed.analyses import residual_window as rw_analysis
 from testbed.audit_checks import schemes
 from testbed.audit_checks import residual_window as rw_check
 from testbed.quant import kernels
+from tests._helpers import REPO
 
 SCHEMES = quant.names()
 # (shape, log2 scale, offset): ragged groups and blocks (D = 33, 40, 72; N not a multiple of 32),
@@ -48,10 +51,21 @@ def test_the_inputs_cover_both_sides_of_the_fast_path():
     assert min(sizes) < kernels.MIN_FAST_ELEMENTS < max(sizes)
 
 
+def _package_kinds() -> set[str]:
+    """The kinds the package itself registers: ``quant.kinds()`` in a fresh interpreter. This process's
+    registry may also hold a test module's own kinds (``tests/test_codec_middle.py`` registers two at
+    import), which the audit rightly does not know."""
+    code = "import json; from testbed import quant; print(json.dumps(quant.kinds()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    return set(json.loads(out.stdout))
+
+
 def test_every_run_side_kind_has_an_audit_entry_and_no_more():
-    """The audit knows exactly the kinds ``from_config`` knows: a new run-side kind without an audit
-    decoder, encoder and label fails here, and so does an audit entry for a kind the run removed."""
-    missing, extra = set(quant.kinds()) - set(schemes.SCHEMES), set(schemes.SCHEMES) - set(quant.kinds())
+    """The audit knows exactly the kinds the package's ``from_config`` knows: a new run-side kind without
+    an audit decoder, encoder and label fails here, and so does an audit entry for a kind the run removed."""
+    package = _package_kinds()
+    assert package <= set(quant.kinds()) and "int_grouped" in package  # the fresh interpreter saw the package
+    missing, extra = package - set(schemes.SCHEMES), set(schemes.SCHEMES) - package
     assert not missing, f"quantizer kinds without an audit entry (schemes.SCHEMES): {sorted(missing)}"
     assert not extra, f"audit entries for kinds the run side does not register: {sorted(extra)}"
     assert {quant.get(name).config()["kind"] for name in SCHEMES} <= set(schemes.SCHEMES)
