@@ -147,7 +147,7 @@ SPEC = Spec("retrieval", "Needle retrieval (RULER-style passkey and key-value ne
 
 
 def budget_context(p: dict, length: int, question_tokens: int, answer_tokens: int, question: str) -> dict:
-    """What a declared policy's budget is derived from for one trial (:func:`testbed.policies.compose.budget_keep`):
+    """What a declared policy's budget is derived from for one trial (:func:`testbed.policies.budget.budget_keep`):
     the trial ends at ``length + question_tokens + answer_tokens`` tokens; the compressed prefill is the
     haystack (question ``"after"``: the question and the answer are the steps after it) or the haystack
     and the question (``"inside"``: the answer is the steps). SmolLM2's dimensions, the study's tolerance."""

@@ -25,7 +25,7 @@ import testbed.audit as audit_mod
 from testbed.audit import audit
 from testbed.audit_checks import live_evidence, live_scored
 from testbed.audit_checks import residual_window as rw_check
-from testbed.audit_checks.common import encode_int_grouped, pack_bits, unpack_bits
+from testbed.audit_checks.schemes import encode_int_grouped, pack_bits, unpack_bits
 from testbed.quant import IntGrouped, kernels
 from testbed.run import main as run_main
 from tests import _arrays

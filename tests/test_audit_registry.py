@@ -1,4 +1,4 @@
-"""The audit's registry of quantizer kinds (``audit_checks/common.py``, ``SCHEMES``) against the run side.
+"""The audit's registry of quantizer kinds (``audit_checks/schemes.py``, ``SCHEMES``) against the run side.
 
 For every scheme registered in ``testbed.quant`` (the names the property matrix of
 ``tests/quant/test_properties.py`` iterates), on both sides of the fast path's size threshold and
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -25,9 +27,10 @@ import torch
 
 from testbed import quant
 from testbed.analyses import residual_window as rw_analysis
-from testbed.audit_checks import common
+from testbed.audit_checks import schemes
 from testbed.audit_checks import residual_window as rw_check
 from testbed.quant import kernels
+from tests._helpers import REPO
 
 SCHEMES = quant.names()
 # (shape, log2 scale, offset): ragged groups and blocks (D = 33, 40, 72; N not a multiple of 32),
@@ -48,15 +51,26 @@ def test_the_inputs_cover_both_sides_of_the_fast_path():
     assert min(sizes) < kernels.MIN_FAST_ELEMENTS < max(sizes)
 
 
+def _package_kinds() -> set[str]:
+    """The kinds the package itself registers: ``quant.kinds()`` in a fresh interpreter. This process's
+    registry may also hold a test module's own kinds (``tests/test_codec_middle.py`` registers two at
+    import), which the audit rightly does not know."""
+    code = "import json; from testbed import quant; print(json.dumps(quant.kinds()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    return set(json.loads(out.stdout))
+
+
 def test_every_run_side_kind_has_an_audit_entry_and_no_more():
-    """The audit knows exactly the kinds ``from_config`` knows: a new run-side kind without an audit
-    decoder, encoder and label fails here, and so does an audit entry for a kind the run removed."""
-    missing, extra = set(quant.kinds()) - set(common.SCHEMES), set(common.SCHEMES) - set(quant.kinds())
-    assert not missing, f"quantizer kinds without an audit entry (common.SCHEMES): {sorted(missing)}"
+    """The audit knows exactly the kinds the package's ``from_config`` knows: a new run-side kind without
+    an audit decoder, encoder and label fails here, and so does an audit entry for a kind the run removed."""
+    package = _package_kinds()
+    assert package <= set(quant.kinds()) and "int_grouped" in package  # the fresh interpreter saw the package
+    missing, extra = package - set(schemes.SCHEMES), set(schemes.SCHEMES) - package
+    assert not missing, f"quantizer kinds without an audit entry (schemes.SCHEMES): {sorted(missing)}"
     assert not extra, f"audit entries for kinds the run side does not register: {sorted(extra)}"
-    assert {quant.get(name).config()["kind"] for name in SCHEMES} <= set(common.SCHEMES)
+    assert {quant.get(name).config()["kind"] for name in SCHEMES} <= set(schemes.SCHEMES)
     # both are deterministic from their input: the residual-window and live audits re-encode them
-    assert common.SCHEMES["int_grouped"].encode is not None and common.SCHEMES["mx"].encode is not None
+    assert schemes.SCHEMES["int_grouped"].encode is not None and schemes.SCHEMES["mx"].encode is not None
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -64,27 +78,27 @@ def test_every_run_side_kind_has_an_audit_entry_and_no_more():
 def test_audit_decodes_and_encodes_as_the_run(scheme, shape, log_scale, offset):
     q = quant.get(scheme)
     cfg = q.config()
-    entry = common.SCHEMES.get(cfg["kind"])
-    assert entry is not None, f"{scheme}: the audit has no entry for quantizer kind {cfg['kind']!r} (common.SCHEMES)"
+    entry = schemes.SCHEMES.get(cfg["kind"])
+    assert entry is not None, f"{scheme}: the audit has no entry for quantizer kind {cfg['kind']!r} (schemes.SCHEMES)"
     x = _input(shape, log_scale, offset)
     packed = q.quantize(x)
     stored = packed.arrays
     run_decoded = q.dequantize(packed).numpy()
-    audit_decoded = common.decode_tensor(dict(stored), cfg, tuple(shape))
+    audit_decoded = schemes.decode_tensor(dict(stored), cfg, tuple(shape))
     assert audit_decoded.shape == tuple(shape)
     np.testing.assert_array_equal(np.asarray(audit_decoded, np.float64), run_decoded.astype(np.float64))
     if entry.encode is None:  # a payload not deterministic from its input: the audit says it cannot re-encode
         with pytest.raises(ValueError, match=repr(cfg["kind"])):
-            common.encode_tensor(x.numpy(), cfg)
+            schemes.encode_tensor(x.numpy(), cfg)
         return
-    want = common.encode_tensor(x.numpy(), cfg)
-    assert common.payload_differences(stored, want, "the input") == []
+    want = schemes.encode_tensor(x.numpy(), cfg)
+    assert schemes.payload_differences(stored, want, "the input") == []
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_audit_label_is_the_run_label(scheme):
     q = quant.get(scheme)
-    assert common.quantizer_label(q.config()) == q.label
+    assert schemes.quantizer_label(q.config()) == q.label
 
 
 def test_labels_keep_every_parameter_that_tells_two_schemes_apart():
@@ -94,13 +108,13 @@ def test_labels_keep_every_parameter_that_tells_two_schemes_apart():
     by_label: dict[str, set] = {}
     for name in SCHEMES:
         cfg = quant.get(name).config()
-        by_label.setdefault(common.quantizer_label(cfg), set()).add(
+        by_label.setdefault(schemes.quantizer_label(cfg), set()).add(
             json.dumps({k: v for k, v in cfg.items() if k != "axis"}, sort_keys=True))
     assert all(len(cfgs) == 1 for cfgs in by_label.values()), by_label
     variants = [quant.MX("e4m3", 32, "signed_hadamard", 0, "rceil"), quant.MX("e4m3", 16), quant.MX("e5m2", 32),
                 quant.IntGrouped(3, 16, "token")]
     labels = [q.label for q in variants]
-    assert labels == [common.quantizer_label(q.config()) for q in variants]
+    assert labels == [schemes.quantizer_label(q.config()) for q in variants]
     assert len(set(labels)) == len(labels) and all(lbl not in {"mx", "int_grouped"} for lbl in labels)
 
 
@@ -119,14 +133,14 @@ def test_residual_window_scheme_labels_agree_on_both_sides():
 def test_an_unknown_kind_is_an_error_naming_it():
     """No side labels, decodes or encodes a kind it does not know with a fallback."""
     x = np.zeros((4, 32), np.float32)
-    for call in (lambda: common.scheme(UNKNOWN), lambda: common.quantizer_label(UNKNOWN),
-                 lambda: common.decode_tensor({}, UNKNOWN, (4, 32)), lambda: common.encode_tensor(x, UNKNOWN),
+    for call in (lambda: schemes.scheme(UNKNOWN), lambda: schemes.quantizer_label(UNKNOWN),
+                 lambda: schemes.decode_tensor({}, UNKNOWN, (4, 32)), lambda: schemes.encode_tensor(x, UNKNOWN),
                  lambda: rw_check.scheme_label(UNKNOWN, UNKNOWN), lambda: quant.from_config(UNKNOWN),
                  lambda: rw_analysis.scheme_label(UNKNOWN, UNKNOWN)):
         with pytest.raises(ValueError, match="int_symmetric"):
             call()
     with pytest.raises(ValueError, match="None"):
-        common.decode_tensor({}, {"bits": 4}, (4, 32))
+        schemes.decode_tensor({}, {"bits": 4}, (4, 32))
 
 
 def test_a_kind_without_a_label_raises_naming_it():

@@ -150,7 +150,7 @@ def test_a_users_own_quantizer_runs_as_a_live_middle():
     packed = 16 * ((170 - 16) // 16)
     assert cache.stored_bytes() == 2 * (16 + (170 - packed) * 2 * 2 * 16 * 4 + packed * 2 * 2 * (16 + 2))
     # the audit encodes only the kinds it states itself: this one is refused, by name
-    from testbed.audit_checks.common import scheme
+    from testbed.audit_checks.schemes import scheme
 
     with pytest.raises(ValueError, match="test_sym8"):
         scheme({"kind": "test_sym8"})

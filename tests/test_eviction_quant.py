@@ -327,7 +327,7 @@ def test_a_forged_stored_kept_set_fails(evq_run, tmp_path, forgery):
     ``codes``: one byte of the packed K codes changed; ``bytes``: the row's bytes claimed without the
     per-token scores (every count rewritten alike). The audit fails the arm every time."""
     from testbed.audit import audit
-    from testbed.audit_checks.common import encode_tensor
+    from testbed.audit_checks.schemes import encode_tensor
     from testbed.audit_checks.live_policies import middle_config
 
     run = tmp_path / "copy"

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.audit_checks import common
+from testbed.audit_checks import schemes
 from testbed.policies import preset
 from testbed.policies.policy import scheme_bytes_per_token
 from testbed.quant import IntGrouped, kernels
@@ -52,9 +52,9 @@ def test_pack3_writes_the_little_endian_bit_stream_and_round_trips(n, rows, seed
     assert np.array_equal(packed.numpy(), want)
     assert torch.equal(unpack_codes(packed, 3, n), torch.from_numpy(codes))
     # the audit's independent numpy packing writes the same bytes and reads them back
-    audit = common.pack_bits(codes, 3)
+    audit = schemes.pack_bits(codes, 3)
     assert np.array_equal(audit, want)
-    assert np.array_equal(common.unpack_bits(audit, 3, n), codes)
+    assert np.array_equal(schemes.unpack_bits(audit, 3, n), codes)
 
 
 def test_pack3_known_bytes():
@@ -121,7 +121,7 @@ def test_the_audits_encoder_reproduces_the_stored_bytes(axis, g, lead, n, d, see
     q = IntGrouped(3, g, axis)
     p = q.quantize(x)
     cfg = {"bits": 3, "group_size": g, "axis": axis}
-    mine = common.encode_int_grouped(x.numpy(), cfg)
+    mine = schemes.encode_int_grouped(x.numpy(), cfg)
     assert mine.keys() == p.arrays.keys()
     for name in mine:
         a, b = np.ascontiguousarray(mine[name]), np.ascontiguousarray(p.arrays[name])
@@ -130,7 +130,7 @@ def test_the_audits_encoder_reproduces_the_stored_bytes(axis, g, lead, n, d, see
     # code bytes per stored row: ceil(3 x padded-row-length / 8)
     row = d if axis == "channel" else -(-d // g) * g
     assert p.arrays["codes"].shape[-1] == math.ceil(3 * row / 8)
-    decoded = common.decode_int_grouped(p.arrays, cfg, tuple(x.shape))
+    decoded = schemes.decode_int_grouped(p.arrays, cfg, tuple(x.shape))
     assert np.array_equal(decoded.view(np.uint32), q.dequantize(p).numpy().view(np.uint32))
 
 

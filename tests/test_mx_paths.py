@@ -220,6 +220,7 @@ def test_rotation_on_an_unrotatable_head_dim_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["testbed/audit_checks/mx_paths.py", "testbed/audit_checks/common.py",
+                                    "testbed/audit_checks/schemes.py",
                                     "testbed/audit_checks/safe_io.py", "testbed/audit_checks/stats.py",
                                     "testbed/audit_checks/report_format.py", "testbed/audit_checks/report_parse.py",
                                     "testbed/audit_checks/selective.py", "testbed/audit_checks/report_html.py",

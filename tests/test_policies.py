@@ -297,7 +297,7 @@ def test_quantizers_follow_kivi_axes():
 def test_reference_quantizer_agrees_with_the_audit_encoder():
     """The audit's numpy integer encoder and testbed.quant store the same bytes (both directions of the
     live evidence check)."""
-    from testbed.audit_checks.common import encode_int_grouped
+    from testbed.audit_checks.schemes import encode_int_grouped
 
     k, _ = _kv(64, batch=1)
     for bits, axis, g in ((4, "channel", 32), (2, "channel", 16), (2, "token", 32), (8, "token", 32)):

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from testbed.policies import scorers
-from testbed.policies.compose import budget_keep, declared
+from testbed.policies.budget import budget_keep
+from testbed.policies.compose import declared
 from testbed.policies.policy import Policy, pyramid_keep
 from testbed.policies.presets import PRESETS, preset
 from tests import _arrays

@@ -27,7 +27,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.policies import scorers
-from testbed.policies.compose import budget_keep, declared, scored_bytes
+from testbed.policies.budget import budget_keep, scored_bytes
+from testbed.policies.compose import declared
 from testbed.policies.policy import Policy
 from testbed.protocol import ProtocolError
 from tests import _arrays

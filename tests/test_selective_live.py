@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from testbed.policies.compose import declared, selective_budget
+from testbed.policies.budget import selective_budget
+from testbed.policies.compose import declared
 from testbed.policies.policy import Policy
 from testbed.policies.presets import PRESETS, preset
 from tests import _arrays

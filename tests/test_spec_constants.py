@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from testbed import quant
-from testbed.audit_checks import common
+from testbed.audit_checks import common, schemes
 from testbed.quant import constants
 from tests._helpers import REPO
 
@@ -53,5 +53,5 @@ def test_the_constants_describe_the_payloads():
     assert mx.quantize(x).arrays["scales"].shape == (5, -(-70 // constants.MX_BLOCK_SIZE))
     ones = torch.ones(1, constants.MX_BLOCK_SIZE) * 2.0 ** mx.fmt.emax  # amax 2**emax: unbiased exponent 0
     assert mx.quantize(ones).arrays["scales"].tolist() == [[constants.E8M0_BIAS]]
-    decoded = common.decode_e8m0(np.array([common.E8M0_BIAS, common.E8M0_NAN], np.uint8))
+    decoded = schemes.decode_e8m0(np.array([common.E8M0_BIAS, common.E8M0_NAN], np.uint8))
     assert decoded[0] == 1.0 and np.isnan(decoded[1])

@@ -23,9 +23,10 @@ import random
 
 import numpy as np
 
-from .common import decode_residual_window, encode_residual_window, row_tiles
+from .common import row_tiles
 from .residual_window import check_reencoded
 from .report_format import P, T, fixed, holm_cells, label, ordered, pct, pvalue, spread, text
+from .schemes import decode_residual_window, encode_residual_window
 from .stats import median, per_unit, wilcoxon_p
 
 REGION_FIELDS = ("sink", "middle", "recent", "current", "history")

@@ -1,7 +1,7 @@
 """The audit of a live policy's evidence layer (numpy only; no model, no testbed.policies).
 
 For the one evidence layer of the first segment (``check_evidence``): the packed middle re-encoded
-from the recorded float32 K/V with the audit's integer and MX encoders (``common.encode_tensor``),
+from the recorded float32 K/V with the audit's integer and MX encoders (``schemes.encode_tensor``),
 byte for byte, the float32 sink and window equal to the inputs, and no other stored array; an
 evicting policy's first S and newest W; a sink chosen from attention (``sink_scores``, recomputed in
 float64 from the recorded prefill queries and keys); a per-head precision layer's bits and scores
@@ -16,9 +16,10 @@ import math
 
 import numpy as np
 
-from .common import TOLERANCES, encode_tensor, payload_differences
+from .common import TOLERANCES
 from .live_policies import HEADER, ONE_FULL_LAYER, middle_config, model_dims, packed_payload, policy_bytes, spans
 from .live_scored import rotate_half, scored_evidence
+from .schemes import encode_tensor, payload_differences
 
 __all__ = ["check_evidence", "sink_scores", "causal_softmax_tiles", "concentration", "rope_rotate", "accumulated"]
 

@@ -21,7 +21,8 @@ import re
 import numpy as np
 
 from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
-from .common import HEADER_BYTES, MX_BLOCK_SIZE, encode_tensor, scheme
+from .common import HEADER_BYTES, MX_BLOCK_SIZE
+from .schemes import encode_tensor, scheme
 
 __all__ = ["MODELS", "POLICY_TABLE", "MIXED", "HEAVY", "BUDGET_VERSUS", "HEADER", "SCORED_EXTRA", "ONE_FULL_LAYER",
            "budget_of", "versus_of", "declared_policy", "policy_names", "policy_of", "as_bytes", "pyramid",
@@ -261,7 +262,7 @@ DECLARED_STORAGE = {"middle": "float32", "window": None, "group": None, "feature
 
 def _codec(codec, where: str) -> dict:
     """A codec middle's quantizers (storage ``codec``): {"k": config, "v": config}, each of a kind the
-    audit encodes (common.SCHEMES; an unknown kind raises naming it)."""
+    audit encodes (schemes.SCHEMES; an unknown kind raises naming it)."""
     if not isinstance(codec, dict) or set(codec) != {"k", "v"}:
         raise ValueError(f"{where}: a codec middle needs codec {{\"k\": config, \"v\": config}}, got {codec!r}")
     for part in ("k", "v"):

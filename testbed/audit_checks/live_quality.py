@@ -14,7 +14,7 @@ What it re-derives for every (segment, arm) row, from the stored arrays and the 
 - nll, perplexity, mean KL, top-1 agreement (against the reference row's argmax of the same
   segment), bytes per token, context, forwards, scored tokens;
 - for the one evidence layer of the first segment: the packed middle re-encoded from the recorded
-  float32 K/V with the audit's integer and MX encoders (``common.encode_tensor``), byte for byte,
+  float32 K/V with the audit's integer and MX encoders (``schemes.encode_tensor``), byte for byte,
   the float32 sink and window equal to the inputs, and no other stored array; for an evicting
   policy, that it kept exactly the first S and newest W; for a sink chosen from attention
   (``*_sinkmass*``), its scores recomputed in float64 from the recorded prefill queries and keys,

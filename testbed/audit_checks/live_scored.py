@@ -17,10 +17,11 @@ import math
 
 import numpy as np
 
-from .common import TOLERANCES, encode_tensor, payload_differences
+from .common import TOLERANCES
 from .live_policies import (ATTENTION_SCORERS, AUDIT_SCORERS, EA_FUTURE, EA_SINK, HEADER, KEPT_FIRST, ONE_FULL_LAYER,
                             SCORED_EXTRA, SNAPKV_KERNEL, adaptive_safeguard, middle_config, model_dims, policy_bytes,
                             rest_policy, scored_held, spans, store_policy)
+from .schemes import encode_tensor, payload_differences
 
 __all__ = ["scored_evidence", "rotate_half"]
 

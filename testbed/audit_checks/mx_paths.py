@@ -10,7 +10,7 @@ For every row the audit:
    elements by nearest-value search in its own lookup table, ties to the even code) and requires
    the stored scale and element codes to be identical, byte for byte; counts the blocks whose
    largest scaled element exceeds the element maximum (clamped);
-3. decodes the stored codes with its own E4M3/E5M2/E2M1 and E8M0 tables (``common.py``) and
+3. decodes the stored codes with its own E4M3/E5M2/E2M1 and E8M0 tables (``schemes.py``) and
    recomputes every per-row TV, argmax agreement (strict, and ties that include the reference's
    argmax), numerical-zero rate and row sum, their summaries, the share of clamped blocks, the
    output relative L2 and the payload bytes.
@@ -28,8 +28,9 @@ import math
 
 import numpy as np
 
-from .common import E8M0_BIAS, HEADER_BYTES, MX_ELEMENTS, decode_mx_raw, encode_mx, pack_bits, unpack_bits, visible
+from .common import E8M0_BIAS, HEADER_BYTES, visible
 from .report_format import P, T, fixed, ordered, pct, text
+from .schemes import MX_ELEMENTS, decode_mx_raw, encode_mx, pack_bits, unpack_bits
 from .stats import mean
 
 TV_HIGH = 0.05

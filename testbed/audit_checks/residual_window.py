@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (cosine, decode_residual_window, encode_residual_window, max_abs, payload_differences,
-                     quantizer_label, rel_l2, softmax_attention)
+from .common import cosine, max_abs, rel_l2, softmax_attention
 from .report_format import P, T, Num, label, ordered, pct, text
+from .schemes import decode_residual_window, encode_residual_window, payload_differences, quantizer_label
 from .stats import mean
 
 
@@ -85,7 +85,7 @@ def _check_labels(row: dict, ctx, n: int) -> None:
 def scheme_label(key: dict, value: dict) -> str:
     """The documented scheme label: the K scheme, and the V scheme in parentheses where it differs
     (for grouped integers: its bits and group size; the axis is the layout's). Each part is the
-    audit's label for its kind (``common.quantizer_label``); an unknown kind raises, never a bare kind."""
+    audit's label for its kind (``schemes.quantizer_label``); an unknown kind raises, never a bare kind."""
     k, v = quantizer_label(key), quantizer_label(value)
     if key.get("kind") == value.get("kind") == "int_grouped":
         if (key.get("bits"), key.get("group_size")) == (value.get("bits"), value.get("group_size")):

@@ -23,7 +23,7 @@ quantizer whose payload size depends on the values, not only on the shape, canno
 middle: :func:`group_bytes` measures it on two different inputs and refuses it when they differ.
 
 The audit re-encodes the middle with its own encoder of the config's kind
-(``testbed.audit_checks.common.SCHEMES``): a user's kind runs live, and its rows fail the audit
+(``testbed.audit_checks.schemes.SCHEMES``): a user's kind runs live, and its rows fail the audit
 until the audit knows the kind (the error names it).
 """
 

@@ -90,7 +90,7 @@ class Quantizer:
         fallback: a kind without one raises rather than label its rows with the bare kind."""
         kind = getattr(self, "KIND", type(self).__name__)
         raise NotImplementedError(f"quantizer kind {kind!r} defines no label: give {type(self).__name__} a "
-                                  "`label` property (and the audit its own in audit_checks/common.py, SCHEMES)")
+                                  "`label` property (and the audit its own in audit_checks/schemes.py, SCHEMES)")
 
     def _check_packed(self, p: Packed) -> None:
         if p.scheme != self.name:

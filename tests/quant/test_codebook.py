@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from testbed import quant
-from testbed.audit_checks import common
+from testbed.audit_checks import schemes
 from testbed.quant import Codebook, calibrate, nf_levels
 
 # QLoRA's NF4 data type (Dettmers et al., 2023, appendix E; bitsandbytes' NF4 table), as published
@@ -59,7 +59,7 @@ def test_nf_levels_are_evenly_spaced_normal_quantiles_with_an_exact_zero(bits):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_the_audit_derives_the_same_nf_levels_on_its_own(bits):
-    assert common.codebook_nf_levels(bits).tolist() == list(nf_levels(bits))
+    assert schemes.codebook_nf_levels(bits).tolist() == list(nf_levels(bits))
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
@@ -255,33 +255,33 @@ def test_the_audit_decodes_and_re_encodes_per_channel_tables_as_the_run():
             qd = Codebook(q.bits, q.group_size, q.axis, q.table[:d].tolist()) if q.table.ndim == 2 else q
             p = qd.quantize(xs)
             cfg = qd.config()
-            np.testing.assert_array_equal(common.decode_tensor(dict(p.arrays), cfg, tuple(xs.shape)),
+            np.testing.assert_array_equal(schemes.decode_tensor(dict(p.arrays), cfg, tuple(xs.shape)),
                                           qd.dequantize(p).numpy())
-            assert common.payload_differences(p.arrays, common.encode_tensor(xs.contiguous().numpy(), cfg)) == []
-            assert common.quantizer_label(cfg) == qd.label
+            assert schemes.payload_differences(p.arrays, schemes.encode_tensor(xs.contiguous().numpy(), cfg)) == []
+            assert schemes.quantizer_label(cfg) == qd.label
 
 
 def test_a_forged_code_or_table_fails_the_audits_re_encoding():
     x, (q, *_) = _cases()
     cfg = q.config()
     arrays = dict(q.quantize(x).arrays)
-    want = common.encode_tensor(x.numpy(), cfg)
-    assert common.payload_differences(arrays, want) == []
+    want = schemes.encode_tensor(x.numpy(), cfg)
+    assert schemes.payload_differences(arrays, want) == []
     # one code byte changed: the stored codes no longer match the input's
     codes = arrays["codes"].copy()
     codes[1, 9, 4] ^= 0x07
-    lines = common.payload_differences({**arrays, "codes": codes}, want)
+    lines = schemes.payload_differences({**arrays, "codes": codes}, want)
     assert len(lines) == 1 and lines[0].startswith("codes: stored payload differs")
     # one channel's table changed in the config: the input no longer encodes to the stored codes, and
     # the payload decodes to other values under it
     forged = json.loads(json.dumps(cfg))
     row = forged["levels"][7]
     row[4] = float(np.float16((row[3] + row[4]) / 2))
-    lines = common.payload_differences(arrays, common.encode_tensor(x.numpy(), forged))
+    lines = schemes.payload_differences(arrays, schemes.encode_tensor(x.numpy(), forged))
     assert any(line.startswith("codes: stored payload differs") for line in lines)
-    assert not np.array_equal(common.decode_tensor(arrays, forged, tuple(x.shape)),
-                              common.decode_tensor(arrays, cfg, tuple(x.shape)))
-    assert common.quantizer_label(forged) != common.quantizer_label(cfg)
+    assert not np.array_equal(schemes.decode_tensor(arrays, forged, tuple(x.shape)),
+                              schemes.decode_tensor(arrays, cfg, tuple(x.shape)))
+    assert schemes.quantizer_label(forged) != schemes.quantizer_label(cfg)
 
 
 @pytest.mark.parametrize("edit, says", [
@@ -296,9 +296,9 @@ def test_the_audit_refuses_a_malformed_table(edit, says):
     cfg = json.loads(json.dumps(q.config()))
     edit(cfg)
     with pytest.raises(ValueError, match=says):
-        common.encode_tensor(x.numpy(), cfg)
+        schemes.encode_tensor(x.numpy(), cfg)
     with pytest.raises(ValueError, match=says):
-        common.decode_tensor(dict(q.quantize(x).arrays), cfg, tuple(x.shape))
+        schemes.decode_tensor(dict(q.quantize(x).arrays), cfg, tuple(x.shape))
 
 
 def test_the_registered_calibrated_table_is_calibrate_on_its_documented_draws():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from testbed import quant
-from testbed.audit_checks import common
+from testbed.audit_checks import schemes
 from testbed.quant.densesparse import DenseSparse
 
 
@@ -80,20 +80,20 @@ def test_the_audit_refuses_a_malformed_sparse_part():
     q = DenseSparse(3, 32, "channel", 0.01)
     arrays = dict(q.quantize(x).arrays)
     cfg = q.config()
-    good = common.decode_tensor(dict(arrays), cfg, tuple(x.shape))
+    good = schemes.decode_tensor(dict(arrays), cfg, tuple(x.shape))
     np.testing.assert_array_equal(good, q.dequantize(q.quantize(x)).numpy())
     swapped = arrays["outlier_index"].copy()
     swapped[0, [0, 1]] = swapped[0, [1, 0]]
     with pytest.raises(ValueError, match="ascending"):
-        common.decode_tensor({**arrays, "outlier_index": swapped}, cfg, tuple(x.shape))
+        schemes.decode_tensor({**arrays, "outlier_index": swapped}, cfg, tuple(x.shape))
     with pytest.raises(ValueError, match="outlier_values must be float16"):
-        common.decode_tensor({**arrays, "outlier_values": arrays["outlier_values"][:, :-1]}, cfg, tuple(x.shape))
+        schemes.decode_tensor({**arrays, "outlier_values": arrays["outlier_values"][:, :-1]}, cfg, tuple(x.shape))
     # a forged value decodes to what it says (the audit's re-encoding of the input is what catches it)
     forged = arrays["outlier_values"].copy()
     forged[0, 0] = np.float16(1.0)
-    want = common.encode_tensor(x.numpy(), cfg)
-    assert common.payload_differences({**arrays, "outlier_values": forged}, want) != []
-    assert common.payload_differences(arrays, want) == []
+    want = schemes.encode_tensor(x.numpy(), cfg)
+    assert schemes.payload_differences({**arrays, "outlier_values": forged}, want) != []
+    assert schemes.payload_differences(arrays, want) == []
 
 
 def test_the_rotation_spreads_an_outlier_channel_over_per_token_groups():

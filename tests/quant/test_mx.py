@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from testbed import quant
 from testbed.audit_checks import mx_paths as audit_mx
-from testbed.audit_checks.common import MX_ELEMENTS, decode_mx
+from testbed.audit_checks.schemes import MX_ELEMENTS, decode_mx
 from testbed.quant.mx import (ELEMENTS, MX, MXFP4, MXFP8, element_values, encode_elements,
                               encode_elements_reference, saturated_blocks)
 from testbed.quant.packing import pack_codes, unpack_codes

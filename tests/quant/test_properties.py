@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed import quant
-from testbed.audit_checks import common
+from testbed.audit_checks import schemes
 
 SCHEMES = quant.names()
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -207,7 +207,7 @@ def _codebook_table(cfg: dict, d: int) -> torch.Tensor:
     ``bits`` as the audit derives them on its own (tests/quant/test_codebook.py holds them to QLoRA's
     table), else the config's table."""
     nf = cfg["levels"] == "nf"
-    t = torch.tensor(common.codebook_nf_levels(cfg["bits"]) if nf else cfg["levels"], dtype=torch.float64)
+    t = torch.tensor(schemes.codebook_nf_levels(cfg["bits"]) if nf else cfg["levels"], dtype=torch.float64)
     return t.expand(d, -1) if t.dim() == 1 else t
 
 
