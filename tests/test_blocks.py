@@ -138,6 +138,11 @@ def test_block_arms_pass_the_audit(block_run):
     # the same kept count per token pays an index and a score per token: more bytes
     assert rows["knorm_tok"]["bytes_final"] == 30 * (16 + 3 * 80 * 520) > rows["knorm_b16"]["bytes_final"]
     assert "block" not in rows["knorm_tok"]["policy"]
+    from testbed.report_html import policy_family
+
+    # each block size its own family on the frontier figure (the audit's own rule re-derives it: passed above)
+    assert [policy_family(rows[a]) for a in ("knorm_b16", "snapkv_b32", "knorm_tok")] == \
+        ["knorm (prefill, blocks of 16)", "snapkv (prefill, blocks of 32)", "knorm (prefill)"]
 
 
 def _forge(run: Path, rel: str, x) -> None:

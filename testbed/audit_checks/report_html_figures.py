@@ -172,7 +172,8 @@ def _family(r):
     """The frontier figure's family of a row (the audit's own rule): a peer "quanto"; a policy with a
     scorer its scorer, " (prefill)" when it decides at the prefill only (" (prefill, pyramid)",
     " (prefill, adaptive)", " (prefill, pyramid, adaptive)" with its schedules; the selective rule's
-    " (prefill, selective concentrated)", its oracle's " (prefill, selective concentrated oracle)"); a dropped middle
+    " (prefill, selective concentrated)", its oracle's " (prefill, selective concentrated oracle)"; blocks'
+    " (prefill, blocks of 16)"); a dropped middle
     "streaming"; another non-float32 middle "quantization"; else none."""
     if r["kind"] == "peer":
         return "quanto"
@@ -187,6 +188,7 @@ def _family(r):
         how += [f"rest {pol['rest']}"] if pol.get("rest") else []  # the dropped tokens kept at low precision (MiKV)
         if pol.get("heads") == "selective":  # the seed's rule: which pairs are sparse, from what
             how += [f"selective {pol.get('alloc')}" + (" oracle" if pol.get("alloc_from") == "oracle" else "")]
+        how += [f"blocks of {pol['block']}"] if pol.get("block") else []  # structured blocks: one index per block
         return f"{pol['scorer']} ({', '.join(how)})"
     return "streaming" if pol.get("middle") == "drop" else "quantization"
 

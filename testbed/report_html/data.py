@@ -239,7 +239,7 @@ def policy_family(row) -> str | None:
     """The family a live row's arm belongs to on the frontier figure: ``"quanto"`` (a peer), the
     scorer (``"knorm"``, ``"snapkv (prefill)"``, ``"snapkv (prefill, pyramid, adaptive)"``: a scored
     selection, how it decides and its per-layer and per-head schedules; ``"snapkv (prefill, selective
-    random)"``: the selective rule and how its pairs are chosen),
+    random)"``: the selective rule and how its pairs are chosen; ``"snapkv (prefill, blocks of 16)"``),
     ``"streaming"`` (a sink and the newest tokens), ``"quantization"`` (a quantized middle); None for
     the reference and a float32 cache."""
     if row["kind"] == "peer":
@@ -255,6 +255,7 @@ def policy_family(row) -> str | None:
         how += [f"rest {pol['rest']}"] if pol.get("rest") else []  # the dropped tokens kept at low precision (MiKV)
         if pol.get("heads") == "selective":  # the seed's rule: which pairs are sparse, from what
             how += [f"selective {pol.get('alloc')}" + (" oracle" if pol.get("alloc_from") == "oracle" else "")]
+        how += [f"blocks of {pol['block']}"] if pol.get("block") else []  # structured blocks: one index per block
         return f"{pol['scorer']} ({', '.join(how)})"
     return "streaming" if pol["middle"] == "drop" else "quantization"
 
