@@ -251,3 +251,15 @@ def audited_rows(run: Path) -> dict:
     ok, failures, _ = audit(run)
     assert ok, failures[:5]
     return rows_by_arm(run)
+
+
+def tiny_llama(layers: int = 2, heads: int = 4, kv: int = 2, d: int = 16, seed: int = 1):
+    """A tiny random Llama (float32, SDPA, vocabulary 256) seeded by ``seed``: the live-cache tests' model."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=heads * d, intermediate_size=96, num_attention_heads=heads,
+                         num_key_value_heads=kv, head_dim=d, num_hidden_layers=layers, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

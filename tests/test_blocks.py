@@ -26,7 +26,7 @@ from testbed.policies import Policy
 from testbed.policies.compose import declared
 from testbed.policies.scorers import keep_blocks
 from tests import _arrays
-from tests._helpers import audited_rows, tiny_live_run
+from tests._helpers import tiny_llama, audited_rows, tiny_live_run
 
 
 def _brute(score: np.ndarray, keep: int, b: int) -> np.ndarray:
@@ -53,13 +53,7 @@ def test_keep_blocks_is_the_top_summed_blocks(b, blocks, k, heads, seed, ties):
 
 
 def _llama(layers=2, heads=4, kv=2, d=16, seed=1):
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=heads * d, intermediate_size=96, num_attention_heads=heads,
-                         num_key_value_heads=kv, head_dim=d, num_hidden_layers=layers, max_position_embeddings=4096,
-                         attn_implementation="sdpa")
-    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return tiny_llama(layers, heads, kv, d, seed)
 
 
 @pytest.mark.parametrize("block, keep, window", [(8, 48, 0), (16, 64, 5)])

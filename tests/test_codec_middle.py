@@ -27,7 +27,7 @@ from testbed.policies.compose import declared
 from testbed.quant import DenseSparse, IntGrouped, Packed, Quantizer, register_kind
 from testbed.quant.base import make_header
 from tests import _arrays
-from tests._helpers import audited_rows, tiny_live_run
+from tests._helpers import tiny_llama, audited_rows, tiny_live_run
 
 INT4 = {"k": {"kind": "int_grouped", "bits": 4, "group_size": 16, "axis": "channel"},
         "v": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "token"}}
@@ -35,13 +35,7 @@ DS3 = {"k": "int3_ds100_channel_g32", "v": "int3_ds100_token_g32"}
 
 
 def _llama(layers=2, heads=4, kv=2, d=16, seed=1):
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=heads * d, intermediate_size=96, num_attention_heads=heads,
-                         num_key_value_heads=kv, head_dim=d, num_hidden_layers=layers, max_position_embeddings=4096,
-                         attn_implementation="sdpa")
-    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return tiny_llama(layers, heads, kv, d, seed)
 
 
 def _run(model, policy, ids, prefill):

@@ -194,7 +194,8 @@ def test_refusals_name_the_layer_and_the_peer(gemma):
         validate_protocol(bad)
     bad = json.loads(json.dumps(proto))  # per-head bits span every layer's heads: refused before any forward
     bad["live"]["policies"] = bad["live"]["policies"] + ["mix28_oracle_concentrated"]
-    with pytest.raises(ProtocolError, match=r"per-head precision or the selective rule \(mix28_oracle_concentrated\).*sliding-window"):
+    refusal = r"per-head precision or the selective rule \(mix28_oracle_concentrated\).*sliding-window"
+    with pytest.raises(ProtocolError, match=refusal):
         validate_protocol(bad)
 
 

@@ -32,7 +32,7 @@ from testbed.policies.compose import declared
 from testbed.policies.policy import Policy
 from testbed.policies.presets import PRESETS, preset
 from tests import _arrays
-from tests._helpers import audited_rows, rows_by_arm, tiny_live_run
+from tests._helpers import tiny_llama, audited_rows, rows_by_arm, tiny_live_run
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
@@ -181,13 +181,7 @@ def test_the_retrieval_study_and_sliding_models_refuse_the_rule():
 
 
 def _llama(layers=4, heads=4, kv=2, d=16, seed=1):
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=heads * d, intermediate_size=96, num_attention_heads=heads,
-                         num_key_value_heads=kv, head_dim=d, num_hidden_layers=layers, max_position_embeddings=4096,
-                         attn_implementation="sdpa")
-    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return tiny_llama(layers, heads, kv, d, seed)
 
 
 def _run(model, pol, ids, prefill, step=False, scores=None, record=None):
