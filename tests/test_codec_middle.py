@@ -27,7 +27,7 @@ from testbed.policies.compose import declared
 from testbed.quant import DenseSparse, IntGrouped, Packed, Quantizer, register_kind
 from testbed.quant.base import make_header
 from tests import _arrays
-from tests._helpers import tiny_llama, audited_rows, tiny_live_run
+from tests._helpers import forge_array, tiny_llama, audited_rows, tiny_live_run
 
 INT4 = {"k": {"kind": "int_grouped", "bits": 4, "group_size": 16, "axis": "channel"},
         "v": {"kind": "int_grouped", "bits": 4, "group_size": 32, "axis": "token"}}
@@ -244,13 +244,6 @@ def test_codec_arms_pass_the_audit(codec_run):
     assert rows["nf3"]["bytes_final"] == rows["int3"]["bytes_final"] and rows["nf3"]["nll"] != rows["int3"]["nll"]
 
 
-def _forge(run: Path, rel: str, x) -> None:
-    _arrays.save(run, rel, x)
-    m = json.loads((run / "manifest.json").read_text())
-    m["arrays"][rel].update(sha256=_arrays.sha(run, rel), shape=list(x.shape), nbytes=int(x.nbytes), dtype=x.dtype.str)
-    (run / "manifest.json").write_text(json.dumps(m, indent=1))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arr", ["key.outlier_values", "value.outlier_index", "key.codes"])
 def test_a_forged_codec_middle_fails_the_audit(codec_run, tmp_path, arr):
@@ -268,6 +261,6 @@ def test_a_forged_codec_middle_fails_the_audit(codec_run, tmp_path, arr):
         flat[0] = np.float16(float(flat[0]) * 0.5 + 1.0)
     else:
         flat[0] ^= 1
-    _forge(run, rel, x)
+    forge_array(run, rel, lambda y: np.copyto(y, x))
     ok, failures, _ = audit(run)
     assert not ok and any("ds3" in f for f in failures), failures[:3]

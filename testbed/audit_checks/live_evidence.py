@@ -301,22 +301,29 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
     if stored_score is None or not np.array_equal(stored_score, score[layer]):
         ctx.fail(row, f"the evidence layer's alloc.score is not alloc_score[{layer}]")
     if pol["alloc"] in ("concentrated", "diffuse"):
-        P, n = live["prefill"], live["prefill"] + live["steps"]
-        q, k, t = a.get("input.q"), a.get("input.k"), P
-        if pol["alloc_from"] == "oracle":  # the oracle pass: the prefill's queries, then the later ones, its own keys
-            later, k, t = a.get("oracle.q"), a.get("oracle.k"), n
-            q = None if q is None or later is None or q.ndim != 3 or later.ndim != 3 else np.concatenate([q, later], axis=1)
-        if q is None or k is None or q.ndim != 3 or q.shape[1] != t or k.shape[1] < t or q.shape[0] % k.shape[0]:
-            raise ValueError(f"a {pol['alloc_from']} allocation's evidence needs queries and keys of {t} tokens")
-        mine = concentration(q, k[:, :t])
-        tol = TOLERANCES["float32_softmax"]
-        ctx.numbers += mine.size
-        bad = ~(np.abs(score[layer] - mine) <= tol["atol"] + tol["rtol"] * np.abs(mine))
-        if bad.any():
-            h = int(np.flatnonzero(bad)[0])
-            ctx.fail(row, f"alloc_score[{layer}, {h}] = {score[layer, h]:.8g}; the audit's float64 concentration "
-                          f"from the recorded queries and keys is {mine[h]:.8g}")
+        _check_concentration(row, ctx, pol, live, a, score, layer, "alloc_score", "allocation")
     return bits[layer]
+
+
+def _check_concentration(row, ctx, pol: dict, live: dict, a: dict, score, layer: int, name: str, what: str) -> None:
+    """The stored per-head concentration ``score[layer]`` (the row's ``name``) against the audit's own
+    float64 concentration of the recorded queries and keys (the prefill's: ``input.q``, ``input.k``; the
+    oracle's: ``input.q`` then ``oracle.q`` over ``oracle.k``), within float32 softmax rounding."""
+    P, n = live["prefill"], live["prefill"] + live["steps"]
+    q, k, t = a.get("input.q"), a.get("input.k"), P
+    if pol["alloc_from"] == "oracle":  # the oracle pass: the prefill's queries, then the later ones, its own keys
+        later, k, t = a.get("oracle.q"), a.get("oracle.k"), n
+        q = None if q is None or later is None or q.ndim != 3 or later.ndim != 3 else np.concatenate([q, later], axis=1)
+    if q is None or k is None or q.ndim != 3 or q.shape[1] != t or k.shape[1] < t or q.shape[0] % k.shape[0]:
+        raise ValueError(f"a {pol['alloc_from']} {what}'s evidence needs queries and keys of {t} tokens")
+    mine = concentration(q, k[:, :t])
+    tol = TOLERANCES["float32_softmax"]
+    ctx.numbers += mine.size
+    bad = ~(np.abs(score[layer] - mine) <= tol["atol"] + tol["rtol"] * np.abs(mine))
+    if bad.any():
+        h = int(np.flatnonzero(bad)[0])
+        ctx.fail(row, f"{name}[{layer}, {h}] = {score[layer, h]:.8g}; the audit's float64 concentration from the "
+                      f"recorded queries and keys is {mine[h]:.8g}")
 
 
 def _selective_score(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
@@ -331,20 +338,5 @@ def _selective_score(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     ctx.numbers += 1
     if stored is None or not np.array_equal(stored, score[layer]):
         ctx.fail(row, f"the evidence layer's select.score is not select_score[{layer}]")
-    if pol["alloc"] not in ("concentrated", "diffuse"):
-        return
-    P, n = live["prefill"], live["prefill"] + live["steps"]
-    q, k, t = a.get("input.q"), a.get("input.k"), P
-    if pol["alloc_from"] == "oracle":
-        later, k, t = a.get("oracle.q"), a.get("oracle.k"), n
-        q = None if q is None or later is None or q.ndim != 3 or later.ndim != 3 else np.concatenate([q, later], axis=1)
-    if q is None or k is None or q.ndim != 3 or q.shape[1] != t or k.shape[1] < t or q.shape[0] % k.shape[0]:
-        raise ValueError(f"a {pol['alloc_from']} selective rule's evidence needs queries and keys of {t} tokens")
-    mine = concentration(q, k[:, :t])
-    tol = TOLERANCES["float32_softmax"]
-    ctx.numbers += mine.size
-    bad = ~(np.abs(score[layer] - mine) <= tol["atol"] + tol["rtol"] * np.abs(mine))
-    if bad.any():
-        h = int(np.flatnonzero(bad)[0])
-        ctx.fail(row, f"select_score[{layer}, {h}] = {score[layer, h]:.8g}; the audit's float64 concentration from the "
-                      f"recorded queries and keys is {mine[h]:.8g}")
+    if pol["alloc"] in ("concentrated", "diffuse"):
+        _check_concentration(row, ctx, pol, live, a, score, layer, "select_score", "selective rule")

@@ -248,23 +248,29 @@ class PolicyCache(Cache):
             return
         layer0 = self.layers[0]
         b, h = layer0.tail_k.shape[0], layer0.tail_k.shape[1]
-        if self.given_scores is not None:
-            scores = self.given_scores.to(torch.float64)
-        elif p.observes:
-            missing = [i for i, layer in enumerate(self.layers) if layer.alloc_score is None]
-            if missing:
-                raise RuntimeError(f"layers {missing[:4]}: no prefill attention was measured (run the model inside "
-                                   "testbed.policies.hook.policy_attention(model))")
-            scores = torch.stack([layer.alloc_score.cpu() for layer in self.layers], dim=1)
-        else:
-            scores = torch.zeros(b, len(self.layers), h, dtype=torch.float64)
-        if scores.shape != (b, len(self.layers), h):
-            raise ValueError(f"allocation scores {list(scores.shape)}, expected [{b}, {len(self.layers)}, {h}]")
+        scores = self._pair_scores("alloc_score", b, h, "allocation scores", "no prefill attention was measured (run "
+                                   "the model inside testbed.policies.hook.policy_attention(model))")
         low = allocate(p, scores)
         for i, layer in enumerate(self.layers):
             layer.assign_bits(low[:, i])
             layer.alloc_score = scores[:, i]
         self.alloc_low, self.alloc_score = low, scores
+
+    def _pair_scores(self, attr: str, b: int, h: int, what: str, missing_why: str) -> torch.Tensor:
+        """``[B, L, H]`` float64 per-pair scores a per-pair rule reads: the oracle's (handed in), each
+        layer's measured ``attr`` when the rule observes the prefill, else zeros (a content-blind rule)."""
+        if self.given_scores is not None:
+            scores = self.given_scores.to(torch.float64)
+        elif self.policy.observes:
+            missing = [i for i, layer in enumerate(self.layers) if getattr(layer, attr) is None]
+            if missing:
+                raise RuntimeError(f"layers {missing[:4]}: {missing_why}")
+            scores = torch.stack([getattr(layer, attr).cpu() for layer in self.layers], dim=1)
+        else:
+            scores = torch.zeros(b, len(self.layers), h, dtype=torch.float64)
+        if scores.shape != (b, len(self.layers), h):
+            raise ValueError(f"{what} {list(scores.shape)}, expected [{b}, {len(self.layers)}, {h}]")
+        return scores
 
     def _finish_selective(self) -> None:
         """The selective rule, once the prefill has gone through every layer: per sequence the
@@ -277,18 +283,9 @@ class PolicyCache(Cache):
             raise RuntimeError(f"policy {p.name}: {len(self.layers) - len(waiting)} of {len(self.layers)} layers hold "
                                "no prefill waiting for its classes")
         b, h = waiting[0].uncut[4].shape[:2]
-        if self.given_scores is not None:
-            scores = self.given_scores.to(torch.float64)
-        elif p.observes:
-            missing = [i for i, layer in enumerate(self.layers) if layer.sel_score is None]
-            if missing:
-                raise RuntimeError(f"layers {missing[:4]}: no prefill concentration was measured (run the model inside "
-                                   "testbed.policies.hook.policy_attention(model), or hand the shared prefill's)")
-            scores = torch.stack([layer.sel_score.cpu() for layer in self.layers], dim=1)
-        else:
-            scores = torch.zeros(b, len(self.layers), h, dtype=torch.float64)
-        if scores.shape != (b, len(self.layers), h):
-            raise ValueError(f"class scores {list(scores.shape)}, expected [{b}, {len(self.layers)}, {h}]")
+        scores = self._pair_scores("sel_score", b, h, "class scores", "no prefill concentration was measured (run the "
+                                   "model inside testbed.policies.hook.policy_attention(model), or hand the shared "
+                                   "prefill's)")
         sparse = allocate(p, scores, p.sparse_count(len(self.layers) * h))
         for i, layer in enumerate(self.layers):
             layer.cut_selective(sparse[:, i], scores[:, i])
