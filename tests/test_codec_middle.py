@@ -174,7 +174,7 @@ register_kind("test_shrinking", _Shrinking)
     ({"middle": "codec", "codec": {"k": {"kind": "int_grouped", "bits": 5}, "v": INT4["v"]}}, "bits must be"),
     ({"middle": "codec", "codec": {"k": 3, "v": INT4["v"]}}, "a quantizer is its config"),
     ({"middle": "codec", "codec": INT4, "heavy": 4}, "heavy hitters"),
-    ({"middle": "codec", "codec": {"k": "int3_nf_channel_g32", "v": "int3_cb9c85b1f3_token_g32"}}, "calibrated table"),
+    ({"middle": "codec", "codec": {"k": "int3_nf_channel_g32", "v": "int3_cb9c85b1f3_token_g32"}}, "table given in the config"),
     ({"middle": "codec", "codec": INT4, "low": "int2", "low_share": 0.5, "alloc": "random"}, "mixed precision"),
 ])
 def test_bad_codecs_are_refused(kw, match):

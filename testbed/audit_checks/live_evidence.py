@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from .calibration import calibrated_parts, layer_tables
 from .common import TOLERANCES
 from .live_policies import HEADER, ONE_FULL_LAYER, middle_config, model_dims, packed_payload, policy_bytes, spans
 from .live_scored import rotate_half, scored_evidence
@@ -131,6 +132,10 @@ def check_evidence(row, ctx, pol: dict, live: dict) -> None:
         ctx.close(row, "evidence layer bytes", total + HEADER, policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}))
         return
     want = {}
+    tables = 0  # a calibrated codebook: the middle re-encoded with the row's stored table of this layer
+    enc = pol
+    if calibrated_parts(pol):
+        enc, tables = layer_tables(row, ctx, pol, ev.get("layer"))
     chosen = _chosen_sink(row, ctx, pol, live, a) if pol["sink_select"] == "mass" else None
     layer_bits = None
     if pol.get("low"):
@@ -148,7 +153,7 @@ def check_evidence(row, ctx, pol: dict, live: dict) -> None:
             x = np.concatenate([sink_part, x[rest].reshape(x.shape[0], n - chosen.shape[1], x.shape[2])], axis=1)
         want[f"sink.{name}"], want[f"float.{name}"] = x[:, :s], x[:, s + p:]
         if p and layer_bits is None:
-            want.update({f"{label}.{arr}": w for arr, w in packed_payload(x[:, s:s + p], pol, name).items()})
+            want.update({f"{label}.{arr}": w for arr, w in packed_payload(x[:, s:s + p], enc, name).items()})
         elif p:  # each head at its own stored bits, the heads of one width together in head order
             for scheme in sorted({pol["low"], pol["middle"]}):
                 heads = np.flatnonzero(layer_bits == int(scheme[3:]))
@@ -168,7 +173,7 @@ def check_evidence(row, ctx, pol: dict, live: dict) -> None:
         ctx.fail(row, line)
     # the chosen sink's indices and scores are the audit's evidence, not the cache's bytes: attention
     # needs no positions of held keys (post-RoPE, all in the past)
-    total = sum(int(v.nbytes) for k, v in stored.items())
+    total = sum(int(v.nbytes) for k, v in stored.items()) + tables
     one = {**model_dims(live, row), **ONE_FULL_LAYER}
     low_here = None if layer_bits is None else int((layer_bits == int(pol["low"][3:])).sum())
     held = held if pol.get("heavy") else None

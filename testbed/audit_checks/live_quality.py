@@ -80,6 +80,7 @@ import numpy as np
 
 from .capture import read_json
 from .common import TOLERANCES
+from .calibration import calibrated_parts, check_tables, check_windows
 from .live_evidence import check_evidence
 from .live_policies import (HEADER, SCORED_EXTRA, full_layers, low_count, model_dims, policy_bytes, policy_names,
                             policy_of, quanto_bytes, reference_bytes, schedule, scored_held, selective_sparse, spans)
@@ -255,6 +256,7 @@ def check_study(ctx, study: str, live: dict) -> bool:
     for prefix, v in views(live):
         _check_segments(ctx, where, cases, segment_ids(prefix, live), segment_indices(live),
                         v["prefill"] + live["steps"] + 1, stride, recorded)
+    check_windows(ctx, where, manifest, live, stride, ctx.load)
     check_grid(ctx, study, where, every, arms, "segment")
     return True
 
@@ -345,6 +347,9 @@ def check(row: dict, ctx) -> None:
                     "block"):
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
+        if calibrated_parts(pol):  # the tables stored, the evidence layer's re-derived from its calibration input
+            dm = model_dims(live, row)
+            check_tables(row, ctx, pol, dm["layers"], dm["head_dim"], live.get("evidence_layer", 0))
         if pol.get("low"):
             ctx.close(row, "policy.low_share", cfg.get("low_share"), pol["low_share"])
         else:

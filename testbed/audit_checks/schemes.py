@@ -24,7 +24,7 @@ from .common import E8M0_BIAS, E8M0_NAN, FP16_MAX
 __all__ = ["unpack_bits", "pack_bits", "encode_int_grouped", "decode_int_grouped", "label_int_grouped",
            "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw", "encode_mx", "decode_mx", "encode_mx_payload", "label_mx",
            "hadamard_signs", "hadamard_block", "hadamard_rotate", "encode_dense_sparse", "decode_dense_sparse",
-           "label_dense_sparse", "codebook_nf_levels", "codebook_table", "encode_codebook", "decode_codebook",
+           "label_dense_sparse", "codebook_nf_levels", "codebook_table", "codebook_grouped", "encode_codebook", "decode_codebook",
            "label_codebook", "Scheme", "SCHEMES", "scheme", "decode_tensor", "encode_tensor", "quantizer_label",
            "encode_residual_window", "decode_residual_window", "payload_differences"]
 
@@ -458,7 +458,7 @@ def codebook_table(cfg: dict, d: int | None = None) -> np.ndarray:
     return t + 0.0
 
 
-def _cb_grouped(x: np.ndarray, cfg: dict) -> tuple[np.ndarray, int]:
+def codebook_grouped(x: np.ndarray, cfg: dict) -> tuple[np.ndarray, int]:
     """float32 ``x [..., N, D]`` edge-padded and grouped: ``[..., N_pad/G, G, D]`` (channel) or
     ``[..., N, D_pad/G, G]`` (token), with the axis the group members lie on."""
     g, axis = cfg["group_size"], cfg["axis"]
@@ -485,7 +485,7 @@ def encode_codebook(x: np.ndarray, cfg: dict) -> dict:
         raise ValueError("the codebook encoder's input holds a non-finite value")
     *lead, n, d = x.shape
     table = codebook_table(cfg, d)
-    grouped, red = _cb_grouped(x, cfg)
+    grouped, red = codebook_grouped(x, cfg)
     mn, mx = grouped.min(axis=red), grouped.max(axis=red)
     with np.errstate(over="ignore"):
         scale16 = ((mx - mn) * np.float32(0.5)).astype(np.float16)

@@ -87,6 +87,9 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
                 "meta": {"source": "corpus", "model": p["model"], "start_token": int(s), "tokens": length,
                          "token_ids_sha256": hashlib.sha256(tok.to(torch.int32).numpy().tobytes()).hexdigest()},
                 "arrays": {"token_ids": arr}}
+    calibration = None  # the calibrated codebooks of the study's codec middles, and where they are stored
+    if p.get("calibration"):
+        calibration, record = _calibration(p, model, stream, store, study, views[0][1][0], progress)
     ctx.extra_files[f"{study}/live_manifest.json"] = (json.dumps({
         "schema_version": 1,
         "experiment": f"{study}: cache policies inside {p['model']} (float32), teacher-forced decoding",
@@ -96,13 +99,40 @@ def plan(proto: dict, ctx, protocol_path: Path | None = None) -> tuple[dict, lis
         "segments": seg_starts,
         "arms": [a for a, _ in arms],
         "scorer_files": _scorer_files(p, base),  # a user's scorer code, by the SHA-256 of its file
+        **({} if calibration is None else {"calibration": record}),  # the windows the codebooks come from
         "software": software_info(), "hardware": hardware_info(),
     }, indent=1) + "\n").encode("utf-8")
-    return cases, batch_units(p, views, seg_tokens, base, dims)
+    return cases, batch_units(p, views, seg_tokens, base, dims, calibration)
+
+
+def _calibration(p: dict, model, stream: torch.Tensor, store, study: str, first: str, progress) -> tuple[dict, dict]:
+    """The calibration windows' tables for every calibrated policy (:mod:`testbed.live.calibration`):
+    ``{arm: {"tables": .., "arrays": {name: stored path}}}`` and the live manifest's record of the windows.
+    Its arrays go into the first segment's container (the evidence layer's calibration input, the tables)."""
+    from .calibration import calibrate_tables, tables_arrays, window_record, windows
+
+    prefill = p["prefill"]
+    starts = windows(int(stream.numel()), p["segments"], prefill + p["steps"] + 1, prefill, p["calibration"]["windows"])
+    ids = torch.stack([stream[s:s + prefill] for s in starts]).to(torch.int64)
+    t0 = time.perf_counter()
+    tables, samples = calibrate_tables(model, forward_kwargs(model), ids, policies_of(p), p["evidence_layer"], progress)
+    token_ids = store.save(f"{study}/{first}/calibration/token_ids", ids.to(torch.int32))
+    out = {}
+    for arm, tab in tables.items():
+        arrays = {name: store.save(f"{study}/{first}/calibration/{arm}/{name}", a)
+                  for name, a in tables_arrays(tab).items()}
+        arrays["calibration.token_ids"] = token_ids
+        for part, x in samples.get(arm, {}).items():
+            arrays[f"calibration.{part}"] = store.save(f"{study}/{first}/calibration/{arm}/input.{part}", x)
+        out[arm] = {"tables": tab, "arrays": arrays}
+    progress(f"[{study}] calibration: {len(starts)} windows of {prefill} tokens, {len(out)} calibrated arms "
+             f"({time.perf_counter() - t0:.1f} s)")
+    record = {**window_record(starts, prefill, ids), "windows": len(starts), "token_ids": token_ids}
+    return out, record
 
 
 def batch_units(p: dict, views: list[tuple[int, list[str]]], seg_tokens: dict[str, list[int]], base: Path | None,
-                dims: dict) -> list[dict]:
+                dims: dict, calibration: dict | None = None) -> list[dict]:
     """The units of a live study, one per (batch of segments, arm), the reference of each batch
     first: ``views`` is (prefill, segment ids) per context, ``seg_tokens`` each segment's token ids
     (:func:`plan`; :mod:`testbed.replay` rebuilds the same units from a finished run's arrays)."""
@@ -121,7 +151,8 @@ def batch_units(p: dict, views: list[tuple[int, list[str]]], seg_tokens: dict[st
                           "cost": cost_kind(what), "segments": batch,
                           "tokens": [seg_tokens[sid] for sid in batch], "arm": j, "needs": None if j == 0 else ref,
                           "forwards": forwards, "prefill": prefill, "first_of_context": vi == 0,
-                          "model_base": None if base is None else str(base), "model_dims": dims})
+                          "model_base": None if base is None else str(base), "model_dims": dims,
+                          **({"calibration": calibration[arm]} if calibration and arm in calibration else {})})
     return units
 
 
@@ -137,6 +168,10 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
     kw = forward_kwargs(model)
     cfg = model.config
     arm, what = arms_of(p)[unit["arm"]]
+    if isinstance(what, Policy) and what.calibrated:  # its codebooks, calibrated by the plan
+        if "calibration" not in unit:
+            raise RuntimeError(f"arm {arm}: calibrated codebooks, and the plan handed on no calibration")
+        what = what.with_(tables=unit["calibration"]["tables"])
     bi, batch = unit["batch"], unit["segments"]
     ids = torch.tensor(unit["tokens"], dtype=torch.int64)
     ref_logp, ref_argmax, shared, oracles = (None, None, None, None) if ref is None else ref
@@ -228,6 +263,10 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
                "arrays": arrays}
         if isinstance(what, Policy):
             row["policy"] = what.config()
+        if isinstance(what, Policy) and what.calibrated:  # its tables; on the evidence row, what they came from
+            arrays.update({k: v for k, v in unit["calibration"]["arrays"].items()
+                           if not k.startswith("calibration.k") and not k.startswith("calibration.v")
+                           or (evidence_layer is not None and j == 0)})
         if isinstance(what, Policy) and what.mixed:  # the allocation: each pair's bits, from which scores
             arrays["alloc_bits"] = store.save(f"{prefix}/alloc_bits", cache.alloc_bits()[j].numpy())
             arrays["alloc_score"] = store.save(f"{prefix}/alloc_score", cache.alloc_score[j].numpy().astype(np.float64))

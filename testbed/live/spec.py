@@ -62,12 +62,17 @@ SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-
     "evidence_layer": Key((int, type(None)), "layer whose packed cache and float32 inputs of the first batch of each "
                                              "context are stored for the audit to re-encode; null: none (a long "
                                              "context's inputs would outweigh the rest of the evidence)", 0),
+    "calibration": Key((dict, type(None)), "corpus text for the codec middles whose int_codebook levels are "
+                                           "\"calibrated\": {\"windows\": C}, C windows of prefill tokens, window c "
+                                           "ending where segment c + 1 starts (in the gaps, never scored); one table "
+                                           "per layer by Lloyd's k-means over them (docs/live.md); null: none", None),
     "shared_prefill": Key(bool, "one float32 prefill per batch of segments, its K/V handed to every arm's cache "
                                 "(exact: every policy applies to what it stores after the prefill); false: each arm "
                                 "runs its own prefill", True),
 }, rules=("exactly one of prefill and contexts is given", "prefill + steps + 1 <= 8192 (the model's positions)",
           "evidence_layer is below the model's layer count",
           "segment_range is [first, stop] with 0 <= first < stop <= segments",
+          "calibration is given exactly when a policy's codebook levels are \"calibrated\"; one prefill, not contexts",
           "every policy can be built with window, group, sink and evict_window"))
 
 
@@ -108,9 +113,30 @@ def validate(params, where: str) -> dict:
                                  f"{where}.policies")
     except ValueError as e:
         raise ProtocolError(str(e)) from None
+    check_calibration(p, where)
     if p["model"] in MODELS:  # a model given by path is checked the same way once loaded (plan)
         check_model(p, MODELS[p["model"]], where)
     return p
+
+
+def check_calibration(p: dict, where: str) -> None:
+    """``calibration`` is given exactly when a policy's codebook is calibrated, as ``{"windows": C}``,
+    for a study of one prefill."""
+    needs = [q.name for q in policies_of(p) if q.calibrated]
+    cal = p.get("calibration")
+    if cal is None:
+        if needs:
+            raise ProtocolError(f"{where}.calibration: {', '.join(needs)} calibrate their codebooks per layer; give "
+                                "calibration {\"windows\": C} (corpus text between the scored segments)")
+        return
+    if not needs:
+        raise ProtocolError(f"{where}.calibration: no policy has \"calibrated\" codebook levels; drop it")
+    if set(cal) != {"windows"}:
+        raise ProtocolError(f"{where}.calibration: give {{\"windows\": C}}, got {cal!r}")
+    check_value(cal["windows"], ("range", int, 1, p["segments"]), f"{where}.calibration.windows")
+    if p.get("contexts"):
+        raise ProtocolError(f"{where}.calibration: calibration windows are one prefill long; a study of several "
+                            "contexts is not served")
 
 
 def check_model(p: dict, dims: dict, where: str) -> None:
@@ -143,6 +169,11 @@ def check_model(p: dict, dims: dict, where: str) -> None:
                             f"hitters per (layer, KV head), sized for head dim 64; at {p['model']}'s head dim "
                             f"{dims['head_dim']} only {fit} fit in int2's bytes (R={p['window']}, G={p['group']}): "
                             "the arms would not be at equal bytes; drop those policies")
+    calibrated = [q.name for q in pols if q.calibrated]
+    if dims.get("sliding_window") and calibrated:
+        raise ProtocolError(f"{where}.policies: {', '.join(calibrated)} calibrate a codebook for every layer, and "
+                            f"{p['model']} has sliding-window layers (window {dims['sliding_window']}), which store no "
+                            "middle; drop those policies")
     if dims.get("sliding_window") and p["peers"]:
         raise ProtocolError(f"{where}.peers: transformers' QuantizedCache refuses models with sliding-window layers, "
                             f"and {p['model']} has them (window {dims['sliding_window']}); drop the peers")

@@ -22,6 +22,14 @@ quantized as ``[B, H, m / G, G, D]``, and each array grows along axis 2 as group
 quantizer whose payload size depends on the values, not only on the shape, cannot be a live
 middle: :func:`group_bytes` measures it on two different inputs and refuses it when they differ.
 
+**Calibrated codebooks, one table per layer.** An ``int_codebook`` config with
+``"levels": "calibrated"`` names no table: the live study calibrates one per layer (Lloyd's k-means,
+:func:`testbed.quant.codebook.calibrate`) on corpus windows disjoint from the scored segments
+(``live.calibration``, :mod:`testbed.live.calibration`) and hands them to the policy
+(``Policy.tables``); each layer's middle is then that layer's :class:`~testbed.quant.Codebook`. The
+table is not in the payloads: a layer stores it once, and its float16 bytes (:func:`table_bytes`,
+set by the shape: ``D x 2**bits`` per channel, ``2**bits`` shared) count in every step's bytes.
+
 The audit re-encodes the middle with its own encoder of the config's kind
 (``testbed.audit_checks.schemes.SCHEMES``): a user's kind runs live, and its rows fail the audit
 until the audit knows the kind (the error names it).
@@ -37,9 +45,19 @@ import torch
 from ..quant import Quantizer, from_config, get
 from ..quant.constants import HEADER_BYTES
 
-__all__ = ["normalize", "quantizers", "group_bytes", "grouped", "ungrouped"]
+__all__ = ["normalize", "quantizers", "group_bytes", "grouped", "ungrouped", "calibrated_parts", "table_bytes",
+           "CALIBRATED"]
 
 _PARTS = ("k", "v")
+CALIBRATED = "calibrated"  # an int_codebook's levels: one table per layer, from the study's calibration
+
+
+def _is_calibrated(config: dict) -> bool:
+    return config.get("kind") == "int_codebook" and config.get("levels") == CALIBRATED
+
+
+def _with_levels(config: dict, levels) -> dict:
+    return {**config, "levels": levels}
 
 
 def _config_of(spec, where: str) -> dict:
@@ -49,10 +67,10 @@ def _config_of(spec, where: str) -> dict:
         return get(spec).config()  # an unknown name raises, listing the registered ones
     if isinstance(spec, dict) and isinstance(spec.get("kind"), str):
         try:
-            q = from_config(dict(spec))
+            q = from_config(_with_levels(spec, "nf") if _is_calibrated(spec) else dict(spec))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {spec!r} is not a quantizer config ({e})") from None
-        return q.config()
+        return _with_levels(q.config(), CALIBRATED) if _is_calibrated(spec) else q.config()
     raise ValueError(f"{where}: a quantizer is its config (an object with a \"kind\"), a registered scheme name or "
                      f"a Quantizer, got {spec!r}")
 
@@ -64,16 +82,43 @@ def normalize(codec, where: str = "codec") -> dict:
         raise ValueError(f"{where}: a codec middle needs {{\"k\": quantizer, \"v\": quantizer}}, got {codec!r}")
     out = {part: _config_of(codec[part], f"{where}.{part}") for part in _PARTS}
     json.dumps(out, allow_nan=False)  # a row states it: it must be plain JSON
-    for part, q in zip(_PARTS, quantizers(out)):
+    for part in _PARTS:
+        q = from_config(_with_levels(out[part], "nf") if _is_calibrated(out[part]) else dict(out[part]))
         if getattr(q, "table_bytes", lambda: 0)():
-            raise ValueError(f"{where}.{part}: a calibrated table is calibrated per layer and counted once per layer; "
-                             "one codec serves every layer, so a live middle takes table-free levels (\"nf\") only")
+            raise ValueError(f"{where}.{part}: a table given in the config would serve every layer; a live middle "
+                             "takes \"nf\" levels or \"calibrated\" (one table per layer from the study's "
+                             "calibration, live.calibration)")
     return out
 
 
-def quantizers(codec: dict) -> tuple[Quantizer, Quantizer]:
-    """(K's quantizer, V's quantizer) of a normalized codec."""
-    return from_config(dict(codec["k"])), from_config(dict(codec["v"]))
+def calibrated_parts(codec: dict | None) -> tuple[str, ...]:
+    """The parts (``"k"``, ``"v"``) of a normalized codec whose levels are calibrated per layer."""
+    return () if codec is None else tuple(part for part in _PARTS if _is_calibrated(codec[part]))
+
+
+def table_bytes(config: dict, head_dim: int) -> int:
+    """Float16 bytes of one layer's calibrated table of this part (0 unless calibrated): ``[D, 2**bits]``
+    for keys per channel, ``[2**bits]`` shared otherwise."""
+    if not _is_calibrated(config):
+        return 0
+    return 2 * (1 << config["bits"]) * (head_dim if config["axis"] == "channel" else 1)
+
+
+def quantizers(codec: dict, tables: dict | None = None, layer: int | None = None) -> tuple[Quantizer, Quantizer]:
+    """(K's quantizer, V's quantizer) of a normalized codec; a calibrated part's is layer ``layer``'s
+    codebook from ``tables`` (``{"k": [table per layer], "v": [...]}``, :mod:`testbed.live.calibration`)."""
+    out = []
+    for part in _PARTS:
+        cfg = dict(codec[part])
+        if _is_calibrated(cfg):
+            if tables is None or part not in tables or layer is None:
+                raise ValueError(f"codec.{part}: calibrated levels need the layer's table from the study's "
+                                 "calibration (live.calibration); none was given")
+            if not 0 <= layer < len(tables[part]) or tables[part][layer] is None:
+                raise ValueError(f"codec.{part}: no calibrated table for layer {layer}")
+            cfg = _with_levels(cfg, tables[part][layer])
+        out.append(from_config(cfg))
+    return out[0], out[1]
 
 
 def grouped(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -92,7 +137,8 @@ def ungrouped(y: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _group_bytes(config: str, heads: int, group: int, head_dim: int) -> int:
-    q = from_config(json.loads(config))
+    cfg = json.loads(config)
+    q = from_config(_with_levels(cfg, "nf") if _is_calibrated(cfg) else cfg)  # the table is not in the payload
     sizes = set()
     for seed in (0, 1):
         gen = torch.Generator().manual_seed(seed)

@@ -79,7 +79,7 @@ class PolicyLayer(DynamicLayer):
         self.seen = 0
         self.sink_k = self.sink_v = None
         self.tail_k = self.tail_v = None
-        qs = policy.quantizers() if not policy.mixed else None
+        qs = policy.quantizers(layer_idx) if not policy.mixed else None  # a calibrated codebook: this layer's
         per_group = policy.group if policy.middle == "codec" else None  # a codec: one payload per group
         self.mid_k = PackedSpan(qs[0], "k", per_group) if qs else None
         self.mid_v = PackedSpan(qs[1], "v", per_group) if qs else None
@@ -491,7 +491,8 @@ class PolicyLayer(DynamicLayer):
         (a mixed policy's sequences differ per layer: :meth:`PolicyCache.stored_bytes`)."""
         if not self.is_initialized:
             return 0
-        return self.batch_bytes() // self.sink_k.shape[0] + HEADER_BYTES
+        tables = self.policy.table_bytes(self.sink_k.shape[-1]) if self.policy.quantized else 0  # stored once
+        return self.batch_bytes() // self.sink_k.shape[0] + HEADER_BYTES + tables
 
     def batch_bytes(self) -> int:
         """Bytes this layer stores for the whole batch, headers not counted."""

@@ -249,6 +249,9 @@ class Policy:
     sparse_share: float = 0.0
     codec: dict | None = field(default=None, hash=False)  # a dict: hashed by the other fields
     block: int = 0
+    # a codec's calibrated tables, {"k": [table per layer], "v": [...]} for its calibrated parts: the
+    # study's calibration hands them on (testbed.live.calibration); rows store them as arrays, not fields
+    tables: dict | None = field(default=None, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         if self.codec is not None or self.middle == "codec":
@@ -321,6 +324,19 @@ class Policy:
         if self.codec is None:
             raise ValueError(f"policy {self.name}: middle 'codec' needs codec = {{\"k\": quantizer, \"v\": quantizer}}")
         object.__setattr__(self, "codec", codec_of.normalize(self.codec, f"policy {self.name}: codec"))
+        parts = codec_of.calibrated_parts(self.codec)
+        if self.tables is not None and set(self.tables) != set(parts):
+            raise ValueError(f"policy {self.name}: tables are given for {sorted(self.tables)}, its calibrated parts are "
+                             f"{list(parts)}")
+
+    @property
+    def calibrated(self) -> tuple[str, ...]:
+        """The parts (``"k"``, ``"v"``) of a codec middle whose codebooks are calibrated per layer."""
+        return codec_of.calibrated_parts(self.codec)
+
+    def table_bytes(self, head_dim: int) -> int:
+        """Float16 bytes of one layer's calibrated tables (K's and V's), stored once per layer."""
+        return sum(codec_of.table_bytes(self.codec[part], head_dim) for part in self.calibrated)
 
     def _check_scored(self) -> None:
         if not isinstance(self.scorer, str) or not self.scorer:
@@ -556,15 +572,16 @@ class Policy:
         """How many of ``pairs`` (layer, KV head) pairs get the low bits (Python's round, half to even)."""
         return round(self.low_share * pairs) if self.mixed else 0
 
-    def quantizers(self) -> tuple[Quantizer, Quantizer] | None:
-        """(key quantizer, value quantizer) of the middle, or None when it is not quantized."""
+    def quantizers(self, layer: int | None = None) -> tuple[Quantizer, Quantizer] | None:
+        """(key quantizer, value quantizer) of the middle (of layer ``layer``: a calibrated codebook is
+        its layer's), or None when it is not quantized."""
         if not self.quantized:
             return None
         if self.middle in _MX_ELEMENT:
             q = MX(_MX_ELEMENT[self.middle], 32)
             return q, q
         if self.middle == "codec":
-            return codec_of.quantizers(self.codec)
+            return codec_of.quantizers(self.codec, self.tables, layer)
         return self._int_quantizers(int(self.middle[3:]))
 
     def low_quantizers(self) -> tuple[Quantizer, Quantizer] | None:
@@ -612,6 +629,7 @@ class Policy:
             del out["codec"]
         if not self.block:  # per-token indices: rows read as they did before blocks existed
             del out["block"]
+        del out["tables"]  # a calibrated codec's tables: arrays of the row, not fields
         return out
 
     def with_(self, **changes) -> "Policy":
@@ -701,7 +719,7 @@ class Policy:
         heavy = (heads * (self.heavy_held(n) * (2 * head_dim * 4 + HEAVY_TOKEN_EXTRA) + floats * 4)
                  if self.heavy else 0)
         return int(HEADER_BYTES + floats * 2 * heads * head_dim * 4 + round(p * self.packed_bytes_per_token(heads, head_dim))
-                   + heavy)
+                   + heavy + (self.table_bytes(head_dim) if self.quantized else 0))
 
     def cache_bytes(self, n: int, layers: int, heads: int, head_dim: int, prefill: int | None = None) -> int:
         """Exact bytes of the whole cache (one sequence, ``layers`` layers) after ``n`` tokens; a
