@@ -92,6 +92,7 @@ def test_windows_lie_between_the_segments():
     assert len(set(starts)) == 3
     with pytest.raises(ProtocolError, match="gaps"):
         windows(n, segments, 2_000, prefill, 1)  # stride 2,500 < 2,000 + 600
+    assert windows(n, segments, 2_000, 400, 1) == [2_100]  # a shorter window fits the same gap: [2100, 2500)
     with pytest.raises(ProtocolError, match="1..4"):
         windows(n, segments, length, prefill, 5)
 
@@ -109,6 +110,10 @@ def test_the_protocol_names_its_calibration():
     with pytest.raises(ProtocolError, match="windows"):
         validate({**base, "policies": [arm], "calibration": {"windows": 3}}, "live")
     assert validate({**base, "policies": [arm], "calibration": {"windows": 2}}, "live")["calibration"] == {"windows": 2}
+    with pytest.raises(ProtocolError, match="tokens"):
+        validate({**base, "policies": [arm], "calibration": {"windows": 1, "tokens": 0}}, "live")
+    with pytest.raises(ProtocolError, match="optionally"):
+        validate({**base, "policies": [arm], "calibration": {"windows": 1, "seed": 3}}, "live")
 
 
 # -- end to end on SmolLM2 ---------------------------------------------------------------------------
@@ -120,7 +125,8 @@ ARMS = ["int3", {"name": "nf3", "storage": {"middle": "codec", "codec": NF}},
 
 @pytest.fixture(scope="module")
 def cal_run(tmp_path_factory):
-    return tiny_live_run(tmp_path_factory, "cal_tiny", ARMS, prefill=160, steps=16, calibration={"windows": 1})
+    return tiny_live_run(tmp_path_factory, "cal_tiny", ARMS, prefill=160, steps=16,
+                         calibration={"windows": 1, "tokens": 120})
 
 
 def _weighted_error(x: np.ndarray, cfg: dict) -> float:
@@ -144,7 +150,8 @@ def test_a_calibrated_arm_passes_the_audit(cal_run):
     man = json.loads((cal_run / "cal_tiny" / "live_manifest.json").read_text())
     seg = man["segments"]["seg000"]
     (s,) = man["calibration"]["starts"]
-    assert s >= seg + 160 + 16 + 1  # after the scored segment, never inside it
+    assert s >= seg + 160 + 16 + 1 and man["calibration"]["tokens"] == 120  # after the scored segment, never inside it
+    assert _arrays.load(cal_run, rows["cb3"]["arrays"]["calibration.k"]).shape == (1, 3, 120, 64)
     for part, cfg in CAL.items():  # the stored table fits its calibration input better than NF levels
         x = _arrays.load(cal_run, rows["cb3"]["arrays"][f"calibration.{part}"])
         t = _arrays.load(cal_run, rows["cb3"]["arrays"][f"codebook.{part}"])[7]
@@ -199,3 +206,11 @@ def test_a_forged_table_of_another_layer_fails_the_audit(cal_run, tmp_path):
     forge_array(run, row["arrays"]["codebook.k"], shift)
     ok, _, _ = audit(run)
     assert not ok
+
+
+def test_the_retrieval_study_refuses_calibrated_codebooks():
+    from testbed.retrieval import validate
+
+    arm = {"name": "cb3", "storage": {"middle": "codec", "codec": CAL}}
+    with pytest.raises(ProtocolError, match="cb3 run in the live study only"):
+        validate({"tasks": ["passkey"], "lengths": [512], "depths": [0.5], "trials": 1, "policies": [arm]}, "retrieval")

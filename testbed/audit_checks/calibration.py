@@ -1,8 +1,8 @@
 """The audit of calibrated codebooks in the live study (a codec middle whose ``int_codebook`` levels
 are ``"calibrated"``), written again from docs/live.md's definition:
 
-- **The windows.** ``live.calibration = {"windows": C}``: window ``c`` is the ``prefill`` tokens
-  ``[(c + 1) stride - prefill, (c + 1) stride)`` with ``stride = corpus tokens // segments``. The
+- **The windows.** ``live.calibration = {"windows": C, "tokens": T}`` (T the prefill by default):
+  window ``c`` is the T tokens ``[(c + 1) stride - T, (c + 1) stride)`` with ``stride = corpus tokens // segments``. The
   live manifest's record must be exactly these starts, each window disjoint from every segment of
   the study ``[i stride, i stride + prefill + steps + 1)`` (all of them, whatever ``segment_range``
   this run decodes), and the stored token ids must match the recorded SHA-256.
@@ -183,8 +183,8 @@ def check_windows(ctx, where: str, manifest: dict, live: dict, stride: int | Non
     if not isinstance(rec, dict):
         ctx.fail(where, "live_manifest.json records no calibration windows")
         return
-    prefill = live["prefill"]
-    length = prefill + live["steps"] + 1
+    length = live["prefill"] + live["steps"] + 1
+    prefill = cal.get("tokens") or live["prefill"]  # the window's length
     count = cal.get("windows")
     ctx.numbers += 1
     if stride is None:

@@ -1,12 +1,13 @@
 """The live study's calibration: one codebook per layer from corpus text the study never scores.
 
 A codec middle whose ``int_codebook`` levels are ``"calibrated"`` (:mod:`testbed.policies.codec`)
-gets its tables here, before any arm runs, from ``live.calibration = {"windows": C}``:
+gets its tables here, before any arm runs, from ``live.calibration = {"windows": C}`` (and
+optionally ``"tokens": T``, the window's length, the prefill's by default):
 
 - **Where the text comes from.** The scored segments start every ``stride = corpus tokens //
   segments`` tokens and hold ``length = prefill + steps + 1`` of them. Calibration window ``c``
-  (``c = 0 .. C - 1``) is the ``prefill`` tokens that end where segment ``c + 1`` would start:
-  ``[(c + 1) stride - prefill, (c + 1) stride)``. With ``stride >= length + prefill`` (refused
+  (``c = 0 .. C - 1``) is the ``T`` tokens that end where segment ``c + 1`` would start:
+  ``[(c + 1) stride - T, (c + 1) stride)``. With ``stride >= length + T`` (refused
   otherwise) each window lies in the gap after segment ``c``, so it overlaps no segment of the study
   (whatever ``segment_range`` a part of a split study runs: every part calibrates on the same
   windows and gets the same tables).
@@ -40,13 +41,13 @@ __all__ = ["windows", "calibrate_tables", "tables_arrays", "window_record"]
 
 
 def windows(n_tokens: int, segments: int, length: int, prefill: int, count: int) -> list[int]:
-    """Starts of the ``count`` calibration windows of ``prefill`` tokens (module docstring);
+    """Starts of the ``count`` calibration windows of ``prefill`` (the window's T) tokens (module docstring);
     ``ProtocolError`` when they would not fit between the scored segments."""
     stride = n_tokens // segments
     if stride < length + prefill:
         raise ProtocolError(f"live.calibration: the corpus has {n_tokens} tokens; {segments} segments of {length} "
                             f"tokens leave gaps of {stride - length}, and a calibration window needs {prefill} "
-                            "(the prefill) in a gap: use fewer segments or a shorter context")
+                            "in a gap: use fewer segments, a shorter context or calibration.tokens")
     if not 1 <= count <= segments:
         raise ProtocolError(f"live.calibration.windows must be 1..{segments} (one per gap), got {count}")
     return [(c + 1) * stride - prefill for c in range(count)]

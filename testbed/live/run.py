@@ -111,8 +111,9 @@ def _calibration(p: dict, model, stream: torch.Tensor, store, study: str, first:
     Its arrays go into the first segment's container (the evidence layer's calibration input, the tables)."""
     from .calibration import calibrate_tables, tables_arrays, window_record, windows
 
-    prefill = p["prefill"]
-    starts = windows(int(stream.numel()), p["segments"], prefill + p["steps"] + 1, prefill, p["calibration"]["windows"])
+    prefill = p["calibration"].get("tokens") or p["prefill"]  # the window's length
+    starts = windows(int(stream.numel()), p["segments"], p["prefill"] + p["steps"] + 1, prefill,
+                     p["calibration"]["windows"])
     ids = torch.stack([stream[s:s + prefill] for s in starts]).to(torch.int64)
     t0 = time.perf_counter()
     tables, samples = calibrate_tables(model, forward_kwargs(model), ids, policies_of(p), p["evidence_layer"], progress)

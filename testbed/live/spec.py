@@ -63,9 +63,10 @@ SPEC = Spec("live", "Cache policies inside a causal LM in float32 (SmolLM2-135M-
                                              "context are stored for the audit to re-encode; null: none (a long "
                                              "context's inputs would outweigh the rest of the evidence)", 0),
     "calibration": Key((dict, type(None)), "corpus text for the codec middles whose int_codebook levels are "
-                                           "\"calibrated\": {\"windows\": C}, C windows of prefill tokens, window c "
-                                           "ending where segment c + 1 starts (in the gaps, never scored); one table "
-                                           "per layer by Lloyd's k-means over them (docs/live.md); null: none", None),
+                                           "\"calibrated\": {\"windows\": C, \"tokens\": T}, C windows of T tokens "
+                                           "(default: the prefill), window c ending where segment c + 1 starts (in "
+                                           "the gaps, never scored); one table per layer by Lloyd's k-means over them "
+                                           "(docs/live.md); null: none", None),
     "shared_prefill": Key(bool, "one float32 prefill per batch of segments, its K/V handed to every arm's cache "
                                 "(exact: every policy applies to what it stores after the prefill); false: each arm "
                                 "runs its own prefill", True),
@@ -131,9 +132,11 @@ def check_calibration(p: dict, where: str) -> None:
         return
     if not needs:
         raise ProtocolError(f"{where}.calibration: no policy has \"calibrated\" codebook levels; drop it")
-    if set(cal) != {"windows"}:
-        raise ProtocolError(f"{where}.calibration: give {{\"windows\": C}}, got {cal!r}")
+    if "windows" not in cal or not set(cal) <= {"windows", "tokens"}:
+        raise ProtocolError(f"{where}.calibration: give {{\"windows\": C}} and optionally \"tokens\", got {cal!r}")
     check_value(cal["windows"], ("range", int, 1, p["segments"]), f"{where}.calibration.windows")
+    if "tokens" in cal:
+        check_value(cal["tokens"], ("range", int, 1, 8192), f"{where}.calibration.tokens")
     if p.get("contexts"):
         raise ProtocolError(f"{where}.calibration: calibration windows are one prefill long; a study of several "
                             "contexts is not served")
