@@ -1,5 +1,6 @@
 """The page: each figure's caption, its PNG (`draw_figure`, reduced to a palette) and its embedded
-data block, assembled into report.html (`build_html`)."""
+data block, under a live figure the table of its arms (printed from that data, `_table`), assembled
+into report.html (`build_html`)."""
 
 from __future__ import annotations
 
