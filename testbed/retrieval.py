@@ -201,11 +201,11 @@ def validate(params: Any, where: str) -> dict:
             check_scored_prefill(pols, n, f"{where}.policies")
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-    live_only = [q.name for q in pols if q.mixed or q.oracle or q.selective or q.calibrated]
+    live_only = [q.name for q in pols if q.mixed or q.oracle or q.calibrated]
     if live_only:
         raise ProtocolError(f"{where}.policies: {', '.join(live_only)} run in the live study only (per-head "
-                            "precision, the selective rule, oracles and calibrated codebooks decide from a perplexity "
-                            "segment or its corpus)")
+                            "precision, oracles and calibrated codebooks decide from a perplexity segment or its "
+                            "corpus)")
     return p
 
 

@@ -62,7 +62,7 @@ import torch
 
 from . import retrieval
 from .live import (REFERENCE, forward, mass_candidates, peer_name, warm_quanto, batch_note, chunk_schedule,
-                   cost_kind, scored_needs, shared_prefill)
+                   cost_kind, measures_concentration, scored_needs, shared_prefill)
 from .policies import Policy
 from .policies.compose import policy_name
 from .schema import ProtocolError
@@ -308,6 +308,25 @@ def _new_cache(model, what, p: dict):
 PEER_GROUP = 64  # quanto's q_group_size (the live study's default)
 
 
+def _load(shared, cache) -> None:
+    """The shared prefill into an arm's cache; a selective selection then classes its pairs over the whole
+    model (``finish_prefill``), before any later token."""
+    shared.load_into(cache)
+    if hasattr(cache, "finish_prefill"):
+        cache.finish_prefill()
+
+
+def _classes(what, cache) -> dict | None:
+    """A selective selection's per-pair arrays after teacher forcing, ``[B, L, H]`` each (as the live study
+    stores them): ``select_sparse`` (uint8, 1 sparse), ``select_score`` (float64, the prefill's
+    concentration), ``select_count`` (int32, what each pair holds); None for any other arm."""
+    if not (isinstance(what, Policy) and what.selective):
+        return None
+    return {"select_sparse": cache.sel_sparse.numpy().astype(np.uint8),
+            "select_score": cache.sel_score.numpy().astype(np.float64),
+            "select_count": cache.held_counts().numpy().astype(np.int32)}
+
+
 def arm_schedule(what, start: int, n: int) -> list[int]:
     """Tokens per forward: a peer one at a time; the reference and a policy in exact chunks."""
     return chunk_schedule(what, start, n, "chunked", CHUNK) if what is None or isinstance(what, Policy) else [1] * n
@@ -349,6 +368,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
         if arm == REFERENCE:
             tail, received = scored_needs(view)  # what the scored selections read of the prefill
             shared, cache = shared_prefill(model, kw, ids[:, :pre], mass_candidates(view), None,
+                                           concentration=measures_concentration(view),
                                            heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in arms)
                                            or received, query_tail=tail, last=inside)
             ctx.timings.append({"study": study, "case": case, "arm": None, "op": "prefill", "repeat": 0,
@@ -357,7 +377,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
             t0 = time.perf_counter()
         else:
             cache = _new_cache(model, what, p)
-            shared.load_into(cache)
+            _load(shared, cache)
         from .policies.hook import policy_attention  # transformers: needed only once a model runs
 
         tf_schedule = arm_schedule(what, pre, fed.shape[1])
@@ -365,19 +385,21 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
         with policy_attention(model) if isinstance(what, Policy) else contextlib.nullcontext():
             if layout:  # multi_query: one teacher-forced pass over every question and answer, then greedy
                 logp = _teacher_forced(model, kw, cache, fed, tf_schedule, 1)
+                classes = _classes(what, cache)
                 del cache
                 cache2 = _new_cache(model, what, p)
-                shared.load_into(cache2)
+                _load(shared, cache2)
                 generated, q_forwards = _greedy_queries(model, kw, cache2, what, ids[:, P:], P, layout)
                 del cache2
             else:
                 logp = _teacher_forced(model, kw, cache, fed, tf_schedule, question.shape[1])
+                classes = _classes(what, cache)
                 if inside:  # the first answer token from the shared prefill's last position
                     first = _logp_rows(shared.last[:, None])
                     logp = first if logp is None else torch.cat([first, logp], 1)
                 del cache
                 cache2 = _new_cache(model, what, p)
-                shared.load_into(cache2)
+                _load(shared, cache2)
                 generated = _greedy(model, kw, cache2, question, q_schedule, n_a, shared.last if inside else None)
                 del cache2
     seconds = time.perf_counter() - t0
@@ -418,6 +440,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                 row["question"] = question_at
             if isinstance(what, Policy):
                 row["policy"] = what.config()
+            if classes is not None:  # the selective rule: each pair's class, what it was read from, what it holds
+                row["arrays"].update({name: store.save(f"{prefix}/{name}", a[j]) for name, a in classes.items()})
             elif kind == "peer":
                 row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": PEER_GROUP,
                                "residual_length": p["window"]}

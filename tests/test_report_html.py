@@ -138,6 +138,26 @@ def test_equal_bytes_value_changed(live_tiny_run, tmp_path, reliability):
                  "updated", run, ["report.html figure", key, "plotted data differs"], "FAIL naming the figure")
 
 
+@pytest.mark.capture
+@pytest.mark.slow
+def test_live_table_cell_changed(live_tiny_run, tmp_path, reliability):
+    """The tiny live run's table under its figure (issue 46): int4's bits per element, read from the
+    page, is its bytes per token x 8 over SmolLM2's 2 x 30 layers x 3 KV heads x 64 K and V elements;
+    one Δ cell changed, report.html re-hashed: the audit's FAIL names the table's row."""
+    run = tmp_path / "run"
+    shutil.copytree(live_tiny_run, run)
+    text = (run / REL).read_text(encoding="utf-8")
+    key = next(k for k in re.findall(r'data-key="([^"]+)"', text) if k.startswith("live_quality/"))
+    m = re.search(r"<tr><th>int4</th><td>([0-9,]+)</td><td>([0-9.]+)</td><td>([+-][0-9.]+) %</td>", text)
+    assert m, text[text.index("<table"):][:400]
+    rows = [r for r in json.loads((run / "results.json").read_text())["rows"] if r["arm"] == "int4"]
+    bpt = sum(r["bytes_per_token"] for r in rows) / len(rows)
+    assert m.group(1) == f"{bpt:,.0f}" and float(m.group(2)) == pytest.approx(8 * bpt / (2 * 30 * 3 * 64), abs=5e-4)
+    edit_report(run, m.group(0), m.group(0).replace(f"{m.group(3)} %", f"{float(m.group(3)) + 1:+.2f} %"))
+    assert_fails(reliability, "tamper: consistent forger", "one Δ cell of the live table changed by 1 point, sha256 "
+                 "updated", run, [f"report.html table 1 ({key}) row 'int4': words differ"], "FAIL naming the row")
+
+
 def test_figure_removed(run, reliability):
     text = (run / REL).read_text(encoding="utf-8")
     edit_report(run, figure_block(text, "ablation_pairs/ablation"), "")

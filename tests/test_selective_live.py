@@ -157,7 +157,7 @@ def test_the_frontier_selective_protocol_validates_at_equal_bytes():
     assert len({(pol.keep, pol.sparse_share, pol.cache_bytes(n, 30, 3, 64, 1792)) for pol in rules}) == 1
 
 
-def test_the_retrieval_study_and_sliding_models_refuse_the_rule():
+def test_the_retrieval_study_takes_the_rule_but_not_its_oracle_and_sliding_models_refuse_it():
     import transformers as tf
 
     from testbed.schema import ProtocolError
@@ -165,12 +165,17 @@ def test_the_retrieval_study_and_sliding_models_refuse_the_rule():
     from testbed.protocol import validate_protocol
 
     sel = {"kind": "knorm", "mode": "prefill", "keep": 40, "heads": "selective", "alloc": "concentrated"}
-    for entry in ({"name": "s", "selection": {**sel, "sparse_share": 0.5}},
-                  {"name": "s", "selection": sel, "budget": {"fp16_fraction": 0.5}}):
-        raw = {"name": "r", "kind": "retrieval", "default": False,
-               "retrieval": {"tasks": ["kv_needle"], "lengths": [512], "depths": [0.5], "trials": 1, "policies": [entry]}}
-        with pytest.raises(ProtocolError, match="selective"):
-            validate_protocol(raw, "r")
+
+    def raw(entry):
+        return {"name": "r", "kind": "retrieval", "default": False,
+                "retrieval": {"tasks": ["kv_needle"], "lengths": [512], "depths": [0.5], "trials": 1,
+                              "policies": [entry]}}
+
+    # the rule decides at the prefill's end from the prefill alone: a retrieval trial has one
+    assert validate_protocol(raw({"name": "s", "selection": {**sel, "sparse_share": 0.5}}), "r")
+    assert validate_protocol(raw({"name": "s", "selection": sel, "budget": {"fp16_fraction": 0.5}}), "r")
+    with pytest.raises(ProtocolError, match="live study only"):  # the oracle reads a whole perplexity segment
+        validate_protocol(raw({"name": "s", "selection": {**sel, "alloc_from": "oracle", "sparse_share": 0.5}}), "r")
     cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                          num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="not served by a mixed or selective policy"):

@@ -130,7 +130,7 @@ def _check_allocation(row, ctx, pol: dict, dims: dict) -> np.ndarray:
     return bits
 
 
-def _check_selective(row, ctx, pol: dict, dims: dict, live: dict) -> tuple:
+def check_selective(row, ctx, pol: dict, dims: dict, live: dict) -> tuple:
     """A selective row's per-pair arrays ``[L, H]``: ``select_sparse`` (uint8, 1 sparse) the rule's choice
     of ``round(sparse_share x pairs)`` pairs from ``select_score`` (float64, the concentration; zero for a
     content-blind rule), ``select_count`` (int32) what each pair holds at the end (a sparse pair the
@@ -359,7 +359,7 @@ def check(row: dict, ctx) -> None:
             low_pairs = int((bits == int(pol["low"][3:])).sum())
             want_b = [policy_bytes(pol, n, dims, low_pairs) for n in want_ctx]
         if pol.get("heads") == "selective":  # every forward's bytes at the classes stored, the last from the counts
-            m, last = _check_selective(row, ctx, pol, dims, live)
+            m, last = check_selective(row, ctx, pol, dims, live)
             want_b = [policy_bytes(pol, n, dims, sparse=m) for n in want_ctx]
             ctx.equal(row, "the last bytes against select_count's", want_b[-1], last)
         if pol.get("heavy"):  # the last bytes from the stored heavy-hitter indices themselves

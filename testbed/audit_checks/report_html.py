@@ -15,10 +15,13 @@ checks that:
 - every word of the page: the audit writes the page the rows call for itself (``expected_page``:
   the title, style sheet and intro paragraph with its row and figure counts; per study its heading
   and its frozen protocol copy's description; per figure its number, key, alt text and caption,
-  whose layer/distribution word, block size and segment count are derived from the figure's data),
+  whose layer/distribution word, block size, segment count and model dimensions are derived from the
+  figure's data; under a live figure the per-arm table, its caption, headings and one line per arm,
+  sorted by bits per element and printed from the figure's data once that equals the audit's own),
   with every PNG payload and JSON block replaced by a placeholder (both checked above), and
   compares it line by line with the page: each differing line is a FAIL naming the intro, the
-  section's heading or description, or the figure's caption or markup, with the words that differ.
+  section's heading or description, the figure's caption or markup, or the table's row (by arm),
+  with the words that differ.
   Static text (captions, style, intro) is the audit's own copy of the builder's, kept equal by a test.
 
 What it cannot check: that the pixels of a PNG depict its data (a consistent forger can draw a
@@ -36,10 +39,12 @@ import html
 import re
 
 from .common import strict_json
+from .report_format import ordered as _ordered
 from .report_html_figures import derive_figures, first_difference
 from .report_html_parse import parse_report, png_size
 
-__all__ = ["check_run", "expected_page", "page_lines", "caption", "CSP", "CAPTIONS", "STYLE", "INTRO", "TITLE"]
+__all__ = ["check_run", "expected_page", "page_lines", "caption", "table_lines", "CSP", "CAPTIONS", "STYLE", "INTRO",
+           "TITLE", "BITS_AXIS", "TABLE_CAPTION", "TABLE_HEADERS"]
 
 REL = "report.html"
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -55,10 +60,15 @@ CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 TITLE = "testbed run report: figures"
 STYLE = ("body{font-family:sans-serif;max-width:70em;margin:1em auto;padding:0 1em;color:#222}"
          "figure{margin:1.5em 0;border-top:1px solid #ccc;padding-top:.5em}img{max-width:100%;height:auto}"
-         "figcaption{font-size:.9em;max-width:60em}")
-INTRO = ("<p>{rows} result rows, {figures} figures. The tables are in report.md; every plotted value is embedded "
-         "beside its figure as JSON and recomputed from results.json by <code>python -m testbed.audit</code>. "
-         "Statistics are over seeds, prompts or segments; rows inside one of them are not independent.</p>")
+         "figcaption{font-size:.9em;max-width:60em}"
+         "table{border-collapse:collapse;font-size:.9em;margin:0 0 1.5em}caption{caption-side:bottom;text-align:left;"
+         "max-width:60em;padding-top:.5em}th,td{padding:.15em .7em;border-bottom:1px solid #ddd;white-space:nowrap}"
+         "td{text-align:right;font-variant-numeric:tabular-nums}tbody th{text-align:left;font-weight:normal}"
+         "thead th{border-bottom:2px solid #888}")
+INTRO = ("<p>{rows} result rows, {figures} figures. The tables are in report.md, and a live study's per-arm table "
+         "under its figure; every plotted or tabulated value is embedded beside its figure as JSON and recomputed "
+         "from results.json by <code>python -m testbed.audit</code>. Statistics are over seeds, prompts or segments; "
+         "rows inside one of them are not independent.</p>")
 CAPTIONS = {
     "heatmap": ("Temporal attention heatmap per {dist_word}: query block (rows) x key block (columns), each row's "
                 "mass summing to 1, the mean over the cases (seeds or prompts) and heads of each case's heatmap. "
@@ -91,10 +101,11 @@ CAPTIONS = {
                         "widths or group sizes, model quality; synthetic attention only."),
     "live_quality": ("Live quality study: left, perplexity change against the DynamicCache reference (exp of the mean "
                      "per-segment NLL difference, minus 1) and right, mean KL(reference || arm), both against the "
-                     "cache's bytes per token at the end of a segment (mean over segments), one point per arm; below, "
-                     "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
-                     "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
-                     "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
+                     "cache's bytes per token at the end of a segment (mean over segments), one point per arm{bits}; "
+                     "below, top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean "
+                     "over segments). What it does not show: free generation or task accuracy (teacher forcing), other "
+                     "models (one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} "
+                     "segments (the table below gives Δ's interval over them)."),
     "equal_bytes": ("Content-aware precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; "
                     "mix24_*: a 3-bit layout's bytes; int2_hh*: int2's bytes, heavy hitters kept float32), its arms "
                     "sorted by the perplexity change against the DynamicCache reference (exp of the mean per-segment NLL "
@@ -121,6 +132,22 @@ CAPTIONS = {
                           "(one small model, SmolLM2-135M), or natural tasks (synthetic needles)."),
 }
 
+# the live figure's top axis where the rows state the model's dimensions, and the table under a live figure
+BITS_AXIS = ("; the top axis reads the same bytes as bits per element, bytes per token × 8 / (2 × {layers} layers × "
+             "{kv_heads} KV heads × {head_dim} head dim = {elements:,} K and V elements per token), every scale, "
+             "zero-point, index and codebook byte and a policy's float32 tokens included since the bytes are the "
+             "measured ones (the float32 reference is 32 where every layer holds every token)")
+TABLE_CAPTION = ("<b>Table {n}</b> ({key}). Each arm of Figure {n}, sorted by bits per element{within} (bytes per "
+                 "token × 8 over the model's K and V elements per token; — where the rows state no model dimensions): "
+                 "bytes per token at the end of a segment and mean KL(reference || arm), means over segments; Δ "
+                 "perplexity against the DynamicCache reference, the figure's value (exp of the mean per-segment NLL "
+                 "difference, minus 1), with its 95 % interval, a percentile bootstrap over the segments of that mean "
+                 "difference (2,000 resamples, numpy's default_rng(0): report.md's interval), given from 5 segments "
+                 "on; top-1 agreement with the reference's argmax over every scored step, the mean over segments. "
+                 "Intervals are over segments, never tokens.")
+TABLE_HEADERS = ("arm", "bytes / token", "bits / element", "Δ ppl vs reference", "95 % CI (segments)", "mean KL",
+                 "top-1 agree")
+
 IMG, DATA = "data:image/png;base64,@", "@"  # what the page's PNG payloads and JSON blocks are replaced by
 _IMG_SRC = re.compile(r'src="data:image/png;base64,[A-Za-z0-9+/=]*"')
 _DATA_BLOCK = re.compile(r'(<script type="application/json" id="figdata-\d+">)(.*?)(</script>)', re.S)
@@ -136,12 +163,57 @@ def caption(d: dict) -> str:
     segments = (len(d["arms"][0]["segments"]) if d["kind"] == "live_quality"
                 else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes"
                 else len(d["contexts"][0]["families"][0]["points"][0]["segments"]) if d["kind"] == "frontier" else 0)
-    return CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
+    dims = d.get("dims") if d["kind"] == "live_quality" else None
+    bits = ""
+    if dims:
+        elements = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"]
+        bits = BITS_AXIS.format(layers=dims["layers"], kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+                                elements=elements)
+    return CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments, bits=bits)
 
 
-def expected_page(n_rows: int, figures: list[dict], descriptions: dict) -> list[tuple[str, str]]:
+def _context_of_arm(name: str) -> str:
+    return name.rpartition(" @ ")[2] if " @ " in name else ""
+
+
+def table_lines(n: int, d: dict) -> list[tuple[str, str]]:
+    """The table the builder writes under live figure ``n`` (data ``d``) as ``(part, line)`` pairs,
+    one per HTML line (``part`` names the line in a FAIL: " caption", " row 'int4'", ...): the arms
+    grouped by context (in the order the data has them), within a context by bits per element (an
+    arm without bits after those with), then name; numbers printed at fixed digits."""
+    esc = html.escape
+    contexts = _ordered([_context_of_arm(e["arm"]) for e in d["arms"]])
+    arms = sorted(d["arms"], key=lambda e: (contexts.index(_context_of_arm(e["arm"])), e["bits_per_element"] is None,
+                                            e["bits_per_element"] if e["bits_per_element"] is not None else 0.0,
+                                            e["arm"]))
+
+    def num(x, form):
+        return "—" if x is None else form.format(x)
+
+    lines = [("", f'<table id="table-{n}" data-key="{esc(d["key"])}">'),
+             (" caption", "<caption>" + TABLE_CAPTION.format(n=n, key=esc(d["key"]), within=" within each context"
+                                                            if any(c for c in contexts) else "") + "</caption>"),
+             (" headings", "<thead><tr>" + "".join("<th>" + esc(h) + "</th>" for h in TABLE_HEADERS)
+              + "</tr></thead><tbody>")]
+    for e in arms:
+        ci = e["delta_ci"]
+        cells = [num(e["bytes_per_token"], "{:,.0f}"), num(e["bits_per_element"], "{:.3f}"),
+                 num(e["delta_pct"], "{:+.2f} %"), "—" if ci is None else "[{:+.2f}, {:+.2f}]".format(*ci),
+                 num(e["mean_kl"], "{:.5f}"), num(None if e["top1"] is None else 100.0 * e["top1"], "{:.2f} %")]
+        lines.append((f" row {e['arm']!r}", "<tr><th>" + esc(e["arm"]) + "</th>"
+                      + "".join("<td>" + esc(c) + "</td>" for c in cells) + "</tr>"))
+    return lines + [("", "</tbody></table>")]
+
+
+def expected_page(n_rows: int, figures: list[dict], descriptions: dict,
+                  tables: dict | None = None) -> list[tuple[str, str]]:
     """The page the rows call for, as ``(what, line)`` pairs in order (``what`` names the line in a
-    FAIL), every PNG payload ``IMG`` and every JSON block ``DATA`` (both checked on their own)."""
+    FAIL), every PNG payload ``IMG`` and every JSON block ``DATA`` (both checked on their own).
+
+    A live figure's table is printed from ``tables[key]`` where given: the figure's embedded data once
+    it is found within ``RTOL`` of the audit's own (its digits then printed as the builder printed
+    them, with no rounding boundary between the two computations), else from ``figures``."""
+    tables = tables or {}
     esc = html.escape
     out = [("doctype", "<!DOCTYPE html>"), ("head", '<html lang="en"><head><meta charset="utf-8">'),
            ("head", f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'),
@@ -158,6 +230,8 @@ def expected_page(n_rows: int, figures: list[dict], descriptions: dict) -> list[
                 f"<figcaption><b>Figure {n}</b> ({key}). {esc(caption(d))}</figcaption>"
                 f'<script type="application/json" id="figdata-{n}">{DATA}</script></figure>')
         out += [(f"figure {n} ({d['key']})", line) for line in part.split("\n")]
+        if d["kind"] == "live_quality":  # its numbers from the embedded data the audit found equal to its own
+            out += [(f"table {n} ({d['key']}){part}", line) for part, line in table_lines(n, tables.get(d["key"], d))]
     out.append(("end", "</body></html>"))
     return out
 
@@ -188,23 +262,26 @@ def _words_differ(got: str, want: str) -> tuple[int, str]:
     s = 0
     while s < min(len(got), len(want)) - k and got[-1 - s] == want[-1 - s]:
         s += 1
+    def edge(c):  # a word ends at a space or a tag (a table cell is one word)
+        return c.isspace() or c in "<>"
+
     a = k
-    while a > 0 and not want[a - 1].isspace():
+    while a > 0 and not edge(want[a - 1]):
         a -= 1
     gb, wb = len(got) - s, len(want) - s
-    while gb < len(got) and not got[gb].isspace():
+    while gb < len(got) and not edge(got[gb]):
         gb += 1
-    while wb < len(want) and not want[wb].isspace():
+    while wb < len(want) and not edge(want[wb]):
         wb += 1
     return k, f"page says {got[a:gb][:100]!r}, the rows and the builder's text call for {want[a:wb][:100]!r}"
 
 
-def check_text(ctx, text: str, figures: list[dict]) -> None:
+def check_text(ctx, text: str, figures: list[dict], tables: dict | None = None) -> None:
     """Every line of the page but its PNG payloads and JSON blocks must be what the builder writes
-    for these rows: one FAIL per differing line, naming the figure or section and its part."""
+    for these rows: one FAIL per differing line, naming the figure, table or section and its part."""
     rows = ctx.results.get("rows", []) if isinstance(ctx.results, dict) else []
     descriptions = {name: (p.get("description") or "") for name, p in ctx.protocol_copies.items()}
-    want = expected_page(len(rows) if isinstance(rows, list) else 0, figures, descriptions)
+    want = expected_page(len(rows) if isinstance(rows, list) else 0, figures, descriptions, tables)
     got = page_lines(text)
     on_page = {m.group(1) for m in map(_FIG_KEY.match, got) if m}
     keys = {d["key"] for d in figures}
@@ -253,7 +330,7 @@ def check_run(ctx) -> None:
     except Exception as e:  # noqa: BLE001 - rows the other checks already refused; still a FAIL line
         ctx.fail(REL, f"figure data cannot be derived from results.json ({type(e).__name__}: {str(e)[:200]})")
         return
-    seen = set()
+    seen, verified = set(), {}
     for n, fig in enumerate(page.figures, 1):
         name = f"{REL} figure {n} ({fig['key']})"
         ctx.numbers += 1
@@ -284,10 +361,12 @@ def check_run(ctx) -> None:
         diff = first_difference("", data, expected[fig["key"]])
         if diff:
             ctx.fail(name, f"plotted data differs from results.json: {diff}")
+        else:
+            verified[fig["key"]] = data
     for key in expected:
         if key not in seen:
             ctx.fail(f"{REL} figure {key}", "missing: the rows of results.json call for it")
     try:
-        check_text(ctx, text, list(expected.values()))
+        check_text(ctx, text, list(expected.values()), verified)
     except Exception as e:  # noqa: BLE001 - rows the other checks already refused; still a FAIL line
         ctx.fail(REL, f"the page's text cannot be derived from results.json ({type(e).__name__}: {str(e)[:200]})")

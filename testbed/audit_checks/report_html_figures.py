@@ -10,9 +10,10 @@ import math
 import numpy as np
 
 from .common import TOLERANCES
-from .live_policies import BUDGET_VERSUS, budget_of, versus_of
+from .live_policies import BUDGET_VERSUS, MODELS, budget_of, versus_of
 from .report_format import label as _label
 from .report_format import ordered as _ordered
+from .stats import bootstrap
 
 __all__ = ["derive_figures", "first_difference", "RTOL", "ATOL", "STEP_BLOCK"]
 
@@ -222,20 +223,35 @@ def _live_figure(rows, ctx):
     ``c{n}-seg...``): labelled ``"arm @ n"``, the contexts in the order their rows come."""
     prefixes = _ordered([str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "" for r in rows])
     budgets = _equal_bytes_figure(rows)
+    dims = _model_dims(rows[0])
     points, agreement = [], []
     for prefix in prefixes:
         sel = [r for r in rows if (str(r["case"]).rpartition("-")[0] if "-" in str(r["case"]) else "") == prefix]
-        one = _live_points(sel, ctx, f" @ {prefix[1:]}" if len(prefixes) > 1 else "")
+        one = _live_points(sel, ctx, f" @ {prefix[1:]}" if len(prefixes) > 1 else "", dims)
         if one is None:
             return [("live_quality", None), ("equal_bytes", budgets and {"budgets": budgets}),
                     ("frontier", _frontier_figure(rows))]
         points += one[0]
         agreement += one[1]
-    return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement}),
+    return [("live_quality", {"arms": points, "block": STEP_BLOCK, "agreement": agreement, "dims": dims}),
             ("equal_bytes", budgets and {"budgets": budgets}), ("frontier", _frontier_figure(rows))]
 
 
-def _live_points(rows, ctx, suffix: str):
+def _model_dims(row):
+    """Layers, KV heads and head dimension of the study's model: the audit's own table for a model
+    named there, else the row's ``model_dims`` (a model given by path); None where neither has all three."""
+    dims = MODELS.get(row.get("model")) or row.get("model_dims")
+    keys = ("layers", "kv_heads", "head_dim")
+    if not isinstance(dims, dict) or any(type(dims.get(k)) is not int or dims[k] <= 0 for k in keys):
+        return None
+    return {k: dims[k] for k in keys}
+
+
+def _live_points(rows, ctx, suffix: str, dims):
+    """Per arm: the mean over segments of bytes per token, KL and top-1 agreement; bits per element,
+    8 x bytes per token / (2 x layers x KV heads x head dim); Δ perplexity against the reference and
+    its 95 % interval, the bootstrap of the mean per-segment NLL difference (``stats.bootstrap``,
+    report.md's), both through 100 * (exp(x) - 1); the top-1 agreement curve per block of steps."""
     arms = _ordered([r["arm"] for r in rows])
     seg = {arm: {r["case"]: r for r in rows if r["arm"] == arm} for arm in arms}
     refs = [a for a in arms if next(iter(seg[a].values()))["kind"] == "reference"]
@@ -247,12 +263,19 @@ def _live_points(rows, ctx, suffix: str):
         ids = sorted(seg[arm])
         rs = [seg[arm][s] for s in ids]
         kind = rs[0]["kind"]
-        delta = None
+        delta = ci = None
         if kind != "reference" and all(s in ref for s in ids):
-            delta = 100.0 * math.expm1(math.fsum(r["nll"] - ref[s]["nll"] for r, s in zip(rs, ids)) / len(ids))
-        points.append({"arm": arm + suffix, "kind": kind, "segments": ids,
-                       "bytes_per_token": math.fsum(r["bytes_per_token"] for r in rs) / len(rs),
-                       "mean_kl": math.fsum(r["mean_kl"] for r in rs) / len(rs), "delta_pct": delta})
+            diffs = np.array([r["nll"] - ref[s]["nll"] for r, s in zip(rs, ids)], dtype=np.float64)
+            delta = 100.0 * math.expm1(math.fsum(diffs) / len(ids))
+            bounds = bootstrap(diffs)
+            ci = None if bounds is None else [100.0 * math.expm1(b) for b in bounds]
+        per_token = math.fsum(r["bytes_per_token"] for r in rs) / len(rs)
+        top1 = [r.get("top1_agreement") for r in rs]
+        points.append({"arm": arm + suffix, "kind": kind, "segments": ids, "bytes_per_token": per_token,
+                       "mean_kl": math.fsum(r["mean_kl"] for r in rs) / len(rs), "delta_pct": delta, "delta_ci": ci,
+                       "top1": None if None in top1 else math.fsum(top1) / len(top1),
+                       "bits_per_element": None if dims is None
+                       else 8.0 * per_token / (2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"])})
         hits = np.stack([(ctx.load(seg[arm][s]["arrays"]["argmax"]) == ctx.load(ref[s]["arrays"]["argmax"])).astype(np.float64)
                          for s in ids if s in ref])
         per_step = hits.mean(axis=0)

@@ -70,7 +70,7 @@ from . import report_format as fmt
 from .capture import MODELS, check_software, compare_fields, read_json
 from .common import HEADER_BYTES
 from .live_policies import SCORED_EXTRA, as_bytes, policy_bytes, policy_names, policy_of, scored_held
-from .live_quality import check_grid
+from .live_quality import check_grid, check_selective
 from .stats import mcnemar_p, wilson_bounds
 
 __all__ = ["check", "check_study", "params_of", "arms_of", "expected_trials", "needles_of", "trial_seed", "REFERENCE",
@@ -226,7 +226,7 @@ def budget_problem(entry: dict, pol: dict, view: dict) -> str | None:
     else:  # a sink_window selection: the first S and the newest W, float32 K and V only
         held, extra = min(n, pol["sink"] + pol["window"]), 0
     got = layers * (HEADER_BYTES + h * held * (8 * d + extra))
-    if pol.get("store") or pol.get("rest"):  # a kept set stored quantized, a rest kept at low precision
+    if pol.get("store") or pol.get("rest") or pol.get("heads") == "selective":  # quantized, or dense pairs
         got = policy_bytes(pol, n, dims)
     if got > target:
         return f"{got:,} bytes at the trial's end ({n} tokens) exceed the budget's {target:,.1f}"
@@ -593,8 +593,10 @@ def check(row: dict, ctx) -> None:
     elif "query" in row:
         raise ValueError(f"query {query!r}: only a multi_query row names a question index")
     arrays = row.get("arrays") if isinstance(row.get("arrays"), dict) else {}
-    if set(arrays) != {"logprob", "argmax", "generated"}:
-        raise ValueError(f"arrays {sorted(arrays)}: a row stores exactly logprob, argmax and generated")
+    selective = kind == "policy" and (row.get("policy") or {}).get("heads") == "selective"
+    want_arrays = {"logprob", "argmax", "generated"} | (set(SELECT_ARRAYS) if selective else set())
+    if set(arrays) != want_arrays:
+        raise ValueError(f"arrays {sorted(arrays)}: a row stores exactly {', '.join(sorted(want_arrays))}")
     lp = ctx.load(arrays.get("logprob"))
     if lp.ndim != 1 or lp.size != n or lp.dtype != np.float32:
         raise ValueError(f"logprob must be float32 [{n}], got {lp.dtype} {list(lp.shape)}")
@@ -627,6 +629,8 @@ def check(row: dict, ctx) -> None:
                 continue
             ctx.equal(row, f"policy.{key}", got.get(key), val)
         ctx.equal(row, "policy.name", got.get("name"), arm)
+        if want.get("heads") == "selective":  # the classes from the stored concentration, the counts and bytes
+            _check_classes(row, ctx, want, view)
         entry = next((e for e in p.get("policies", []) if isinstance(e, dict) and e.get("name") == arm), None)
         if entry is not None and "budget" in entry:
             ctx.numbers += 1
@@ -641,6 +645,20 @@ def check(row: dict, ctx) -> None:
             ctx.equal(row, f"peer.{key}", got.get(key), val)
     elif "policy" in row or "peer" in row:
         raise ValueError("the reference row carries a policy or peer config")
+
+
+SELECT_ARRAYS = ("select_sparse", "select_score", "select_count")
+
+
+def _check_classes(row, ctx, pol: dict, view: dict) -> None:
+    """A selective row (the seed's rule at the prefill's end): its pairs' classes are the rule's choice from
+    the stored concentration, each pair holds what its class keeps after the tokens teacher forcing fed (the
+    trial's tokens but the last answer token), and those counts give the closed-form bytes at that length
+    (the live study's check, :func:`live_quality.check_selective`)."""
+    fed = {**view, "steps": view["steps"] - 1}
+    m, last = check_selective(row, ctx, pol, MODELS[MODEL], fed)
+    ctx.equal(row, "the bytes of the held counts", last, policy_bytes(pol, fed["prefill"] + fed["steps"], MODELS[MODEL],
+                                                                     sparse=m))
 
 
 def _earlier_answered(ctx, row: dict, trial: dict, query: int) -> bool:

@@ -12,7 +12,8 @@ matplotlib (Agg) is imported only when a report is built.
 The package, by responsibility: :mod:`~testbed.report_html.data` (each figure's data from the rows
 and arrays, what the audit recomputes: `figure_data`), :mod:`~testbed.report_html.draw` (matplotlib
 drawing of a figure's data, `figure_layout` for the readability tests) and
-:mod:`~testbed.report_html.page` (captions, PNG encoding and the page, `build_html`). The names other
+:mod:`~testbed.report_html.page` (captions, PNG encoding, the per-arm table under a live figure, printed
+from its data, and the page, `build_html`). The names other
 modules use are re-exported here (``from testbed.report_html import build_html``).
 """
 

@@ -9,9 +9,11 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..live.summary import bootstrap
 from ..policies.presets import EQUAL_BYTES_VERSUS, equal_bytes_budget, equal_bytes_versus
+from ..sources.models import MODELS
 
-__all__ = ["figure_data", "AGREEMENT_BLOCK", "REGIONS", "UNIFORM_REFERENCES", "is_oracle", "policy_family"]
+__all__ = ["figure_data", "live_dims", "AGREEMENT_BLOCK", "REGIONS", "UNIFORM_REFERENCES", "is_oracle", "policy_family"]
 
 REGIONS = ("sink", "middle", "recent", "current", "history")
 AGREEMENT_BLOCK = 8  # teacher-forced steps per point of the top-1 agreement curve
@@ -138,21 +140,40 @@ def _context_groups(rows) -> list[tuple[str, list]]:
     return list(groups.items())
 
 
+def live_dims(row) -> dict | None:
+    """The model dimensions bits per element divide by (``layers``, ``kv_heads``, ``head_dim``): the
+    model table's for a model known by name, else the row's ``model_dims`` (a model given by path);
+    None where neither states them."""
+    dims = MODELS.get(row.get("model")) or row.get("model_dims")
+    keys = ("layers", "kv_heads", "head_dim")
+    if not isinstance(dims, dict) or not all(isinstance(dims.get(k), int) and dims[k] > 0 for k in keys):
+        return None
+    return {k: dims[k] for k in keys}
+
+
 def _live(study, rows, load):
     """The live figure's data; with several contexts each arm is one point per context
-    (``"int4 @ 2048"``)."""
+    (``"int4 @ 2048"``). ``dims``: the model's layers, KV heads and head dimension, the K and V
+    elements per token (2 x layers x KV heads x head dim) each arm's ``bits_per_element`` divides
+    its measured bytes per token (x 8) by; None without them."""
+    dims = live_dims(rows[0])
     groups = _context_groups(rows)
     arms, agreement = [], []
     for prefix, sel in groups:
-        one = _live_context(sel, load, f" @ {prefix[1:]}" if len(groups) > 1 else "")
+        one = _live_context(sel, load, f" @ {prefix[1:]}" if len(groups) > 1 else "", dims)
         if one is None:
             return None
         arms += one[0]
         agreement += one[1]
-    return {"arms": arms, "block": AGREEMENT_BLOCK, "agreement": agreement}
+    return {"arms": arms, "block": AGREEMENT_BLOCK, "agreement": agreement, "dims": dims}
 
 
-def _live_context(rows, load, suffix: str):
+def _optional_mean(segs, ids, field):
+    vals = [segs[s].get(field) for s in ids]
+    return None if any(v is None for v in vals) else _mean(vals)
+
+
+def _live_context(rows, load, suffix: str, dims):
     by_arm: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_arm.setdefault(r["arm"], {})[r["case"]] = r
@@ -164,10 +185,17 @@ def _live_context(rows, load, suffix: str):
         ids = sorted(segs)
         entry = {"arm": arm + suffix, "kind": segs[ids[0]]["kind"], "segments": ids,
                  "bytes_per_token": _mean([segs[s]["bytes_per_token"] for s in ids]),
-                 "mean_kl": _mean([segs[s]["mean_kl"] for s in ids]), "delta_pct": None}
+                 "mean_kl": _mean([segs[s]["mean_kl"] for s in ids]), "delta_pct": None, "delta_ci": None,
+                 "top1": _optional_mean(segs, ids, "top1_agreement"), "bits_per_element": None}
+        if dims is not None:  # the measured bytes over the K and V elements a token adds
+            entry["bits_per_element"] = entry["bytes_per_token"] * 8 / (2 * dims["layers"] * dims["kv_heads"]
+                                                                        * dims["head_dim"])
         if entry["kind"] != "reference" and all(s in ref for s in ids):
-            d = [segs[s]["nll"] - ref[s]["nll"] for s in ids]
+            d = np.array([segs[s]["nll"] - ref[s]["nll"] for s in ids], dtype=np.float64)
             entry["delta_pct"] = 100.0 * math.expm1(_mean(d))
+            lo, hi = bootstrap(d)  # report.md's interval: the same resamples of the same differences
+            if not math.isnan(lo):
+                entry["delta_ci"] = [100.0 * math.expm1(lo), 100.0 * math.expm1(hi)]
         arms.append(entry)
         same = np.mean([load(segs[s]["arrays"]["argmax"]) == load(ref[s]["arrays"]["argmax"]) for s in ids if s in ref],
                        axis=0)

@@ -240,6 +240,31 @@ def _place_labels(ax, points, labels, colors):
         taken.append(b)
 
 
+# candidate ticks of the bits axis, most wanted first: powers of two, then 1.5 times one, then the rest
+_BITS_TICKS = (1, 2, 4, 8, 16, 32, 64, 1.5, 3, 6, 12, 24, 48, 0.5, 2.5, 5, 7, 10, 20)
+
+
+def _bits_axis(ax, dims):
+    """The bytes-per-token axis read again on top in bits per element: bytes x 8 / (2 x layers x KV
+    heads x head dim), the K and V elements a token adds; ticks at round bit widths (32, 16, 8, 4,
+    then 24, 12, 6, 3, then others) at least an eighth of the view apart on the log scale."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    per_token = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"]
+    top = ax.secondary_xaxis("top", functions=(lambda b: np.asarray(b) * 8 / per_token,
+                                               lambda x: np.asarray(x) * per_token / 8))
+    lo, hi = (v * 8 / per_token for v in sorted(ax.get_xlim()))
+    gap = math.log10(hi / lo) / 8
+    ticks = []
+    for t in _BITS_TICKS:
+        if lo <= t <= hi and all(abs(math.log10(t / k)) >= gap for k in ticks):
+            ticks.append(t)
+    top.xaxis.set_major_locator(FixedLocator(sorted(ticks)))
+    top.xaxis.set_minor_locator(NullLocator())
+    top.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    top.set_xlabel("bits per element (K and V, every scale and index byte)")
+
+
 def _draw_live(plt, d):
     """Quality against bytes (each point labelled with its arm; the marker's shape is the context
     when there are several), and top-1 agreement along the steps in one small panel per arm."""
@@ -273,6 +298,8 @@ def _draw_live(plt, d):
         ax.set_yscale("symlog", linthresh=lin)
         ax.margins(x=0.12, y=0.12)
         _log(ax, "x")
+        if d.get("dims"):
+            _bits_axis(ax, d["dims"])
     for i, c in enumerate(contexts):
         a2.plot([], [], dashes[i % len(dashes)] + shapes[i % len(shapes)], color="0.3", label=f"{c} tokens")
     if contexts:

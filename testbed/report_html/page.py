@@ -1,5 +1,6 @@
 """The page: each figure's caption, its PNG (`draw_figure`, reduced to a palette) and its embedded
-data block, assembled into report.html (`build_html`)."""
+data block, under a live figure the table of its arms (printed from that data, `_table`), assembled
+into report.html (`build_html`)."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ _CAPTIONS = {
                         "widths or group sizes, model quality; synthetic attention only."),
     "live_quality": ("Live quality study: left, perplexity change against the DynamicCache reference (exp of the mean "
                      "per-segment NLL difference, minus 1) and right, mean KL(reference || arm), both against the "
-                     "cache's bytes per token at the end of a segment (mean over segments), one point per arm; below, "
-                     "top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean over "
-                     "segments). What it does not show: free generation or task accuracy (teacher forcing), other models "
-                     "(one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} segments."),
+                     "cache's bytes per token at the end of a segment (mean over segments), one point per arm{bits}; "
+                     "below, top-1 agreement with the reference's argmax per block of {block} teacher-forced steps (mean "
+                     "over segments). What it does not show: free generation or task accuracy (teacher forcing), other "
+                     "models (one small model, SmolLM2-135M), other text (one corpus), or an interval: {segments} "
+                     "segments (the table below gives Δ's interval over them)."),
     "equal_bytes": ("Content-aware precision at equal bytes: one panel per byte budget (mix28_*: the bytes of int4; "
                     "mix24_*: a 3-bit layout's bytes; int2_hh*: int2's bytes, heavy hitters kept float32), its arms "
                     "sorted by the perplexity change against the DynamicCache reference (exp of the mean per-segment NLL "
@@ -78,6 +80,24 @@ _CAPTIONS = {
                           "the Wilson intervals per length and the McNemar tests against the reference), other models "
                           "(one small model, SmolLM2-135M), or natural tasks (synthetic needles)."),
 }
+
+
+# the live figure's top axis, where the rows state the model's dimensions (else nothing)
+_BITS_AXIS = ("; the top axis reads the same bytes as bits per element, bytes per token × 8 / (2 × {layers} layers × "
+              "{kv_heads} KV heads × {head_dim} head dim = {elements:,} K and V elements per token), every scale, "
+              "zero-point, index and codebook byte and a policy's float32 tokens included since the bytes are the "
+              "measured ones (the float32 reference is 32 where every layer holds every token)")
+# the table under a live figure: its caption and column headings
+_TABLE_CAPTION = ("<b>Table {n}</b> ({key}). Each arm of Figure {n}, sorted by bits per element{within} (bytes per "
+                  "token × 8 over the model's K and V elements per token; — where the rows state no model dimensions): "
+                  "bytes per token at the end of a segment and mean KL(reference || arm), means over segments; Δ "
+                  "perplexity against the DynamicCache reference, the figure's value (exp of the mean per-segment NLL "
+                  "difference, minus 1), with its 95 % interval, a percentile bootstrap over the segments of that mean "
+                  "difference (2,000 resamples, numpy's default_rng(0): report.md's interval), given from 5 segments "
+                  "on; top-1 agreement with the reference's argmax over every scored step, the mean over segments. "
+                  "Intervals are over segments, never tokens.")
+_TABLE_HEADERS = ("arm", "bytes / token", "bits / element", "Δ ppl vs reference", "95 % CI (segments)", "mean KL",
+                  "top-1 agree")
 
 
 def _png(plt, d) -> bytes:
@@ -107,7 +127,46 @@ def _caption(d) -> str:
     segments = (len(d["arms"][0]["segments"]) if d["kind"] == "live_quality"
                 else len(d["budgets"][0]["arms"][0]["segments"]) if d["kind"] == "equal_bytes"
                 else len(d["contexts"][0]["families"][0]["points"][0]["segments"]) if d["kind"] == "frontier" else 0)
-    return _CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments)
+    dims = d.get("dims") if d["kind"] == "live_quality" else None
+    bits = "" if not dims else _BITS_AXIS.format(**dims, elements=2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"])
+    return _CAPTIONS[d["kind"]].format(dist_word=dist_word, block=d.get("block"), segments=segments, bits=bits)
+
+
+def _table_rows(d) -> list[dict]:
+    """The live figure's arms in the table's order: per context (the order they come), by bits per
+    element (none last), then name."""
+    contexts = list(dict.fromkeys(e["arm"].rpartition(" @ ")[2] if " @ " in e["arm"] else "" for e in d["arms"]))
+
+    def key(e):
+        bits = e["bits_per_element"]
+        return (contexts.index(e["arm"].rpartition(" @ ")[2] if " @ " in e["arm"] else ""), bits is None, bits or 0.0,
+                e["arm"])
+
+    return sorted(d["arms"], key=key)
+
+
+def _cells(e) -> list[str]:
+    """One arm's table cells (text, before escaping)."""
+    ci, top1 = e["delta_ci"], e["top1"]
+    return [e["arm"], f"{e['bytes_per_token']:,.0f}",
+            "—" if e["bits_per_element"] is None else f"{e['bits_per_element']:.3f}",
+            "—" if e["delta_pct"] is None else f"{e['delta_pct']:+.2f} %",
+            "—" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]", f"{e['mean_kl']:.5f}",
+            "—" if top1 is None else f"{100 * top1:.2f} %"]
+
+
+def _table(n: int, d) -> list[str]:
+    """The per-arm table under live figure ``n``: one line per row (an audit FAIL names its line)."""
+    esc = html.escape
+    within = " within each context" if any(" @ " in e["arm"] for e in d["arms"]) else ""
+    out = [f'<table id="table-{n}" data-key="{esc(d["key"])}">',
+           f"<caption>{_TABLE_CAPTION.format(n=n, key=esc(d['key']), within=within)}</caption>",
+           "<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in _TABLE_HEADERS) + "</tr></thead><tbody>"]
+    for e in _table_rows(d):
+        cells = _cells(e)
+        out.append(f"<tr><th>{esc(cells[0])}</th>" + "".join(f"<td>{esc(c)}</td>" for c in cells[1:]) + "</tr>")
+    out.append("</tbody></table>")
+    return out
 
 
 def _distributions(d):
@@ -123,7 +182,11 @@ def _json_block(d) -> str:
 
 _STYLE = ("body{font-family:sans-serif;max-width:70em;margin:1em auto;padding:0 1em;color:#222}"
           "figure{margin:1.5em 0;border-top:1px solid #ccc;padding-top:.5em}img{max-width:100%;height:auto}"
-          "figcaption{font-size:.9em;max-width:60em}")
+          "figcaption{font-size:.9em;max-width:60em}"
+          "table{border-collapse:collapse;font-size:.9em;margin:0 0 1.5em}caption{caption-side:bottom;text-align:left;"
+          "max-width:60em;padding-top:.5em}th,td{padding:.15em .7em;border-bottom:1px solid #ddd;white-space:nowrap}"
+          "td{text-align:right;font-variant-numeric:tabular-nums}tbody th{text-align:left;font-weight:normal}"
+          "thead th{border-bottom:2px solid #888}")
 
 
 def build_html(protocols: list[dict], rows: list[dict], root: Path) -> str:
@@ -141,8 +204,9 @@ def build_html(protocols: list[dict], rows: list[dict], root: Path) -> str:
              f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
              "<title>testbed run report: figures</title>", f"<style>{_STYLE}</style></head><body>",
              "<h1>testbed run report: figures</h1>",
-             f"<p>{len(rows)} result rows, {len(figures)} figures. The tables are in report.md; every plotted value is "
-             "embedded beside its figure as JSON and recomputed from results.json by <code>python -m testbed.audit</code>. "
+             f"<p>{len(rows)} result rows, {len(figures)} figures. The tables are in report.md, and a live study's per-arm "
+             "table under its figure; every plotted or tabulated value is embedded beside its figure as JSON and "
+             "recomputed from results.json by <code>python -m testbed.audit</code>. "
              "Statistics are over seeds, prompts or segments; rows inside one of them are not independent.</p>"]
     names = {p["name"]: p for p in protocols}
     current = None
@@ -157,6 +221,8 @@ def build_html(protocols: list[dict], rows: list[dict], root: Path) -> str:
                          f'<img src="data:image/png;base64,{img}" alt="{html.escape(d["key"])}">'
                          f"<figcaption><b>Figure {n}</b> ({html.escape(d['key'])}). {html.escape(_caption(d))}</figcaption>"
                          f'<script type="application/json" id="figdata-{n}">{_json_block(d)}</script></figure>')
+            if d["kind"] == "live_quality":
+                parts += _table(n, d)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
