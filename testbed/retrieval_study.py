@@ -370,7 +370,8 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
             shared, cache = shared_prefill(model, kw, ids[:, :pre], mass_candidates(view), None,
                                            concentration=measures_concentration(view),
                                            heavy=any(isinstance(w, Policy) and w.heavy > 0 for _, w in arms)
-                                           or received, query_tail=tail, last=inside)
+                                           or received, query_tail=tail, last=inside,
+                                           rope=any(isinstance(w, Policy) and w.key_rope == "pre" for _, w in arms))
             ctx.timings.append({"study": study, "case": case, "arm": None, "op": "prefill", "repeat": 0,
                                 "seconds": shared.seconds, "trials": len(batch), "tokens": len(batch) * pre,
                                 "forwards": 1})

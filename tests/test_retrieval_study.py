@@ -23,7 +23,10 @@ from tests._helpers import drop_row, forge_array, forge_results
 
 pytestmark = [pytest.mark.capture, pytest.mark.slow]
 
-ARMS = ["dynamic_cache", "float32", "int4", "streaming"]
+ARMS = ["dynamic_cache", "float32", "int4", "streaming", "float32_pre"]
+# float32 with keys stored before the rotary embedding: the shared prefill must hand it its rotary cos / sin
+FLOAT32_PRE = {"name": "float32_pre", "storage": {"middle": "float32", "key_rope": "pre"},
+               "description": "float32, keys stored before RoPE (rotated at every read)"}
 
 
 def _tiny_protocol(tmp_path: Path) -> Path:
@@ -32,7 +35,7 @@ def _tiny_protocol(tmp_path: Path) -> Path:
     proto["default"] = False
     proto["retrieval"].update({"tasks": ["passkey", "kv_needle"], "lengths": [128], "depths": [0.0, 1.0], "trials": 1,
                                "batch": 2, "window": 16, "group": 16, "evict_window": 16,
-                               "policies": ["float32", "int4", "streaming"]})
+                               "policies": ["float32", "int4", "streaming", FLOAT32_PRE]})
     path = tmp_path / "retrieval_tiny.json"
     path.write_text(json.dumps(proto))
     return path
@@ -79,13 +82,16 @@ def test_tiny_run_passes_its_audit_with_every_trial_and_arm(tiny_run):
     assert "retrieval_heatmap/retrieval_tiny" in (tiny_run / "report.html").read_text()
 
 
-def test_float32_policy_scores_as_the_reference(tiny_run):
+@pytest.mark.parametrize("arm", ["float32", "float32_pre"])
+def test_float32_policy_scores_as_the_reference(tiny_run, arm):
     """The float32 policy stores what DynamicCache stores: the same argmaxes, generated tokens and
     answer log-probs (up to float rounding of the chunking), so a broken hand-over of the shared
-    prefill or of the question through a policy cache shows here."""
+    prefill or of the question through a policy cache shows here; with keys stored before RoPE
+    (float32_pre), also a wrong rotary (cos, sin) handed over with the shared prefill."""
     res = _res(tiny_run)
     for case in res["cases"]["retrieval_tiny"]:
-        ref, f32 = _row(res, "dynamic_cache", case), _row(res, "float32", case)
+        ref, f32 = _row(res, "dynamic_cache", case), _row(res, arm, case)
+        assert f32["policy"]["name"] == arm
         for name in ("argmax", "generated"):
             assert np.array_equal(_arrays.load(tiny_run, ref["arrays"][name]), _arrays.load(tiny_run, f32["arrays"][name]))
         assert f32["answer_logprob"] == pytest.approx(ref["answer_logprob"], abs=1e-3)
