@@ -59,6 +59,17 @@ def part_of(run: Path) -> tuple[dict, list[dict], dict]:
     model = live_manifest.get("model", {}) if isinstance(live_manifest, dict) else {}
     identity = {"corpus": live_manifest.get("corpus"), "corpus_tokens": live_manifest.get("corpus_tokens"),
                 "model": {k: model.get(k) for k in ("model", "gguf_sha256")}}
+    if isinstance(live_manifest, dict) and live_manifest.get("calibration") is not None:
+        # calibrated codebooks: the parts pool only if they calibrated on the same windows to the same tables
+        arrays = manifest.get("arrays", {}) if isinstance(manifest, dict) else {}
+        tables = {}
+        for r in rows:
+            for k, rel in (r.get("arrays") or {}).items():
+                if k.startswith("codebook."):
+                    tables[f"{r['arm']}.{k}"] = (arrays.get(rel) or {}).get("sha256")
+        cal = live_manifest["calibration"]
+        identity["calibration"] = {"starts": cal.get("starts"), "tokens": cal.get("tokens"),
+                                   "token_ids_sha256": cal.get("token_ids_sha256"), "tables": tables}
     return proto, rows, identity
 
 

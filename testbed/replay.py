@@ -183,6 +183,9 @@ def _studies(root: Path, manifest: dict, all_cases: dict, arrays: Containers) ->
             raise BadInput(f"{root}: results.json cases.{proto['name']} must be an object (case id -> record)")
         if not cases:  # the model was missing when it ran: an exclusion, nothing to replay
             continue
+        if kind == "live" and proto["live"].get("calibration"):
+            raise BadInput(f"{root}: {proto['name']}: replay of a live study with calibrated codebooks is not supported "
+                           "yet (its units take per-layer tables that the plan calibrates, not stored token ids)")
         if kind == "retrieval" and "multi_query" in proto["retrieval"].get("tasks", []):
             raise BadInput(f"{root}: {proto['name']}: replay of a retrieval study with multi_query is not supported yet "
                            "(its trials feed several questions and answers, its rows are told apart by their query)")

@@ -439,10 +439,10 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                               "generated": store.save(f"{prefix}/generated", genj)}}
             if marked:
                 row["question"] = question_at
-            if isinstance(what, Policy):
-                row["policy"] = what.config()
             if classes is not None:  # the selective rule: each pair's class, what it was read from, what it holds
                 row["arrays"].update({name: store.save(f"{prefix}/{name}", a[j]) for name, a in classes.items()})
+            if isinstance(what, Policy):
+                row["policy"] = what.config()
             elif kind == "peer":
                 row["peer"] = {"backend": "quanto", "bits": what["bits"], "q_group_size": PEER_GROUP,
                                "residual_length": p["window"]}

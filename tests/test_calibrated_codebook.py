@@ -214,3 +214,25 @@ def test_the_retrieval_study_refuses_calibrated_codebooks():
     arm = {"name": "cb3", "storage": {"middle": "codec", "codec": CAL}}
     with pytest.raises(ProtocolError, match="cb3 run in the live study only"):
         validate({"tasks": ["passkey"], "lengths": [512], "depths": [0.5], "trials": 1, "policies": [arm]}, "retrieval")
+
+
+@pytest.mark.slow
+def test_replay_refuses_a_calibrated_study_by_name(cal_run, capsys):
+    from testbed.replay import main
+
+    assert main([str(cal_run)]) != 0
+    err = capsys.readouterr().err
+    assert "calibrated codebooks" in err and "cal_tiny" in err
+
+
+@pytest.mark.slow
+def test_the_parts_of_a_split_study_calibrate_the_same_tables(tmp_path_factory):
+    from testbed.pool import part_of
+
+    ids = []
+    for rng in ([0, 1], [1, 2]):
+        run = tiny_live_run(tmp_path_factory, f"cal_part{rng[0]}", ARMS[2:3], prefill=96, steps=8, segments=2,
+                            segment_range=rng, calibration={"windows": 1, "tokens": 64})
+        ids.append(part_of(run)[2])
+    # the windows lie in the gap after segment 0 for both parts: the same text, the same tables
+    assert ids[0]["calibration"] == ids[1]["calibration"] and ids[0]["calibration"]["tables"]

@@ -39,6 +39,11 @@ def test_each_side_defines_each_constant_in_one_module():
 def test_the_audits_copies_equal_the_run_sides():
     for name in NAMES:
         assert getattr(common, name) == getattr(constants, name), name
+    from testbed.audit_checks import calibration
+    from testbed.quant import codebook
+
+    # the calibrated codebook's k-means rounds: the audit's re-derivation runs as many as the run
+    assert calibration.LLOYD_ROUNDS == codebook.LLOYD_ITERS
 
 
 def test_the_constants_describe_the_payloads():

@@ -1,7 +1,8 @@
 """Issue 46's figure: perplexity change against the packed middle's bits per element, every arm of
 one or more finished live runs (``lowbit``, ``lowbit_groups``, ``lowbit_calibrated``, ...).
 
-    python tools/lowbit_figure.py RUN [RUN ...] --out docs/img/lowbit_bits.png
+    python tools/lowbit_figure.py /work/runs/lowbit /work/runs/lowbit_int4 /work/runs/lowbit_calibrated \
+        /work/runs/lowbit_groups --out docs/img/lowbit_bits.png        # the README's figure
 
 Per arm: Δ perplexity = exp(mean over segments of the arm's NLL minus the reference's) - 1, from
 results.json (the number report.md prints); bits per element = the middle's bytes per packed token
@@ -21,11 +22,14 @@ from pathlib import Path
 REFERENCE = "dynamic_cache"
 
 
-def arm_points(run: Path, heads: int = 3, head_dim: int = 64) -> list[tuple[str, float, float]]:
+def arm_points(run: Path) -> list[tuple[str, float, float]]:
     """(arm, bits per element of the middle, Δ perplexity) of every quantized policy arm of a run."""
     from testbed.policies import Policy
+    from testbed.sources.models import MODELS
 
     rows = json.loads((run / "results.json").read_text())["rows"]
+    dims = rows[0].get("model_dims") or MODELS[rows[0]["model"]]  # a model given by path states its own
+    heads, head_dim = dims["kv_heads"], dims["head_dim"]
     ref = {r["case"]: r["nll"] for r in rows if r["arm"] == REFERENCE}
     out = {}
     for r in rows:
@@ -61,6 +65,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--title", default="SmolLM2-135M-Instruct, 2,048 tokens, mean of 8 segments (no intervals drawn)")
     a = ap.parse_args(argv)
     import matplotlib
 
@@ -75,6 +80,10 @@ def main(argv=None) -> int:
                 pts.append((arm, bits, dppl))
     colours = {"uniform (KIVI)": "black", "NormalFloat levels": "tab:blue",
                "levels calibrated per layer": "tab:green", "rotation / outliers / pre-RoPE keys": "tab:orange"}
+    dropped = [p for p in pts if p[2] <= 0]  # a log axis has no place for them: say so
+    if dropped:
+        print("not drawn (Δ <= 0 on a log axis): " + ", ".join(f"{a} {100 * d:+.2f} %" for a, _, d in dropped))
+    pts = [p for p in pts if p[2] > 0]
     fig, ax = plt.subplots(figsize=(8, 5.2), dpi=110)
     for fam, colour in colours.items():
         sel = [p for p in pts if family(p[0]) == fam]
@@ -90,7 +99,7 @@ def main(argv=None) -> int:
     ax.text(4.3, 5.25, "5 %", fontsize=7, color="grey")
     ax.set_xlabel("bits per element of the quantized middle (K and V; scales, zero-points, outliers, indices, tables)")
     ax.set_ylabel("Δ perplexity vs DynamicCache (%, log)")
-    ax.set_title("SmolLM2-135M-Instruct, 2,048 tokens, mean of 8 segments (no intervals drawn)", fontsize=9)
+    ax.set_title(a.title, fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()

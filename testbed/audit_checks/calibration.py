@@ -9,8 +9,9 @@ are ``"calibrated"``), written again from docs/live.md's definition:
 - **The tables.** Each calibrated arm's rows carry ``codebook.k`` / ``codebook.v``: ``[L, D, 2**bits]``
   (per channel) or ``[L, 2**bits]`` float16, each table strictly increasing in [-1, 1]. On the evidence
   row the evidence layer's table is computed again, by Lloyd's k-means as below, from the stored
-  calibration input (``calibration.k`` / ``calibration.v``, ``[C, H, P, D]`` float32), and must agree
-  within ``codebook_ulps`` float16 steps per level (the two sides sum in different orders); the middle
+  calibration input (``calibration.k`` / ``calibration.v``, ``[C, H, T, D]`` float32, C and T the
+  manifest's windows), and must agree within ``TOLERANCES["codebook_lloyd"]`` per level (the two
+  sides sum in different orders); the middle
   is then re-encoded with that stored table (:mod:`live_evidence`).
 - **The k-means** (the run's ``testbed.quant.codebook.calibrate``, restated): the input grouped as the
   codebook groups it (keys per channel over G tokens, values per token over G features, edge padding),
@@ -34,21 +35,31 @@ import math
 
 import numpy as np
 
-from .schemes import codebook_grouped
+from .common import TOLERANCES
+from .schemes import codebook_normalized
 
-__all__ = ["CALIBRATED", "calibrated_parts", "table_bytes", "layer_tables", "lloyd", "check_tables",
-           "check_windows"]
+__all__ = ["CALIBRATED", "is_calibrated", "payload_config", "calibrated_parts", "table_bytes", "layer_tables", "lloyd",
+           "check_tables", "check_windows"]
 
 CALIBRATED = "calibrated"
-LLOYD_ROUNDS = 25
-CODEBOOK_ULPS = 2  # float16 steps a re-derived level may differ by (summation order)
+LLOYD_ROUNDS = 25  # the run's testbed.quant.codebook.LLOYD_ITERS (tests/test_spec_constants.py holds them equal)
+
+
+def is_calibrated(cfg) -> bool:
+    """Whether a quantizer config is a codebook whose levels are calibrated per layer."""
+    return isinstance(cfg, dict) and cfg.get("kind") == "int_codebook" and cfg.get("levels") == CALIBRATED
+
+
+def payload_config(cfg: dict) -> dict:
+    """The config whose payload a part stores: a calibrated codebook's with NF levels (the tables are not in
+    the payload; its codes, scales and offsets are laid out alike)."""
+    return {**cfg, "levels": "nf"} if is_calibrated(cfg) else cfg
 
 
 def calibrated_parts(pol: dict) -> tuple[str, ...]:
     """The parts of a policy's codec whose levels are calibrated per layer."""
     codec = pol.get("codec") or {}
-    return tuple(part for part in ("k", "v") if isinstance(codec.get(part), dict)
-                 and codec[part].get("kind") == "int_codebook" and codec[part].get("levels") == CALIBRATED)
+    return tuple(part for part in ("k", "v") if is_calibrated(codec.get(part)))
 
 
 def table_bytes(pol: dict, d: int) -> int:
@@ -79,13 +90,7 @@ def layer_tables(row, ctx, pol: dict, layer: int) -> tuple[dict, int]:
 def _normalized(x: np.ndarray, cfg: dict) -> tuple[list, list]:
     """Per channel (channel axis) or pooled (token axis): each value's normalized ``u`` (float64) and weight."""
     n, d = x.shape[-2], x.shape[-1]
-    xf = x.astype(np.float32).reshape(-1, n, d)
-    grouped, red = codebook_grouped(xf, cfg)
-    mn, mx = grouped.min(axis=red, keepdims=True), grouped.max(axis=red, keepdims=True)
-    s = ((mx - mn) * np.float32(0.5)).astype(np.float16).astype(np.float32)
-    z = ((mx + mn) * np.float32(0.5) + np.float32(0.0)).astype(np.float16).astype(np.float32)
-    live = s > 0
-    u = ((grouped - z) / np.where(live, s, np.float32(1.0))).astype(np.float64)
+    u, s, _, live, _ = codebook_normalized(x.astype(np.float32).reshape(-1, n, d), cfg)
     w = np.broadcast_to(np.where(live, s.astype(np.float64) ** 2, 0.0), u.shape)
     if cfg["axis"] == "channel":
         u, w = (t.reshape(t.shape[0], -1, d)[:, :n, :] for t in (u, w))
@@ -130,9 +135,11 @@ def lloyd(x: np.ndarray, cfg: dict) -> np.ndarray:
     return tables if cfg["axis"] == "channel" else tables[0]
 
 
-def check_tables(row, ctx, pol: dict, layers: int, d: int, evidence_layer: int | None) -> None:
+def check_tables(row, ctx, pol: dict, dims: dict, evidence_layer: int | None, windows: tuple | None) -> None:
     """The row's tables (shape, float16, strictly increasing in [-1, 1]); on its evidence row the
-    evidence layer's table computed again from the stored calibration input."""
+    evidence layer's table computed again from the stored calibration input, of the manifest's
+    ``windows`` (C, T) shape ``[C, KV heads, T, D]``."""
+    layers, d = dims["layers"], dims["head_dim"]
     arrays = row.get("arrays") or {}
     for part in calibrated_parts(pol):
         cfg = pol["codec"][part]
@@ -157,13 +164,14 @@ def check_tables(row, ctx, pol: dict, layers: int, d: int, evidence_layer: int |
             ctx.fail(row, f"calibration.{part}: the evidence row stores no calibration input to re-derive its table")
             continue
         x = ctx.load(src)
-        if x.dtype != np.float32 or x.ndim != 4 or x.shape[-1] != d:
-            ctx.fail(row, f"calibration.{part} is {x.dtype} {list(x.shape)}, expected float32 [C, H, P, {d}]")
+        want_x = (None, dims["kv_heads"], None, d) if windows is None else (windows[0], dims["kv_heads"], windows[1], d)
+        if x.dtype != np.float32 or x.ndim != 4 or any(w is not None and w != g for w, g in zip(want_x, x.shape)):
+            ctx.fail(row, f"calibration.{part} is {x.dtype} {list(x.shape)}, expected float32 {list(want_x)} (the "
+                          "manifest's windows x tokens)")
             continue
         got = lloyd(x, cfg).astype(np.float64)
-        ulp = np.abs(np.spacing(t[evidence_layer].astype(np.float16))).astype(np.float64)
         ctx.numbers += got.size
-        bad = np.abs(got - tf[evidence_layer]) > CODEBOOK_ULPS * ulp
+        bad = np.abs(got - tf[evidence_layer]) > TOLERANCES["codebook_lloyd"]["atol"]
         if np.any(bad):
             i = tuple(int(v) for v in np.argwhere(bad)[0])
             ctx.fail(row, f"codebook.{part}: layer {evidence_layer}'s table is not Lloyd's k-means of its stored "

@@ -22,7 +22,7 @@ import numpy as np
 
 from .capture import MODELS  # the audit's one table of known models (layers, KV heads, head dim, layer types)
 from .common import HEADER_BYTES, MX_BLOCK_SIZE
-from .calibration import calibrated_parts, table_bytes
+from .calibration import payload_config, table_bytes
 from .schemes import encode_tensor, scheme
 
 __all__ = ["MODELS", "POLICY_TABLE", "MIXED", "HEAVY", "BUDGET_VERSUS", "HEADER", "SCORED_EXTRA", "ONE_FULL_LAYER",
@@ -270,7 +270,7 @@ def _codec(codec, where: str) -> dict:
         if not isinstance(codec[part], dict):
             raise ValueError(f"{where}: codec.{part} must be a quantizer config (an object with its kind), got "
                              f"{codec[part]!r}")
-        scheme({**codec[part], "levels": "nf"} if part in calibrated_parts({"codec": codec}) else codec[part])
+        scheme(payload_config(codec[part]))
     return {"k": dict(codec["k"]), "v": dict(codec["v"])}
 
 
@@ -576,8 +576,7 @@ def schedule(kind: str, name: str, live: dict) -> list[int]:
 def _group_bytes(cfg: dict, heads: int, g: int, d: int) -> int:
     """One group's payload bytes (header left out) under the audit's own encoder of ``cfg``'s kind,
     the same for two unlike inputs (a live middle's size is set by its shape)."""
-    if calibrated_parts({"codec": {"k": cfg}}):  # a calibrated table is not in the payload
-        cfg = {**cfg, "levels": "nf"}
+    cfg = payload_config(cfg)  # a calibrated table is not in the payload
     sizes = set()
     for seed in (0, 1):
         x = (np.random.default_rng(seed).standard_normal((heads, 1, g, d)) * (1 + 9 * seed)).astype(np.float32)

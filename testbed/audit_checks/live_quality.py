@@ -85,7 +85,7 @@ from .live_evidence import check_evidence
 from .live_policies import (HEADER, SCORED_EXTRA, full_layers, low_count, model_dims, policy_bytes, policy_names,
                             policy_of, quanto_bytes, reference_bytes, schedule, scored_held, selective_sparse, spans)
 
-__all__ = ["check", "check_study", "check_grid", "views", "view_of", "segment_ids"]
+__all__ = ["check", "check_study", "check_grid", "check_selective", "views", "view_of", "segment_ids"]
 
 KL_FLOOR = -TOLERANCES["kl_floor"]["atol"]
 LOG_HALF = math.log(0.5)
@@ -348,8 +348,10 @@ def check(row: dict, ctx) -> None:
             ctx.equal(row, f"policy.{key}", cfg.get(key), pol.get(key))
         ctx.equal(row, "policy.name", cfg.get("name"), arm)
         if calibrated_parts(pol):  # the tables stored, the evidence layer's re-derived from its calibration input
-            dm = model_dims(live, row)
-            check_tables(row, ctx, pol, dm["layers"], dm["head_dim"], live.get("evidence_layer", 0))
+            rec = ctx.cached(("live_calibration", study), lambda: read_json(ctx, f"{study}/live_manifest.json")
+                             .get("calibration") or {})
+            windows = (len(rec["starts"]), rec["tokens"]) if isinstance(rec.get("starts"), list) else None
+            check_tables(row, ctx, pol, model_dims(live, row), live.get("evidence_layer", 0), windows)
         if pol.get("low"):
             ctx.close(row, "policy.low_share", cfg.get("low_share"), pol["low_share"])
         else:

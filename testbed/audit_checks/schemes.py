@@ -24,7 +24,8 @@ from .common import E8M0_BIAS, E8M0_NAN, FP16_MAX
 __all__ = ["unpack_bits", "pack_bits", "encode_int_grouped", "decode_int_grouped", "label_int_grouped",
            "MX_ELEMENTS", "decode_e8m0", "decode_mx_raw", "encode_mx", "decode_mx", "encode_mx_payload", "label_mx",
            "hadamard_signs", "hadamard_block", "hadamard_rotate", "encode_dense_sparse", "decode_dense_sparse",
-           "label_dense_sparse", "codebook_nf_levels", "codebook_table", "codebook_grouped", "encode_codebook", "decode_codebook",
+           "label_dense_sparse", "codebook_nf_levels", "codebook_table", "codebook_grouped",
+           "codebook_normalized", "encode_codebook", "decode_codebook",
            "label_codebook", "Scheme", "SCHEMES", "scheme", "decode_tensor", "encode_tensor", "quantizer_label",
            "encode_residual_window", "decode_residual_window", "payload_differences"]
 
@@ -472,6 +473,23 @@ def codebook_grouped(x: np.ndarray, cfg: dict) -> tuple[np.ndarray, int]:
     raise ValueError(f"unknown axis {axis!r}")
 
 
+def codebook_normalized(x: np.ndarray, cfg: dict) -> tuple:
+    """float32 ``x [..., N, D]`` as the codebook normalizes it, in its groups (:func:`codebook_grouped`):
+    ``(u, scale16, offset16, live, axis)``: ``u = (x - offset16) / scale16`` in float64 (a group of zero
+    scale divided by 1), the float16 scale and offset and ``live`` (scale > 0) with the group's member
+    axis kept (size 1), and that axis."""
+    grouped, red = codebook_grouped(x, cfg)
+    mn, mx = grouped.min(axis=red, keepdims=True), grouped.max(axis=red, keepdims=True)
+    with np.errstate(over="ignore"):
+        scale16 = ((mx - mn) * np.float32(0.5)).astype(np.float16)
+        offset16 = ((mx + mn) * np.float32(0.5) + np.float32(0.0)).astype(np.float16)
+    if np.any(np.isinf(scale16)) or np.any(np.isinf(offset16)):
+        raise ValueError("a group's range or midpoint exceeds float16")
+    s, z = scale16.astype(np.float32), offset16.astype(np.float32)
+    live = s > 0
+    return ((grouped - z) / np.where(live, s, np.float32(1.0))).astype(np.float64), scale16, offset16, live, red
+
+
 def encode_codebook(x: np.ndarray, cfg: dict) -> dict:
     """The audit's codebook encoder: float32 ``x [..., N, D]`` in KIVI's groups (as
     :func:`encode_int_grouped` forms them), per group in float32 ``offset = (max + min) * 0.5`` (+0 for
@@ -485,17 +503,8 @@ def encode_codebook(x: np.ndarray, cfg: dict) -> dict:
         raise ValueError("the codebook encoder's input holds a non-finite value")
     *lead, n, d = x.shape
     table = codebook_table(cfg, d)
-    grouped, red = codebook_grouped(x, cfg)
-    mn, mx = grouped.min(axis=red), grouped.max(axis=red)
-    with np.errstate(over="ignore"):
-        scale16 = ((mx - mn) * np.float32(0.5)).astype(np.float16)
-        offset16 = ((mx + mn) * np.float32(0.5) + np.float32(0.0)).astype(np.float16)
-    if np.any(np.isinf(scale16)) or np.any(np.isinf(offset16)):
-        raise ValueError("a group's range or midpoint exceeds float16")
-    s = np.expand_dims(scale16.astype(np.float32), red)
-    z = np.expand_dims(offset16.astype(np.float32), red)
-    live = s > 0
-    u = ((grouped - z) / np.where(live, s, np.float32(1.0))).astype(np.float64)
+    u, scale16, offset16, live, red = codebook_normalized(x, cfg)
+    scale16, offset16 = scale16.squeeze(red), offset16.squeeze(red)
     mids = (table[..., 1:] + table[..., :-1]) / 2.0
     codes = np.zeros(u.shape, dtype=np.int64)
     for k in range(mids.shape[-1]):  # a per-channel table's column k is a [D] row along the channel axis

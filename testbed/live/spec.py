@@ -140,6 +140,9 @@ def check_calibration(p: dict, where: str) -> None:
     if p.get("contexts"):
         raise ProtocolError(f"{where}.calibration: calibration windows are one prefill long; a study of several "
                             "contexts is not served")
+    if p.get("evidence_layer") is None:
+        raise ProtocolError(f"{where}.calibration: the audit re-derives the evidence layer's tables from its stored "
+                            "calibration input; give an evidence_layer")
 
 
 def check_model(p: dict, dims: dict, where: str) -> None:

@@ -60,6 +60,12 @@ def _with_levels(config: dict, levels) -> dict:
     return {**config, "levels": levels}
 
 
+def _payload_config(config: dict) -> dict:
+    """The config whose payloads a part stores: a calibrated codebook's with NF levels in place of its tables
+    (the same codes, scales and offsets, so the same bytes; the tables are not in the payload)."""
+    return _with_levels(config, "nf") if _is_calibrated(config) else dict(config)
+
+
 def _config_of(spec, where: str) -> dict:
     if isinstance(spec, Quantizer):
         return spec.config()
@@ -67,7 +73,7 @@ def _config_of(spec, where: str) -> dict:
         return get(spec).config()  # an unknown name raises, listing the registered ones
     if isinstance(spec, dict) and isinstance(spec.get("kind"), str):
         try:
-            q = from_config(_with_levels(spec, "nf") if _is_calibrated(spec) else dict(spec))
+            q = from_config(_payload_config(spec))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {spec!r} is not a quantizer config ({e})") from None
         return _with_levels(q.config(), CALIBRATED) if _is_calibrated(spec) else q.config()
@@ -83,7 +89,7 @@ def normalize(codec, where: str = "codec") -> dict:
     out = {part: _config_of(codec[part], f"{where}.{part}") for part in _PARTS}
     json.dumps(out, allow_nan=False)  # a row states it: it must be plain JSON
     for part in _PARTS:
-        q = from_config(_with_levels(out[part], "nf") if _is_calibrated(out[part]) else dict(out[part]))
+        q = from_config(_payload_config(out[part]))
         if getattr(q, "table_bytes", lambda: 0)():
             raise ValueError(f"{where}.{part}: a table given in the config would serve every layer; a live middle "
                              "takes \"nf\" levels or \"calibrated\" (one table per layer from the study's "
@@ -137,8 +143,7 @@ def ungrouped(y: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _group_bytes(config: str, heads: int, group: int, head_dim: int) -> int:
-    cfg = json.loads(config)
-    q = from_config(_with_levels(cfg, "nf") if _is_calibrated(cfg) else cfg)  # the table is not in the payload
+    q = from_config(_payload_config(json.loads(config)))
     sizes = set()
     for seed in (0, 1):
         gen = torch.Generator().manual_seed(seed)
