@@ -237,6 +237,25 @@ def tiny_live_run(tmp_path_factory, name: str, arms: list, **live) -> Path:
     return protocol_run(base, proto)
 
 
+def tiny_retrieval_run(tmp_path_factory, name: str, policies: list, **retrieval) -> Path:
+    """A small SmolLM2 retrieval run of ``policies`` (R = G = W = 16, the question after and inside the
+    prefill; ``retrieval`` sets the tasks, lengths, depths, trials, ...); skips when the model is not
+    installed. Returns the run folder."""
+    import pytest
+
+    from testbed.sources import models
+
+    try:
+        models.load_model()
+    except models.CaptureUnavailable as e:
+        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
+    proto = {"name": name, "kind": "retrieval", "description": "tiny", "default": False,
+             "retrieval": {"batch": 2, "window": 16, "group": 16, "evict_window": 16, "question": ["after", "inside"],
+                           "policies": policies, **retrieval},
+             "timing": {"repeats": 0, "seed": 0}}
+    return protocol_run(tmp_path_factory.mktemp(name), proto)
+
+
 def rows_by_arm(run: Path) -> dict:
     """A run's results.json rows by arm name."""
     import json

@@ -20,7 +20,7 @@ from testbed import retrieval, retrieval_study
 from testbed.audit import audit
 from testbed.protocol import ProtocolError
 from tests import _arrays
-from tests._helpers import forge_results, protocol_run
+from tests._helpers import forge_results, tiny_retrieval_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # SmolLM2-135M: layers, KV heads, head dim (written here from the model card, not imported)
@@ -141,22 +141,10 @@ ARMS = ["dynamic_cache", "float32", "knorm_pre_half", "stream_half"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from testbed.sources import models
-
-    try:
-        models.load_model()
-    except models.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
-    tmp = tmp_path_factory.mktemp("retrbudget")
-    proto = {"name": "rb", "kind": "retrieval", "description": "tiny", "default": False,
-             "retrieval": {"tasks": ["passkey"], "lengths": [256], "depths": [0.0, 1.0], "trials": 1, "batch": 2,
-                           "window": 16, "group": 16, "evict_window": 16, "question": ["after", "inside"],
-                           "budget_tolerance": 0.03,
-                           "policies": ["float32",
-                                        _declared("knorm_pre_half", {"kind": "knorm", "mode": "prefill"}, 0.5),
-                                        _declared("stream_half", {"kind": "sink_window", "sink": 4}, 0.5)]},
-             "timing": {"repeats": 0, "seed": 0}}
-    return protocol_run(tmp, proto)
+    return tiny_retrieval_run(tmp_path_factory, "rb", ["float32",
+                                                      _declared("knorm_pre_half", {"kind": "knorm", "mode": "prefill"}, 0.5),
+                                                      _declared("stream_half", {"kind": "sink_window", "sink": 4}, 0.5)],
+                              tasks=["passkey"], lengths=[256], depths=[0.0, 1.0], trials=1, budget_tolerance=0.03)
 
 
 def _res(run: Path) -> dict:

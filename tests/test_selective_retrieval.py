@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests import _arrays
-from tests._helpers import forge_array, protocol_run
+from tests._helpers import forge_array, tiny_retrieval_run
 
 SEL = {"kind": "knorm", "mode": "prefill", "keep": 64, "heads": "selective", "alloc_from": "prefill"}
 ARMS = [{"name": f"sel_{rule}", "selection": {**SEL, "alloc": rule}, "budget": {"fp16_fraction": 0.5}}
@@ -27,18 +27,8 @@ ARMS = [{"name": f"sel_{rule}", "selection": {**SEL, "alloc": rule}, "budget": {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from testbed.sources import models
-
-    try:
-        models.load_model()
-    except models.CaptureUnavailable as e:
-        pytest.skip(f"capture unavailable: {e}; install with: {models.INSTALL_HINT}")
-    proto = {"name": "selretr", "kind": "retrieval", "description": "tiny", "default": False,
-             "retrieval": {"tasks": ["passkey"], "lengths": [384], "depths": [0.5], "trials": 2, "batch": 2,
-                           "window": 16, "group": 16, "evict_window": 16, "question": ["after", "inside"],
-                           "budget_tolerance": 0.05, "policies": ARMS},
-             "timing": {"repeats": 0, "seed": 0}}
-    return protocol_run(tmp_path_factory.mktemp("selretr"), proto)
+    return tiny_retrieval_run(tmp_path_factory, "selretr", ARMS, tasks=["passkey"], lengths=[384], depths=[0.5],
+                              trials=2, budget_tolerance=0.05)
 
 
 def _rows(run: Path) -> list[dict]:
