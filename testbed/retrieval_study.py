@@ -308,14 +308,6 @@ def _new_cache(model, what, p: dict):
 PEER_GROUP = 64  # quanto's q_group_size (the live study's default)
 
 
-def _load(shared, cache) -> None:
-    """The shared prefill into an arm's cache; a selective selection then classes its pairs over the whole
-    model (``finish_prefill``), before any later token."""
-    shared.load_into(cache)
-    if hasattr(cache, "finish_prefill"):
-        cache.finish_prefill()
-
-
 def _classes(what, cache) -> dict | None:
     """A selective selection's per-pair arrays after teacher forcing, ``[B, L, H]`` each (as the live study
     stores them): ``select_sparse`` (uint8, 1 sparse), ``select_score`` (float64, the prefill's
@@ -378,7 +370,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
             t0 = time.perf_counter()
         else:
             cache = _new_cache(model, what, p)
-            _load(shared, cache)
+            shared.load_into(cache)
         from .policies.hook import policy_attention  # transformers: needed only once a model runs
 
         tf_schedule = arm_schedule(what, pre, fed.shape[1])
@@ -389,7 +381,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                 classes = _classes(what, cache)
                 del cache
                 cache2 = _new_cache(model, what, p)
-                _load(shared, cache2)
+                shared.load_into(cache2)
                 generated, q_forwards = _greedy_queries(model, kw, cache2, what, ids[:, P:], P, layout)
                 del cache2
             else:
@@ -400,7 +392,7 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, object, str]
                     logp = first if logp is None else torch.cat([first, logp], 1)
                 del cache
                 cache2 = _new_cache(model, what, p)
-                _load(shared, cache2)
+                shared.load_into(cache2)
                 generated = _greedy(model, kw, cache2, question, q_schedule, n_a, shared.last if inside else None)
                 del cache2
     seconds = time.perf_counter() - t0

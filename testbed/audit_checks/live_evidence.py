@@ -297,17 +297,19 @@ def _mixed_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> np.ndarr
     bits, score = ctx.load(arrays.get("alloc_bits")), ctx.load(arrays.get("alloc_score"))
     if not isinstance(layer, int) or not 0 <= layer < bits.shape[0]:
         raise ValueError(f"evidence layer {layer!r} is outside alloc_bits {list(bits.shape)}")
-    lb = a.get("alloc.bits")
-    ctx.numbers += 1
-    if lb is None or lb.dtype != np.uint8 or not np.array_equal(lb, bits[layer]):
-        ctx.fail(row, f"the evidence layer's alloc.bits are not alloc_bits[{layer}]")
-    stored_score = a.get("alloc.score")
-    ctx.numbers += 1
-    if stored_score is None or not np.array_equal(stored_score, score[layer]):
-        ctx.fail(row, f"the evidence layer's alloc.score is not alloc_score[{layer}]")
+    _layer_of(row, ctx, a, "alloc.bits", bits, "alloc_bits", layer)
+    _layer_of(row, ctx, a, "alloc.score", score, "alloc_score", layer)
     if pol["alloc"] in ("concentrated", "diffuse"):
         _check_concentration(row, ctx, pol, live, a, score, layer, "alloc_score", "allocation")
     return bits[layer]
+
+
+def _layer_of(row, ctx, a: dict, key: str, full: np.ndarray, name: str, layer: int) -> None:
+    """The evidence layer's ``key`` is the row's per-pair array ``name`` at the layer, dtype and values."""
+    got = a.get(key)
+    ctx.numbers += 1
+    if got is None or got.dtype != full.dtype or not np.array_equal(got, full[layer]):
+        ctx.fail(row, f"the evidence layer's {key} is not {name}[{layer}]")
 
 
 def _check_concentration(row, ctx, pol: dict, live: dict, a: dict, score, layer: int, name: str, what: str) -> None:
@@ -339,9 +341,6 @@ def _selective_score(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     score = ctx.load(row.get("arrays", {}).get("select_score"))
     if not isinstance(layer, int) or score.ndim != 2 or not 0 <= layer < score.shape[0]:
         raise ValueError(f"evidence layer {layer!r} is outside select_score {list(score.shape)}")
-    stored = a.get("select.score")
-    ctx.numbers += 1
-    if stored is None or not np.array_equal(stored, score[layer]):
-        ctx.fail(row, f"the evidence layer's select.score is not select_score[{layer}]")
+    _layer_of(row, ctx, a, "select.score", score, "select_score", layer)
     if pol["alloc"] in ("concentrated", "diffuse"):
         _check_concentration(row, ctx, pol, live, a, score, layer, "select_score", "selective rule")

@@ -36,6 +36,7 @@ import torch
 
 from ..policies.policy import Policy
 from ..schema import ProtocolError
+from .corpus import segment_stride
 
 __all__ = ["windows", "calibrate_tables", "tables_arrays", "window_record"]
 
@@ -43,7 +44,7 @@ __all__ = ["windows", "calibrate_tables", "tables_arrays", "window_record"]
 def windows(n_tokens: int, segments: int, length: int, prefill: int, count: int) -> list[int]:
     """Starts of the ``count`` calibration windows of ``prefill`` (the window's T) tokens (module docstring);
     ``ProtocolError`` when they would not fit between the scored segments."""
-    stride = n_tokens // segments
+    stride = segment_stride(n_tokens, segments)
     if stride < length + prefill:
         raise ProtocolError(f"live.calibration: the corpus has {n_tokens} tokens; {segments} segments of {length} "
                             f"tokens leave gaps of {stride - length}, and a calibration window needs {prefill} "

@@ -33,9 +33,14 @@ def corpus_text(corpus: dict, base: Path | None = None) -> tuple[str, dict]:
                   "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
 
 
+def segment_stride(n_tokens: int, segments: int) -> int:
+    """Tokens from one segment's start to the next's: the segments are evenly spaced over the stream."""
+    return n_tokens // segments
+
+
 def segment_starts(n_tokens: int, segments: int, length: int) -> list[int]:
     """Disjoint windows of ``length`` tokens, evenly spaced over ``n_tokens``."""
-    stride = n_tokens // segments
+    stride = segment_stride(n_tokens, segments)
     if stride < length:
         raise ProtocolError(f"the corpus has {n_tokens} tokens: {segments} disjoint segments of {length} tokens "
                             f"need {segments * length}")

@@ -54,10 +54,10 @@ def run_arm(model, kw, ids, p, cache, schedule, ref_logp, keep_logp=False, bytes
     with torch.no_grad():
         if prefill is None:
             forward(model, ids[:, :P], cache, kw, last_only=True)
-        elif prefill is not True:
-            prefill.load_into(cache)
-        if hasattr(cache, "finish_prefill"):  # a mixed policy allocates its bits over the whole model now
-            cache.finish_prefill()
+            if hasattr(cache, "finish_prefill"):  # a mixed policy allocates its bits over the whole model now
+                cache.finish_prefill()
+        elif prefill is not True:  # True: the reference's DynamicCache already holds it
+            prefill.load_into(cache)  # and finishes it
         nbytes.append(bytes_of(cache))
         context.append(P)
         pos = P

@@ -61,7 +61,8 @@ class SharedPrefill:
         """Give ``cache`` (any transformers cache, or a PolicyCache) the prefill through its own
         layers, as the model's prefill forward would (``update`` per layer; a policy layer whose
         sink is chosen from attention, or whose bits are, takes the recorded scores instead of an
-        attention call)."""
+        attention call); then a PolicyCache finishes its prefill (``finish_prefill``: a mixed policy
+        allocates its bits, a selective one classes its pairs, over the whole model) before any later token."""
         from ..policies.layers import PolicyLayer
         from ..policies.scored import ScoredLayer
 
@@ -106,6 +107,8 @@ class SharedPrefill:
                                        self.rope[i] if layer.pre_rope and self.rope is not None else None)
                 else:
                     cache.update(k, v, i)
+            if hasattr(cache, "finish_prefill"):
+                cache.finish_prefill()
 
 
 def shared_prefill(model, kw, ids: torch.Tensor, candidates: int | None = None,

@@ -265,9 +265,9 @@ def run_unit(proto: dict, unit: dict, ctx, ref=None) -> tuple[list, tuple | None
         if isinstance(what, Policy):
             row["policy"] = what.config()
         if isinstance(what, Policy) and what.calibrated:  # its tables; on the evidence row, what they came from
+            evidence_row = evidence_layer is not None and j == 0
             arrays.update({k: v for k, v in unit["calibration"]["arrays"].items()
-                           if not k.startswith("calibration.k") and not k.startswith("calibration.v")
-                           or (evidence_layer is not None and j == 0)})
+                           if evidence_row or k not in ("calibration.k", "calibration.v")})
         if isinstance(what, Policy) and what.mixed:  # the allocation: each pair's bits, from which scores
             arrays["alloc_bits"] = store.save(f"{prefix}/alloc_bits", cache.alloc_bits()[j].numpy())
             arrays["alloc_score"] = store.save(f"{prefix}/alloc_score", cache.alloc_score[j].numpy().astype(np.float64))
