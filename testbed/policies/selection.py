@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from ..metrics import effective_support
-from .causal import accumulated_attention, causal_softmax_blocks
+from .causal import accumulated_attention, causal_softmax_blocks, causal_softmax_rows
 from .handoff import OBSERVE_SECONDS, OBSERVER
 from .policy import Policy
 
@@ -49,10 +48,28 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
     pass's keys in order, a cache's history first); float32 scores, queries in blocks."""
     b, hq, t, d = query.shape
     hkv = key.shape[1]
+    support = torch.empty(b, hkv, hq // hkv, t, dtype=torch.float64, device=query.device)
+    work = (torch.empty(0, dtype=torch.float64, device=query.device), torch.empty(0, dtype=torch.bool, device=query.device))
+    for p, a, z in causal_softmax_rows(query, key, scale, torch.float32):
+        if work[0].numel() < p.numel():  # float64 and mask buffers as large as the largest slice, reused
+            work = (torch.empty(p.numel(), dtype=torch.float64, device=query.device),
+                    torch.empty(p.numel(), dtype=torch.bool, device=query.device))
+        support[..., a:z] = _effective_support(p, torch.arange(key.shape[2] - t + a, key.shape[2] - t + z,
+                                                                 device=query.device) + 1, work)
     acc = torch.zeros(b, hkv, dtype=torch.float64, device=query.device)
-    for p, qpos in causal_softmax_blocks(query, key, scale, block, torch.float32):
-        acc += effective_support(p, qpos + 1).sum(dim=(2, 3))
+    for a in range(0, t, block):  # summed per block of queries, as the rows came before
+        acc += support[..., a:a + block].contiguous().sum(dim=(2, 3))
     return acc if total else acc / (hq // hkv * t)
+
+
+def _effective_support(p: torch.Tensor, visible_keys: torch.Tensor, work: tuple) -> torch.Tensor:
+    """:func:`testbed.metrics.effective_support` of ``p``'s rows, the same numbers, its entropy's
+    float64 temporaries written into ``work`` (a float64 and a bool buffer of at least ``p.numel()``)."""
+    plogp = work[0][:p.numel()].view(p.shape).copy_(p)
+    zero = work[1][:p.numel()].view(p.shape)
+    torch.logical_not(plogp > 0, out=zero)
+    plogp.masked_fill_(zero, 1.0).log_().masked_fill_(zero, 0.0).mul_(p)
+    return torch.exp(-plogp.sum(dim=-1)) / visible_keys.to(torch.float64)
 
 
 def choose_heavy(index: torch.Tensor, score: torch.Tensor, count: int) -> torch.Tensor:
