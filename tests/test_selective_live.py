@@ -86,8 +86,8 @@ def test_bad_selective_declarations_are_refused():
         declared({"name": "x", "selection": {**sel, "sparse_share": 0.5}, "budget": {"fp16_fraction": 1.0}}, **kw)
     with pytest.raises(ValueError, match="alpha belongs to Ada-KV"):
         _sel(alpha=0.5)
-    with pytest.raises(ValueError, match="heads .selective."):
-        declared({"name": "x", "selection": sel, "storage": {"middle": "int4"}}, **kw)
+    with pytest.raises(ValueError, match="no store or rest"):  # a stored dense class is storage middle instead
+        declared({"name": "x", "selection": sel, "storage": {"rest": "int2"}}, **kw)
     with pytest.raises(ValueError, match="out of reach"):  # above a dense cache: no pair need be sparse
         declared({"name": "x", "selection": sel, "budget": {"fp16_fraction": 2.5}}, **kw)
 

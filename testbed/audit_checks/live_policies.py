@@ -27,7 +27,8 @@ from .schemes import encode_tensor, scheme
 
 __all__ = ["MODELS", "POLICY_TABLE", "MIXED", "HEAVY", "BUDGET_VERSUS", "HEADER", "SCORED_EXTRA", "ONE_FULL_LAYER",
            "budget_of", "versus_of", "declared_policy", "policy_names", "policy_of", "as_bytes", "pyramid",
-           "adaptive_safeguard", "selective_sparse", "selective_budget", "spans", "scored_held", "low_count",
+           "adaptive_safeguard", "selective_sparse", "selective_budget", "dense_policy", "dense_pair_bytes",
+           "spans", "scored_held", "low_count",
            "full_layers", "policy_bytes", "reference_bytes",
            "quanto_bytes", "model_dims", "middle_config", "packed_payload", "next_change", "schedule"]
 
@@ -141,11 +142,12 @@ def selective_sparse(pol: dict, pairs: int) -> int:
     return round(pol["sparse_share"] * pairs)
 
 
-def selective_budget(budget, keep: int, live: dict) -> tuple:
+def selective_budget(budget, keep: int, live: dict, dense: dict | None = None) -> tuple:
     """The audit's own statement of the selective rule's budget: the fewest sparse pairs m whose bytes at
-    the segment's end (every pair dense at 8 D bytes per token, a sparse one the prefill's top keep and
-    every later token at 8 D + 8, a class byte per pair, a header per layer) fit the budget, then the
-    largest keep (at most the prefill) at that m that still fits; returns (m / pairs, keep)."""
+    the segment's end (every pair dense at 8 D bytes per token, or what its ``dense`` storage holds for
+    one KV head, :func:`dense_pair_bytes`; a sparse one the prefill's top keep and every later token at
+    8 D + 8, a class byte per pair, a header per layer) fit the budget, then the largest keep (at most
+    the prefill) at that m that still fits; returns (m / pairs, keep)."""
     (kind, value), = as_bytes(budget, live).items()
     dims = MODELS.get(live.get("model"))
     if dims is None or dims.get("sliding_window") or kind not in ("bytes_per_token", "fp16_fraction"):
@@ -155,9 +157,10 @@ def selective_budget(budget, keep: int, live: dict) -> tuple:
     P, n = live["prefill"], live["prefill"] + live["steps"]
     target = value * n if kind == "bytes_per_token" else value * n * layers * 4 * h * d
     pairs = layers * h
+    per_dense = dense_pair_bytes(dense or {}, n, d)
 
     def cost(m: int, k: int) -> int:
-        return layers * HEADER + pairs + m * (min(P, k) + n - P) * (8 * d + SCORED_EXTRA) + (pairs - m) * n * 8 * d
+        return layers * HEADER + pairs + m * (min(P, k) + n - P) * (8 * d + SCORED_EXTRA) + (pairs - m) * per_dense
 
     m = next((m for m in range(pairs + 1) if cost(m, keep) <= target), pairs)
     k = max([x for x in range(keep, P + 1) if cost(m, x) <= target] or [keep])
@@ -193,6 +196,23 @@ def store_policy(pol: dict) -> dict:
     window ``store_window``, the selection's groups, fed the held tokens as its own sequence."""
     return {"middle": pol["store"], "sink": 0, "window": pol["store_window"], "group": pol["group"],
             "feature_group": pol["feature_group"], "key_axis": pol["key_axis"], "sink_select": "first"}
+
+
+def dense_policy(pol: dict) -> dict:
+    """A selective selection's stored dense class: a uniform policy of no sink, the middle ``dense``, the
+    float32 window ``dense_window``, the selection's groups, fed every token of a dense pair."""
+    return {"middle": pol["dense"], "sink": 0, "window": pol["dense_window"], "group": pol["group"],
+            "feature_group": pol["feature_group"], "key_axis": pol["key_axis"], "sink_select": "first"}
+
+
+def dense_pair_bytes(pol: dict, n: int, d: int) -> int:
+    """One dense (layer, KV head) pair of a selective selection after n tokens: every token's float32 K and
+    V, or (``dense`` set) its storage's float32 window and packed arrays for one KV head (no header)."""
+    if not pol.get("dense"):
+        return n * 8 * d
+    dp = dense_policy(pol)
+    _, p, f = spans(dp, n)
+    return f * 8 * d + _packed_bytes(dp, p, 1, d)
 
 
 def stored_layer_bytes(pol: dict, held: int, h: int, d: int) -> int:
@@ -305,7 +325,13 @@ def declared_policy(entry: dict, live: dict) -> dict:
         out = {"middle": "drop", "sink": 0, "window": s["window"] or 0, "group": group, "feature_group": t["feature_group"],
                "key_axis": t["key_axis"], "sink_select": "first", "scorer": s["kind"], "scorer_mode": s["mode"],
                "keep": keep, "seed": s["seed"], "_prefill": live.get("prefill")}
-        if t["middle"] != "float32":  # the kept set stored as a uniform storage stores a sequence of its length
+        if t["middle"] != "float32" and s["heads"] == "selective":  # the selective rule's dense pairs so stored
+            if t["middle"] not in ("int2", "int3", "int4", "int8", "mxfp8", "mxfp4"):
+                raise ValueError(f"declared policy {entry.get('name')!r}: dense pairs stored as {t['middle']!r} is not "
+                                 "one the audit knows (a quantized middle)")
+            out.update({"dense": t["middle"],
+                        "dense_window": live.get("window", 128) if t["window"] is None else t["window"]})
+        elif t["middle"] != "float32":  # the kept set stored as a uniform storage stores a sequence of its length
             if t["middle"] not in ("int2", "int3", "int4", "int8", "mxfp8", "mxfp4") or s["mode"] != "prefill":
                 raise ValueError(f"declared policy {entry.get('name')!r}: a kept set stored as {t['middle']!r} is not "
                                  "one the audit knows (a quantized middle, a prefill-mode selection)")
@@ -325,7 +351,8 @@ def declared_policy(entry: dict, live: dict) -> dict:
             out.update({"heads": "selective", "alloc": s["alloc"], "alloc_from": s["alloc_from"],
                         "sparse_share": float(s["sparse_share"])})
             if "budget" in entry:
-                out["sparse_share"], out["keep"] = selective_budget(entry["budget"], keep, live)
+                out["sparse_share"], out["keep"] = selective_budget(entry["budget"], keep, live,
+                                                                    out if out.get("dense") else None)
             return out
         if "budget" in entry:
             keep = _budget_keep(entry["budget"], s["mode"], live, beta=s["beta"] if up else None, w=w,
@@ -480,8 +507,8 @@ def policy_bytes(pol: dict, n: int, dims: dict, low_pairs: int | None = None, he
     if pol.get("heads") == "selective":  # sparse pairs: held tokens with index and score; dense: every token
         pairs = full * h
         m = selective_sparse(pol, pairs) if sparse is None else sparse
-        return (full * HEADER + pairs + m * scored_held(pol, n) * (8 * d + SCORED_EXTRA) + (pairs - m) * n * 8 * d
-                + sliding_bytes(n, dims))
+        return (full * HEADER + pairs + m * scored_held(pol, n) * (8 * d + SCORED_EXTRA)
+                + (pairs - m) * dense_pair_bytes(pol, n, d) + sliding_bytes(n, dims))
     if pol.get("scorer") and pol.get("layer_keep"):  # a pyramid: each layer its own count (no sliding layers)
         if len(pol["layer_keep"]) != full:
             raise ValueError(f"a pyramid of {len(pol['layer_keep'])} layers on a model of {full} full layers")

@@ -82,8 +82,9 @@ from .capture import read_json
 from .common import TOLERANCES
 from .calibration import calibrated_parts, check_tables, check_windows
 from .live_evidence import check_evidence
-from .live_policies import (HEADER, SCORED_EXTRA, full_layers, low_count, model_dims, policy_bytes, policy_names,
-                            policy_of, quanto_bytes, reference_bytes, schedule, scored_held, selective_sparse, spans)
+from .live_policies import (HEADER, SCORED_EXTRA, dense_pair_bytes, full_layers, low_count, model_dims, policy_bytes,
+                            policy_names, policy_of, quanto_bytes, reference_bytes, schedule, scored_held,
+                            selective_sparse, spans)
 
 __all__ = ["check", "check_study", "check_grid", "check_selective", "views", "view_of", "segment_ids"]
 
@@ -166,8 +167,10 @@ def check_selective(row, ctx, pol: dict, dims: dict, live: dict) -> tuple:
         ctx.fail(row, f"select_count: a sparse pair holds the prefill's top {pol['keep']} and every later token "
                       f"({scored_held(pol, n)}), a dense pair all {n}")
     d = dims["head_dim"]
-    last = (shape[0] * HEADER + sparse.size + int(count.astype(np.int64).sum()) * 8 * d
-            + int(count[sparse == 1].astype(np.int64).sum()) * SCORED_EXTRA)
+    on = sparse == 1
+    last = (shape[0] * HEADER + sparse.size + int(count[on].astype(np.int64).sum()) * (8 * d + SCORED_EXTRA)
+            + (int(count[~on].astype(np.int64).sum()) * 8 * d if not pol.get("dense")  # float32, or the storage's
+               else int((~on).sum()) * dense_pair_bytes(pol, n, d)))
     return int(sparse.sum()), last
 
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from .common import TOLERANCES
 from .live_policies import (ATTENTION_SCORERS, AUDIT_SCORERS, EA_FUTURE, EA_SINK, HEADER, KEPT_FIRST, ONE_FULL_LAYER,
-                            SCORED_EXTRA, SNAPKV_KERNEL, adaptive_safeguard, middle_config, model_dims, policy_bytes,
-                            rest_policy, scored_held, spans, store_policy)
+                            SCORED_EXTRA, SNAPKV_KERNEL, adaptive_safeguard, dense_policy, middle_config, model_dims,
+                            policy_bytes, rest_policy, scored_held, spans, store_policy)
 from .schemes import encode_tensor, payload_differences
 
 __all__ = ["scored_evidence", "rotate_half"]
@@ -197,6 +197,27 @@ def _stored_kept(row, ctx, pol: dict, a: dict, at: np.ndarray, k: np.ndarray, v:
     return sum(int(y.nbytes) for y in stored.values()) + int(a["kept.index"].nbytes) + int(a["kept.score"].nbytes)
 
 
+def _stored_dense(row, ctx, pol: dict, a: dict, k: np.ndarray, v: np.ndarray) -> int:
+    """A selective selection's stored dense class: every recorded token of the dense heads (``k``, ``v``
+    ``[dense heads, n, D]``, in head order) is the storage's sequence; its packed groups re-encoded with
+    the audit's encoders and its float32 window equal the stored ``dense.*`` arrays byte for byte (none
+    when the layer has no dense head). Returns their bytes."""
+    st = dense_policy(pol)
+    _, p, f = spans(st, k.shape[1])
+    want = {}
+    if k.shape[0]:
+        for name, label, x in (("k", "key", k), ("v", "value", v)):
+            want[f"dense.sink.{name}"], want[f"dense.float.{name}"] = x[:, :0], x[:, p:]
+            if p:
+                want.update({f"dense.{label}.{arr}": w for arr, w in encode_tensor(x[:, :p], middle_config(st, name)).items()
+                             if arr != "header"})
+    stored = {x: y for x, y in a.items() if x.startswith("dense.")}
+    ctx.numbers += len(want)
+    for line in payload_differences(stored, want, f"the recorded inputs of the {k.shape[0]} dense heads ({p} packed)"):
+        ctx.fail(row, line)
+    return sum(int(y.nbytes) for y in stored.values())
+
+
 def _adaptive_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None:
     """The evidence layer of an adaptive selection (``heads: "adaptive"``, Ada-KV, prefill mode):
     ``kept.count [H]`` the tokens each head holds, summing to H x the layer's held count, each at
@@ -271,7 +292,10 @@ def _selective_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None
     token (index 0..n-1); the arrays ``[H, max count]`` in Ada-KV's layout (each head's held tokens first,
     ascending, K/V the recorded inputs there; empty slots after them: index -1, zero K, V and score); the
     bytes from the counts (a header, a class byte per head, 8 D per held token, 8 more per token of a
-    sparse head); for a scorer the audit re-derives, each sparse head's kept prefill tokens its top keep."""
+    sparse head); for a scorer the audit re-derives, each sparse head's kept prefill tokens its top keep.
+    Dense pairs stored (``dense`` set): a dense head's float slots are zero, and its tokens are the
+    ``dense.*`` arrays, the recorded inputs of the dense heads re-encoded by the audit as the uniform
+    storage stores a sequence (:func:`_stored_dense`), their bytes in place of 8 D per token."""
     n, P = live["prefill"] + live["steps"], live["prefill"]
     idx, score, count, sp = a.get("kept.index"), a.get("kept.score"), a.get("kept.count"), a.get("kept.sparse")
     k, v = a.get("input.k"), a.get("input.v")
@@ -319,7 +343,10 @@ def _selective_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None
             ctx.fail(row, f"kept set: dense head {hh} does not hold every token")
             return
         for name, x, stored in (("k", k, fk), ("v", v, fv)):
-            if stored[hh, : count[hh]].tobytes() != x[hh, got.astype(np.int64)].tobytes():
+            if pol.get("dense") and sp[hh] == 0:  # a stored dense pair: its tokens are the dense.* arrays
+                if np.any(stored[hh] != 0):
+                    ctx.fail(row, f"float.{name}: stored dense head {hh} holds float32 K/V beside its dense.* arrays")
+            elif stored[hh, : count[hh]].tobytes() != x[hh, got.astype(np.int64)].tobytes():
                 ctx.fail(row, f"float.{name}: head {hh}'s kept K/V are not the recorded inputs at kept.index")
         if not np.all(np.isin(np.arange(P, n), got)):
             ctx.fail(row, "kept set: a prefill-mode selection keeps every token after the prefill")
@@ -327,13 +354,16 @@ def _selective_evidence(row, ctx, pol: dict, live: dict, a: dict, layer) -> None
             ctx.fail(row, f"kept set: the newest {w} tokens are always kept")
     extra = sorted(x for x in a if x not in ("float.k", "float.v", "kept.index", "kept.score", "kept.count",
                                              "kept.sparse", "select.score", "input.k", "input.v", "input.q", "prefill.q",
-                                             "rope.inv_freq", "oracle.q", "oracle.k"))
+                                             "rope.inv_freq", "oracle.q", "oracle.k")
+                   and not (pol.get("dense") and x.startswith("dense.")))
     if extra:
-        ctx.fail(row, f"a selective selection stores float K/V, indices, scores, per-head counts and classes only, "
-                      f"found {extra}")
+        ctx.fail(row, f"a selective selection stores float K/V, indices, scores, per-head counts and classes only "
+                      f"(and a stored dense class's dense.* arrays), found {extra}")
     d = k.shape[2]
-    ctx.close(row, "evidence layer bytes", HEADER + h + int(count.sum()) * 8 * d
-              + int(count[sp == 1].sum()) * SCORED_EXTRA,
+    on = sp == 1
+    dense = (int(count[~on].sum()) * 8 * d if not pol.get("dense")
+             else _stored_dense(row, ctx, pol, a, k[~on], v[~on]))
+    ctx.close(row, "evidence layer bytes", HEADER + h + int(count[on].sum()) * (8 * d + SCORED_EXTRA) + dense,
               policy_bytes(pol, n, {**model_dims(live, row), **ONE_FULL_LAYER}, sparse=int(sp.sum())))
     attention = pol["scorer"] in ATTENTION_SCORERS
     if pol["scorer"] not in AUDIT_SCORERS or (attention and pol["scorer"] == "h2o"):

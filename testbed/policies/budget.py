@@ -115,7 +115,7 @@ def budget_keep(budget, *, mode: str, prefill: int, steps: int, layers: int, kv_
 
 
 def selective_budget(budget, keep: int, *, prefill: int, steps: int, layers: int, kv_heads: int, head_dim: int,
-                     tolerance: float = 0.01, where: str = "budget") -> tuple[float, int]:
+                     tolerance: float = 0.01, where: str = "budget", dense: Policy | None = None) -> tuple[float, int]:
     """``(sparse_share, keep)`` of a selective selection (prefill mode) whose sparse pairs keep at least
     ``keep`` prefill tokens, within ``tolerance`` below ``budget`` (bytes per token or a fraction of
     float16's) at the segment's end (``n = prefill + steps`` tokens).
@@ -125,7 +125,9 @@ def selective_budget(budget, keep: int, *, prefill: int, steps: int, layers: int
     one ``h = min(keep, prefill) + steps`` tokens of 8 D + 8 (its index and score), and each pair has a
     class byte. In tokens alone (a budget f of a float32 cache's, a sparse pair keeping rho = h / n of
     its tokens) the share is s = (1 - f) / (1 - rho); here m is the fewest sparse pairs whose bytes fit,
-    ``m = ceil((pairs n 8D + layers header + pairs - B) / (n 8D - h (8D + 8)))``, and the slack left by
+    ``m = ceil((pairs n 8D + layers header + pairs - B) / (n 8D - h (8D + 8)))``. With ``dense`` (the
+    dense pairs' uniform storage, e.g. KIVI int4) a dense pair costs that storage's bytes for its n
+    tokens instead of n 8D (:func:`~testbed.policies.policy.dense_pair_bytes`). The slack left by
     rounding m up goes back to the sparse pairs: ``keep`` is raised to the largest count (at most the
     prefill) that still fits. ``sparse_share = m / pairs`` (``Policy.sparse_count`` rounds it back to m).
     ``ValueError`` when the budget is out of reach (below every pair sparse, at or above every pair
@@ -141,7 +143,7 @@ def selective_budget(budget, keep: int, *, prefill: int, steps: int, layers: int
     target = value * n if kind == "bytes_per_token" else value * n * layers * 2 * kv_heads * head_dim * 2
 
     def cost(m: int, k: int) -> int:
-        return selective_bytes(m, k, n, prefill, layers, kv_heads, head_dim)
+        return selective_bytes(m, k, n, prefill, layers, kv_heads, head_dim, dense)
 
     m = next((m for m in range(pairs + 1) if cost(m, keep) <= target), None)
     if m is None or m == 0:

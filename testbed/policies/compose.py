@@ -77,7 +77,9 @@ class Selection:
     the scorer's top ``keep``, the rest every token, the sparse pairs chosen at the prefill's end by
     ``alloc`` -- ``"concentrated"`` (the seed's rule), ``"diffuse"`` (reversed), ``"random"``
     (content-blind), ``"late"`` -- from ``alloc_from``, ``"prefill"`` or ``"oracle"``, the whole
-    segment's attention; with a ``budget``, ``sparse_share`` from it, :func:`selective_budget`).
+    segment's attention; with a ``budget``, ``sparse_share`` from it, :func:`selective_budget`; a
+    storage ``middle`` other than float32 stores the dense pairs so, its ``window`` R float32,
+    ``Policy.dense``).
     ``block``: B, a prefill-mode selection of one count keeps the top ``keep / B`` blocks of B
     consecutive prefill tokens by summed score, one int32 index and one float32 score per block of
     held tokens counted (0: per token; :func:`~testbed.policies.scorers.keep_blocks`)."""
@@ -153,7 +155,9 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
                          f"({', '.join(scorers.SCORERS)}) or 'file.py:Class', got {s.kind!r}")
     if s.kind not in SELECTIONS:  # a scored selection: the top-keep tokens, float32 or stored by a storage
         store = t.middle != "float32"  # the kept set stored as a uniform storage stores a sequence of its length
-        if store and (t.middle == "drop" or s.mode != "prefill" or s.layers != "uniform" or s.heads != "uniform"):
+        dense = store and s.heads == "selective"  # the selective rule's dense pairs stored so, its sparse ones float32
+        if store and not dense and (t.middle == "drop" or s.mode != "prefill" or s.layers != "uniform"
+                                    or s.heads != "uniform"):
             raise ValueError(f"policy {name}: a scored selection's kept tokens stored as {t.middle!r} need a quantized "
                              f"middle and a prefill-mode selection of one count at every layer and KV head (mode "
                              f"'prefill', layers and heads 'uniform'), got mode {s.mode!r}, layers {s.layers!r}, "
@@ -181,7 +185,8 @@ def compose(name: str, selection: Selection, storage: Storage, description: str 
         # the per-head schedule's own checks (prefill only, alpha on an adaptive arm) are Policy._check_heads'
         pol = Policy(name, "drop", 0, s.window, t.group, t.feature_group, t.key_axis, scorer=s.kind, scorer_mode=s.mode,
                      keep=s.keep, seed=s.seed, description=description,
-                     **({"store": t.middle, "store_window": t.window} if store else {}),
+                     **({"store": t.middle, "store_window": t.window} if store and not dense else {}),
+                     **({"dense": t.middle, "dense_window": t.window} if dense else {}),
                      **({"rest": t.rest} if t.rest is not None else {}),
                      **({"layers": s.layers, "beta": s.beta, "layer_keep": tuple(layer_keep)}
                         if s.layers != "uniform" else {}),
@@ -225,7 +230,8 @@ def decompose(policy: Policy) -> tuple[Selection, Storage]:
         return (Selection(p.scorer, window=p.window, keep=p.keep, mode=p.scorer_mode, seed=p.seed, layers=p.layers,
                           beta=p.beta, heads=p.heads, alpha=p.alpha, alloc=p.alloc, alloc_from=p.alloc_from,
                           sparse_share=p.sparse_share, block=p.block),
-                Storage(p.store or "float32", p.store_window, p.group, p.feature_group, p.key_axis, rest=p.rest))
+                Storage(p.store or p.dense or "float32", p.store_window if p.store else p.dense_window, p.group,
+                        p.feature_group, p.key_axis, rest=p.rest))
     if p.evicts:
         return (Selection("sink_window", p.sink, p.sink_select, p.window, p.heavy, p.heavy_rule),
                 Storage("float32", 0, p.group, p.feature_group, p.key_axis, key_rope=p.key_rope))
@@ -336,8 +342,12 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
                              "(keep) and derives sparse_share from the budget; give keep, not sparse_share")
         given = as_bytes(entry["budget"], budget, window=window, group=group, evict_window=evict_window,
                          where=f"{where} ({name}).budget")
+        dense = None  # the dense pairs' storage prices each of their tokens
+        if sto.get("middle", "float32") not in ("float32", "drop"):
+            dense = Policy(name + ".dense", sto["middle"], 0, sto["window"], sto["group"], sto.get("feature_group", 32),
+                           sto.get("key_axis", "channel"))
         sel["sparse_share"], sel["keep"] = selective_budget(given, sel["keep"], where=f"{where} ({name}).budget",
-                                                            **budget)
+                                                            dense=dense, **budget)
     elif "budget" in entry and sel.get("block"):
         raise ValueError(f"{where} ({name}): a block selection keeps whole blocks; give keep (a multiple of block), "
                          "and a per-token arm its bytes as a budget in bytes_per_token")

@@ -62,7 +62,8 @@ from . import codec as codec_of
 
 __all__ = ["Policy", "scored_held", "pyramid_keep", "LAYER_SCHEDULES", "LAYER_FIELDS", "HEAD_SCHEDULES",
            "HEAD_FIELDS", "ADA_ALPHA", "safeguard_count", "SELECT_FIELDS", "SELECT_CLASS_BYTES", "selective_bytes",
-           "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA", "STORE_SCHEMES", "STORE_FIELDS",
+           "dense_pair_bytes",
+           "SCORER_FIELDS", "SCORER_MODES", "SCORED_TOKEN_EXTRA", "STORE_SCHEMES", "STORE_FIELDS", "DENSE_FIELDS",
            "MIDDLE_SCHEMES", "SINK_SELECT", "KEY_ROPE", "ALLOC", "sink_candidates", "HEADER_BYTES",
            "scheme_bytes_per_token", "HEAVY_TOKEN_EXTRA"]
 
@@ -109,6 +110,9 @@ SCORED_TOKEN_EXTRA = 8
 # its float32 window R; groups of ``group``): in a row's policy config only when set
 STORE_SCHEMES = ("float32", "int2", "int3", "int4", "int8", "mxfp8", "mxfp4")
 STORE_FIELDS = ("store", "store_window")
+# a selective selection's dense pairs stored by a uniform storage (``dense``: its middle, one of the quantized
+# STORE_SCHEMES; ``dense_window``: its float32 window R) instead of float32: in a row's policy config only when set
+DENSE_FIELDS = ("dense", "dense_window")
 # which candidates a heavy-hitter policy keeps: the most attended (H2O's accumulated score), the
 # oldest (content-blind: a float32 sink of C tokens at the same bytes, the control), or the most
 # attended over the whole segment (the oracle: a float32 pass over the segment in advance, impossible
@@ -146,18 +150,29 @@ def scored_held(keep: int, mode: str, n: int, prefill: int) -> int:
     return min(prefill, keep) + max(0, n - prefill)
 
 
-def selective_bytes(sparse: int, keep: int, n: int, prefill: int, layers: int, heads: int, head_dim: int) -> int:
+def selective_bytes(sparse: int, keep: int, n: int, prefill: int, layers: int, heads: int, head_dim: int,
+                    dense: "Policy | None" = None) -> int:
     """Whole-cache bytes of a selective selection (one sequence) after ``n >= prefill`` tokens, ``sparse``
     of its ``layers x heads`` pairs sparse: per layer a header; per pair its class byte; per sparse pair
     its held tokens (the prefill's top ``keep`` and every later token, :func:`scored_held`) of float32 K
     and V with an int32 index and a float32 score each; per dense pair every token's float32 K and V
-    (no index: its positions are implied)."""
+    (no index: its positions are implied), or with ``dense`` (a uniform storage policy) what that
+    storage holds for one KV head after n tokens (:func:`dense_pair_bytes`)."""
     pairs = layers * heads
     if not 0 <= sparse <= pairs:
         raise ValueError(f"{sparse} sparse pairs of {pairs}")
     held = scored_held(keep, "prefill", n, prefill)
     return (layers * HEADER_BYTES + pairs * SELECT_CLASS_BYTES + sparse * held * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
-            + (pairs - sparse) * n * 2 * head_dim * 4)
+            + (pairs - sparse) * dense_pair_bytes(dense, n, head_dim))
+
+
+def dense_pair_bytes(dense: "Policy | None", n: int, head_dim: int) -> int:
+    """Bytes of one dense (layer, KV head) pair of a selective selection after ``n`` tokens: every token's
+    float32 K and V, or (``dense``, a uniform storage policy) that storage's bytes for one KV head's
+    ``n`` tokens, its header not counted (the layer's is)."""
+    if dense is None:
+        return n * 2 * head_dim * 4
+    return dense.layer_bytes(n, 1, head_dim) - HEADER_BYTES
 
 
 def pyramid_keep(keep: int, prefill: int, layers: int, beta: int, window: int = 0) -> tuple[int, ...]:
@@ -246,6 +261,8 @@ class Policy:
     store: str | None = None
     store_window: int = 0
     rest: str | None = None
+    dense: str | None = None
+    dense_window: int = 0
     sparse_share: float = 0.0
     codec: dict | None = field(default=None, hash=False)  # a dict: hashed by the other fields
     block: int = 0
@@ -266,8 +283,10 @@ class Policy:
         if self.scorer is not None:
             self._check_scored()
             return
-        if self.store is not None or self.store_window or self.rest is not None:
-            raise ValueError(f"policy {self.name}: store, store_window and rest belong to a scored selection (set scorer)")
+        if self.store is not None or self.store_window or self.rest is not None or self.dense is not None \
+                or self.dense_window:
+            raise ValueError(f"policy {self.name}: store, store_window, rest, dense and dense_window belong to a scored "
+                             "selection (set scorer)")
         if self.keep or self.seed or self.scorer_mode != "online" or self.layers != "uniform" or self.layer_keep \
                 or self.beta != 20 or self.heads != "uniform" or self.alpha != ADA_ALPHA or self.sparse_share or self.block:
             raise ValueError(f"policy {self.name}: keep, seed, scorer_mode, blocks and a per-layer or per-head schedule "
@@ -376,6 +395,18 @@ class Policy:
                              f"multiple of block ({b})")
 
     def _check_store(self) -> None:
+        if self.dense is None:
+            if self.dense_window:
+                raise ValueError(f"policy {self.name}: dense_window belongs to a stored dense class (set dense)")
+        else:
+            if self.heads != "selective" or self.dense not in STORE_SCHEMES[1:]:
+                raise ValueError(f"policy {self.name}: dense (how a selective selection's dense pairs are stored) must be "
+                                 f"one of {list(STORE_SCHEMES[1:])} on a selective selection (heads 'selective'), got "
+                                 f"{self.dense!r} with heads {self.heads!r}")
+            if not isinstance(self.dense_window, int) or isinstance(self.dense_window, bool) or self.dense_window < 0:
+                raise ValueError(f"policy {self.name}: dense_window must be a non-negative integer, got "
+                                 f"{self.dense_window!r}")
+            self.dense_policy()  # validates group, feature_group and key_axis
         if self.rest is not None:
             if self.rest not in STORE_SCHEMES[1:]:
                 raise ValueError(f"policy {self.name}: rest (how the tokens the selection does not keep are stored) must be "
@@ -403,6 +434,15 @@ class Policy:
         each (layer, KV head), in arrival order, as it would store a sequence of that length (its middle
         ``store``, the newest ``store_window`` float32, groups of ``group``)."""
         return Policy(self.name + ".store", self.store, 0, self.store_window, self.group, self.feature_group,
+                      self.key_axis)
+
+    def dense_policy(self) -> "Policy | None":
+        """A selective selection's dense pairs' storage (``dense`` set; None: float32): the uniform policy
+        that stores every token of each dense (layer, KV head) pair as a sequence (its middle ``dense``, the
+        newest ``dense_window`` float32, groups of ``group``, no sink)."""
+        if self.dense is None:
+            return None
+        return Policy(self.name + ".dense", self.dense, 0, self.dense_window, self.group, self.feature_group,
                       self.key_axis)
 
     def rest_policy(self) -> "Policy":
@@ -625,6 +665,9 @@ class Policy:
                 del out[key]
         if self.rest is None:  # the rest dropped: rows read as they did before a quantized rest existed
             del out["rest"]
+        if self.dense is None:  # float32 dense pairs: rows read as they did before stored dense pairs existed
+            for key in DENSE_FIELDS:
+                del out[key]
         if self.codec is None:  # a built-in middle: rows read as they did before codec middles existed
             del out["codec"]
         if not self.block:  # per-token indices: rows read as they did before blocks existed
@@ -728,7 +771,8 @@ class Policy:
         if self.selective:
             if prefill is None:
                 raise ValueError(f"policy {self.name}: a scored selection's bytes depend on the prefill length")
-            return selective_bytes(self.sparse_count(layers * heads), self.keep, n, prefill, layers, heads, head_dim)
+            return selective_bytes(self.sparse_count(layers * heads), self.keep, n, prefill, layers, heads, head_dim,
+                                   self.dense_policy())
         if self.per_layer:
             if layers != len(self.layer_keep):
                 raise ValueError(f"policy {self.name}: its per-layer schedule has {len(self.layer_keep)} layers, not "

@@ -57,7 +57,12 @@ token's float32 K and V, an int32 index and a float32 score per held token of a 
 (:func:`~testbed.policies.policy.selective_bytes`). The prefill's concentration per KV head
 (:func:`~testbed.policies.selection.concentration`), which the rule reads, comes from the shared
 prefill (:meth:`ScoredLayer.load_prefill`'s ``concentration``) or from the prefill's own attention
-call (:meth:`ScoredLayer.observe_prefill`).
+call (:meth:`ScoredLayer.observe_prefill`). With ``Policy.dense`` the dense pairs are stored
+quantized: from the cut on, every token of the layer's KV heads goes through one uniform storage
+layer of :meth:`~testbed.policies.policy.Policy.dense_policy` (no sink, the float32 window
+``dense_window``), a dense pair attends its tokens decoded from it, and the layer counts the
+storage's bytes times the dense pairs' share (a storage's bytes are the same for every head) in
+place of their float32 K and V (:func:`~testbed.policies.policy.dense_pair_bytes`).
 """
 
 from __future__ import annotations
@@ -90,8 +95,8 @@ class ScoredLayer(DynamicLayer):
         super().__init__()
         # storage(policy): the uniform storage layer (testbed.policies.layers.PolicyLayer, handed in: cache
         # imports this module) that stores a kept set (policy.store) or the rest (policy.rest)
-        if (policy.store is not None or policy.rest is not None) and storage is None:
-            raise ValueError(f"policy {policy.name}: a stored kept set or rest needs its storage layer class")
+        if (policy.store is not None or policy.rest is not None or policy.dense is not None) and storage is None:
+            raise ValueError(f"policy {policy.name}: a stored kept set, rest or dense class needs its storage layer class")
         self.storage = storage
         # select_hook(layer): the attention call that follows reports its queries (observe_prefill) to a
         # scorer of attention, which decides then
@@ -131,6 +136,10 @@ class ScoredLayer(DynamicLayer):
         self.sparse = None
         self.class_score = None
         self.input_q = None  # a recording selective layer's prefill queries (batch row 0), when the rule read them
+        # a selective selection's stored dense class (policy.dense): every token of every KV head fed to this
+        # uniform storage from the cut on; a dense pair attends its own tokens decoded from it, and only the dense
+        # pairs' share of its bytes is counted (a storage's bytes are the same for every head)
+        self.dense_store = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -193,6 +202,13 @@ class ScoredLayer(DynamicLayer):
             keys = torch.cat([self.kept_k, k_new], dim=-2)
             values = torch.cat([self.kept_v, v_new], dim=-2)
         out = keys.to(key_states.dtype), values.to(value_states.dtype)  # what this call's queries attend
+        if self.dense_store is not None:  # a stored dense pair attends its tokens decoded from the storage
+            dk, dv = self.dense_store.update(k_new, v_new)
+            if dk.shape != keys.shape:
+                raise RuntimeError(f"layer {self.layer_idx}: the dense storage holds {list(dk.shape)}, the layout "
+                                   f"{list(keys.shape)}")
+            on = ~self.sparse[:, :, None, None]
+            out = (torch.where(on, dk, keys).to(key_states.dtype), torch.where(on, dv, values).to(value_states.dtype))
         index = torch.cat([self.kept_index, positions.expand(b, h, t)], dim=-1)
         scores = torch.cat([self.kept_score, score], dim=-1)
         first = self.seen == 0
@@ -282,6 +298,9 @@ class ScoredLayer(DynamicLayer):
         self.sparse = sparse
         self._store_masked(keys, values, index, scores, torch.where(sparse[..., None], top, torch.ones_like(top)),
                            always_masked=True)
+        if self.policy.dense is not None and not bool(sparse.all()):  # the dense pairs' tokens, stored
+            self.dense_store = self.storage(self.policy.dense_policy())
+            self.dense_store.update(keys, values)
 
     def _store_masked(self, keys, values, index, scores, kept: torch.Tensor, always_masked: bool = False) -> None:
         """Each head's ``kept [B, H, n]`` tokens in the dense masked layout (the module's docstring)."""
@@ -417,9 +436,17 @@ class ScoredLayer(DynamicLayer):
             return 0
         if self.uncut is not None:
             raise RuntimeError(f"layer {self.layer_idx}: the selective rule's prefill waits for its classes")
-        if self.sparse is not None:  # every held token's K/V; a sparse pair's index and score; a class byte per pair
+        if self.sparse is not None:  # a sparse pair's K/V, index and score; a dense pair's K/V; a class byte per pair
             per = self.kept_valid.sum(dim=-1)  # [B, H]
-            return (int(per.sum()) * 2 * self.kept_k.shape[-1] * 4 + int(per[self.sparse].sum()) * SCORED_TOKEN_EXTRA
+            d8 = 2 * self.kept_k.shape[-1] * 4
+            dense = int(per[~self.sparse].sum()) * d8
+            if self.dense_store is not None:  # the storage's bytes (its header not counted), the dense pairs' share
+                total, pairs = self.dense_store.batch_bytes(), self.sparse.numel()
+                if total % pairs:
+                    raise RuntimeError(f"layer {self.layer_idx}: the dense storage's {total} bytes do not split over "
+                                       f"{pairs} (sequence, KV head) pairs")
+                dense = total // pairs * int((~self.sparse).sum())
+            return (int(per[self.sparse].sum()) * (d8 + SCORED_TOKEN_EXTRA) + dense
                     + self.sparse.numel() * SELECT_CLASS_BYTES)
         if self.stored is not None:  # the storage's arrays (its header not counted), indices as int32, scores
             return (self.stored.batch_bytes() + self.kept_score.numel() * self.kept_score.element_size()
@@ -476,6 +503,12 @@ class ScoredLayer(DynamicLayer):
             if self.policy.selective:
                 out["kept.sparse"] = self.sparse[0].to(torch.uint8)
                 out["select.score"] = self.class_score[0]
+            if self.dense_store is not None:  # a stored dense pair's tokens are its dense.* arrays, not float32
+                dense = torch.nonzero(~self.sparse[0]).flatten()
+                for key in ("float.k", "float.v"):
+                    out[key] = out[key].clone()
+                    out[key][dense] = 0
+                out.update({"dense." + k: v[dense.to(v.device)] for k, v in self.dense_store.evidence().items()})
         elif self.stored is not None:  # the storage's arrays (sink.*, key.*, value.*, float.*), indices, scores
             out = {**self.stored.evidence(), "kept.index": self.kept_index[0].to(torch.int32),
                    "kept.score": self.kept_score[0]}

@@ -283,6 +283,7 @@ def policy_family(row) -> str | None:
         how += [f"rest {pol['rest']}"] if pol.get("rest") else []  # the dropped tokens kept at low precision (MiKV)
         if pol.get("heads") == "selective":  # the seed's rule: which pairs are sparse, from what
             how += [f"selective {pol.get('alloc')}" + (" oracle" if pol.get("alloc_from") == "oracle" else "")]
+            how += [f"dense {pol['dense']}"] if pol.get("dense") else []  # the dense pairs stored quantized
         how += [f"blocks of {pol['block']}"] if pol.get("block") else []  # structured blocks: one index per block
         return f"{pol['scorer']} ({', '.join(how)})"
     return "streaming" if pol["middle"] == "drop" else "quantization"
