@@ -2,7 +2,9 @@
 selection: ``Policy.dense``; issue 45's int4 variant).
 
 - inside a tiny random Llama: every pair dense at int4 is uniform KIVI int4 (no sink, the same window
-  and groups) to float32 rounding, and its bytes are KIVI's plus one class byte per pair; at share 1/2
+  and groups) to float32 rounding, and its bytes are KIVI's plus one class byte per pair; the decode
+  cut at the dense storage's flushes (``next_change``) is one token per forward; a sequence with no
+  dense pair at the evidence layer stores no dense payload while another sequence's is stored; at share 1/2
   the bytes after every forward are the closed form stated here, a dense pair's share read off a
   uniform int4 cache run beside it; the dense pairs attend their tokens decoded (the log-probs move
   from the float32-dense rule's);
@@ -40,6 +42,64 @@ def test_every_pair_dense_at_int4_is_uniform_kivi_int4():
     assert [a - b for a, b in zip(nbytes, ref_bytes)] == [4 * 2] * len(nbytes)  # one class byte per pair
     flat, _, _ = _run(model, _sel(share=0.0), ids, P, step=True)  # float32 dense pairs: not the same numbers
     assert not torch.allclose(lp, flat, atol=1e-3, rtol=0)
+
+
+def _chunked(model, pol, ids, prefill):
+    """Log-probs through ``pol``'s cache with the decode cut where the live study cuts it: each forward as
+    many tokens as ``Policy.next_change`` allows (the append that flushes a group ends a forward)."""
+    from testbed.policies.cache import PolicyCache
+    from testbed.policies.hook import policy_attention
+
+    cache = PolicyCache.for_model(pol, model.config)
+    out, n, forwards = [], prefill, 0
+    with torch.no_grad(), policy_attention(model):
+        out.append(model(input_ids=ids[:, :prefill], cache=cache, use_cache=True).logits[:, -1:])
+        cache.finish_prefill()
+        while n < ids.shape[1]:
+            c = int(min(pol.next_change(n), ids.shape[1] - n))
+            out.append(model(input_ids=ids[:, n:n + c], cache=cache, use_cache=True).logits)
+            n, forwards = n + c, forwards + 1
+    return torch.log_softmax(torch.cat(out, 1), -1), forwards
+
+
+def test_a_chunk_cut_at_the_dense_storages_flushes_is_one_token_per_forward():
+    # 30 decode tokens after a 48-token prefill, R 8, G 16: the dense storage flushes at 56, 72 and 88 tokens
+    model = _llama()
+    P, T = 48, 30
+    ids = _ids(5, P, T)
+    for share in (0.0, 0.5):
+        pol = _sel(keep=7, share=share, dense="int4", dense_window=8, group=16)
+        chunked, forwards = _chunked(model, pol, ids, P)
+        step, _, _ = _run(model, pol, ids, P, step=True)
+        assert forwards == 3  # 48 -> 56 -> 72 -> 78 (the last forward ends the segment): cut at every flush
+        assert torch.allclose(chunked, step, atol=1e-5, rtol=0), share
+    kivi, _, _ = _run(model, Policy("kivi", "int4", 0, 8, 16), ids, P, step=True)
+    assert torch.allclose(_chunked(model, _sel(share=0.0, dense="int4", dense_window=8, group=16), ids, P)[0], kivi,
+                          atol=1e-5, rtol=0)
+    # one chunk for all 30 tokens attends tokens a flush would have packed as float32: not the same numbers
+    whole, _, _ = _run(model, _sel(share=0.0, dense="int4", dense_window=8, group=16), ids, P)
+    assert not torch.allclose(whole, kivi, atol=1e-4, rtol=0)
+
+
+def test_a_sequence_without_a_dense_pair_at_the_evidence_layer_stores_no_dense_payload():
+    # a batch of 4: find a layer where row 0 has every pair sparse and another row a dense one
+    model = _llama()
+    P, T = 48, 3
+    pol = _sel(keep=7, share=0.5, dense="int4", dense_window=8, group=16)
+    found = 0
+    for seed in range(8):
+        _, cache, _ = _run(model, pol, _ids(seed, P, T, b=4), P)
+        sparse = cache.sel_sparse  # [B, L, H]
+        for layer in range(sparse.shape[1]):
+            if bool(sparse[0, layer].all()) and not bool(sparse[1:, layer].all()):
+                assert cache.layers[layer].dense_store is not None  # another sequence's dense pair is stored
+                ev = cache.layers[layer].evidence()
+                assert not [k for k in ev if k.startswith("dense.")], "row 0 has no dense pair at this layer"
+                found += 1
+            elif not bool(sparse[0, layer].all()):
+                ev = cache.layers[layer].evidence()
+                assert ev["dense.key.codes"].shape[0] == int((~sparse[0, layer]).sum())
+    assert found, "no layer of these batches has row 0 all sparse beside a dense pair elsewhere"
 
 
 def test_half_the_pairs_sparse_with_int4_dense_pairs_costs_the_closed_form():
@@ -100,17 +160,29 @@ def test_a_declared_dense_storage_and_its_budget():
         _sel(dense="int4", dense_window=-1)
     with pytest.raises(ValueError, match="belong to a scored selection"):
         Policy("x", "int4", 0, 8, 16, dense="int4")
+    # int2 dense pairs at 2k cost less than a sparse pair keeping 128 and the 256 decode tokens float32:
+    # no share of sparse pairs saves anything, and both sides say so
+    from testbed.audit_checks.live_policies import selective_budget as audit_budget
+
+    cheap = {**entry, "storage": {"middle": "int2"}}
+    with pytest.raises(ValueError, match="making pairs sparse saves nothing"):
+        declared(cheap, window=128, group=32, evict_window=256, budget=budget)
+    with pytest.raises(ValueError, match="cannot meet a budget by making pairs sparse"):
+        declared_policy(cheap, live)
+    with pytest.raises(ValueError, match="cannot meet a budget by making pairs sparse"):
+        audit_budget({"fp16_fraction": 0.3}, 128, live, {**mine, "dense": "int2"})
 
 
-ARMS = [{"name": n, "selection": {"kind": "knorm", "mode": "prefill", "keep": 20, "heads": "selective", "alloc": a},
-         "storage": {"middle": "int4"}, "budget": {"fp16_fraction": 0.45}}
+ARMS = [{"name": n, "selection": {"kind": "knorm", "mode": "prefill", "keep": 8, "heads": "selective", "alloc": a},
+         "storage": {"middle": "int4"}, "budget": {"fp16_fraction": 0.51}}
         for n, a in (("dense_conc", "concentrated"), ("dense_rand", "random"))]
 
 
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory):
     # evidence at layer 4, where the rule makes some pairs sparse and some dense
-    return tiny_live_run(tmp_path_factory, "selective_dense_tiny", ARMS, prefill=160, steps=16, budget_tolerance=0.1,
+    # 40 steps: the dense storage (R 16, G 16) flushes at 176 and 192 tokens, so the decode is cut there
+    return tiny_live_run(tmp_path_factory, "selective_dense_tiny", ARMS, prefill=160, steps=40, budget_tolerance=0.1,
                          evidence_layer=4)
 
 

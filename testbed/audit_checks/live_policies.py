@@ -162,6 +162,10 @@ def selective_budget(budget, keep: int, live: dict, dense: dict | None = None) -
     def cost(m: int, k: int) -> int:
         return layers * HEADER + pairs + m * (min(P, k) + n - P) * (8 * d + SCORED_EXTRA) + (pairs - m) * per_dense
 
+    if (min(P, keep) + n - P) * (8 * d + SCORED_EXTRA) >= per_dense:
+        raise ValueError(f"a selective rule whose sparse pair ({(min(P, keep) + n - P) * (8 * d + SCORED_EXTRA)} bytes at "
+                         f"keep {keep}) costs no less than a dense one ({per_dense}) cannot meet a budget by making pairs "
+                         "sparse")
     m = next((m for m in range(pairs + 1) if cost(m, keep) <= target), pairs)
     k = max([x for x in range(keep, P + 1) if cost(m, x) <= target] or [keep])
     return m / pairs, k
@@ -574,6 +578,8 @@ def next_change(pol: dict, n: int):
         return math.inf
     if pol.get("store"):  # a stored kept set flushes at held counts the prefill sets: one token per forward
         return 1
+    if pol.get("dense"):  # a selective selection's dense storage holds every token: a uniform cache's flushes
+        return next_change(dense_policy(pol), n)
     if pol.get("scorer"):  # online: the append that first holds more than keep evicts after its attention
         return math.inf if pol["scorer_mode"] == "prefill" else max(1, pol["keep"] + 1 - n)
     if pol["middle"] == "drop":  # the cache masks what each token of a chunk would have evicted

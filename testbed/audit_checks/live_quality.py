@@ -136,8 +136,8 @@ def check_selective(row, ctx, pol: dict, dims: dict, live: dict) -> tuple:
     of ``round(sparse_share x pairs)`` pairs from ``select_score`` (float64, the concentration; zero for a
     content-blind rule), ``select_count`` (int32) what each pair holds at the end (a sparse pair the
     prefill's top keep and every later token, a dense pair every token). Returns (sparse pairs, the last
-    bytes re-derived from the counts: a header per layer, a class byte per pair, 8 D per held token,
-    8 more per held token of a sparse pair)."""
+    bytes re-derived from the counts: a header per layer, a class byte per pair, 8 D + 8 per held token
+    of a sparse pair, 8 D per token of a dense pair or, stored, its storage's bytes for n tokens)."""
     arrays = row.get("arrays", {})
     sparse, score = ctx.load(arrays.get("select_sparse")), ctx.load(arrays.get("select_score"))
     count = ctx.load(arrays.get("select_count"))

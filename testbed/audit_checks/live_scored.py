@@ -159,15 +159,8 @@ def _rest_evidence(row, ctx, pol: dict, live: dict, a: dict, idx: np.ndarray, k:
     if not np.all(out.sum(axis=1) == m):
         ctx.fail(row, "kept.index: the heads keep different counts of the prefill")
         return 0
-    rp = rest_policy(pol)
-    _, p, f = spans(rp, m)
-    want = {}
-    for name, label, x in (("k", "key", k), ("v", "value", v)):
-        seq = x[:, :P][out].reshape(h, m, x.shape[2])
-        want[f"rest.sink.{name}"], want[f"rest.float.{name}"] = seq[:, :0], seq[:, p:]
-        if p:
-            want.update({f"rest.{label}.{arr}": w for arr, w in encode_tensor(seq[:, :p], middle_config(rp, name)).items()
-                         if arr != "header"})
+    seq_k, seq_v = (x[:, :P][out].reshape(h, m, x.shape[2]) for x in (k, v))
+    want = _sequence_payload(rest_policy(pol), seq_k, seq_v, "rest.")
     stored = {x: y for x, y in a.items() if x.startswith("rest.")}
     ctx.numbers += len(want)
     for line in payload_differences(stored, want, f"the recorded prefill inputs not kept ({m} per head)"):
@@ -175,20 +168,27 @@ def _rest_evidence(row, ctx, pol: dict, live: dict, a: dict, idx: np.ndarray, k:
     return sum(int(y.nbytes) for y in stored.values())
 
 
+def _sequence_payload(st: dict, k: np.ndarray, v: np.ndarray, prefix: str = "") -> dict:
+    """The arrays a uniform storage ``st`` of no sink holds (header left out) after it was fed the
+    sequence ``k``, ``v`` ``[H, m, D]``: its whole groups encoded by the audit's own encoders, the rest
+    float32, each named ``prefix`` + the storage's own name (``key.codes``, ``float.k``, ...)."""
+    _, p, _ = spans(st, k.shape[1])
+    want = {}
+    for name, label, x in (("k", "key", k), ("v", "value", v)):
+        want[f"{prefix}sink.{name}"], want[f"{prefix}float.{name}"] = x[:, :0], x[:, p:]
+        if p:
+            want.update({f"{prefix}{label}.{arr}": w for arr, w in encode_tensor(x[:, :p], middle_config(st, name)).items()
+                         if arr != "header"})
+    return want
+
+
 def _stored_kept(row, ctx, pol: dict, a: dict, at: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
     """A kept set stored by its storage: the recorded inputs at ``kept.index`` (``at``), in order, form the
     storage's sequence; its packed tokens re-encoded with the audit's encoders and its float32 window
     equal the stored arrays byte for byte, and no other array is stored. Returns the stored bytes."""
     st = store_policy(pol)
-    held = at.shape[1]
-    _, p, f = spans(st, held)
-    want = {}
-    for name, label, x in (("k", "key", k), ("v", "value", v)):
-        seq = np.take_along_axis(x, at, axis=1)
-        want[f"sink.{name}"], want[f"float.{name}"] = seq[:, :0], seq[:, p:]
-        if p:
-            want.update({f"{label}.{arr}": w for arr, w in encode_tensor(seq[:, :p], middle_config(st, name)).items()
-                         if arr != "header"})
+    _, p, _ = spans(st, at.shape[1])
+    want = _sequence_payload(st, np.take_along_axis(k, at, axis=1), np.take_along_axis(v, at, axis=1))
     stored = {x: y for x, y in a.items() if not x.startswith(("input.", "rest.") if pol.get("rest") else "input.")
               and x not in ("kept.index", "kept.score", "prefill.q", "rope.inv_freq")}
     ctx.numbers += len(want)
@@ -203,14 +203,8 @@ def _stored_dense(row, ctx, pol: dict, a: dict, k: np.ndarray, v: np.ndarray) ->
     the audit's encoders and its float32 window equal the stored ``dense.*`` arrays byte for byte (none
     when the layer has no dense head). Returns their bytes."""
     st = dense_policy(pol)
-    _, p, f = spans(st, k.shape[1])
-    want = {}
-    if k.shape[0]:
-        for name, label, x in (("k", "key", k), ("v", "value", v)):
-            want[f"dense.sink.{name}"], want[f"dense.float.{name}"] = x[:, :0], x[:, p:]
-            if p:
-                want.update({f"dense.{label}.{arr}": w for arr, w in encode_tensor(x[:, :p], middle_config(st, name)).items()
-                             if arr != "header"})
+    _, p, _ = spans(st, k.shape[1])
+    want = _sequence_payload(st, k, v, "dense.") if k.shape[0] else {}
     stored = {x: y for x, y in a.items() if x.startswith("dense.")}
     ctx.numbers += len(want)
     for line in payload_differences(stored, want, f"the recorded inputs of the {k.shape[0]} dense heads ({p} packed)"):

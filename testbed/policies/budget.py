@@ -14,7 +14,8 @@ kept tokens, or ``{"as": preset}``) turned into what a selection keeps.
 
 from __future__ import annotations
 
-from .policy import HEADER_BYTES, SCORED_TOKEN_EXTRA, Policy, pyramid_keep, scored_held, selective_bytes
+from .policy import (HEADER_BYTES, SCORED_TOKEN_EXTRA, Policy, dense_pair_bytes, pyramid_keep, scored_held,
+                     selective_bytes)
 from .presets import preset
 
 __all__ = ["BUDGET_KINDS", "as_bytes", "scored_bytes", "budget_keep", "selective_budget", "stored_bytes"]
@@ -145,6 +146,12 @@ def selective_budget(budget, keep: int, *, prefill: int, steps: int, layers: int
     def cost(m: int, k: int) -> int:
         return selective_bytes(m, k, n, prefill, layers, kv_heads, head_dim, dense)
 
+    sparse_pair = scored_held(keep, "prefill", n, prefill) * (2 * head_dim * 4 + SCORED_TOKEN_EXTRA)
+    dense_pair = dense_pair_bytes(dense, n, head_dim)
+    if sparse_pair >= dense_pair:
+        raise ValueError(f"{where}: at keep {keep} a sparse pair costs {sparse_pair:,} bytes at {n} tokens, a dense pair "
+                         f"{dense_pair:,}: making pairs sparse saves nothing, so no share of sparse pairs meets a budget "
+                         "(give a smaller keep, or store the dense pairs wider)")
     m = next((m for m in range(pairs + 1) if cost(m, keep) <= target), None)
     if m is None or m == 0:
         fp16 = layers * 2 * kv_heads * head_dim * 2

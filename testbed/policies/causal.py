@@ -14,9 +14,10 @@ import torch
 
 __all__ = ["accumulated_attention", "last_queries_attention", "causal_softmax_blocks", "causal_softmax_rows"]
 
-# The temporaries of one slice of rows stay under this many bytes: the C allocator serves a block this
-# small from its heap again and again, where a larger one is mapped fresh each time and its pages
-# zeroed by the kernel (at 8k tokens that page-zeroing was two thirds of a concentration pass).
+# A slice of causal_softmax_rows holds at most this many bytes of scores (its probabilities as many, the
+# concentration's float64 copy twice as many), in buffers allocated once per pass and reused slice after slice:
+# fresh large temporaries per block were mapped anew and their pages zeroed by the kernel every time (at 8k
+# tokens that page-zeroing was two thirds of a concentration pass).
 ROWS_BYTES = 8 << 20
 
 

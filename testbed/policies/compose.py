@@ -344,8 +344,7 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
                          where=f"{where} ({name}).budget")
         dense = None  # the dense pairs' storage prices each of their tokens
         if sto.get("middle", "float32") not in ("float32", "drop"):
-            dense = Policy(name + ".dense", sto["middle"], 0, sto["window"], sto["group"], sto.get("feature_group", 32),
-                           sto.get("key_axis", "channel"))
+            dense = _storage_of(name + ".dense", sto, sto["middle"], sto["window"])
         sel["sparse_share"], sel["keep"] = selective_budget(given, sel["keep"], where=f"{where} ({name}).budget",
                                                             dense=dense, **budget)
     elif "budget" in entry and sel.get("block"):
@@ -371,11 +370,9 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
         else:
             store = rest = None
             if sto.get("middle", "float32") not in ("float32", "drop"):  # the kept set's storage prices each token
-                store = Policy(name + ".store", sto["middle"], 0, sto["window"], sto["group"],
-                               sto.get("feature_group", 32), sto.get("key_axis", "channel"))
+                store = _storage_of(name + ".store", sto, sto["middle"], sto["window"])
             if sto.get("rest") is not None:  # the tokens not kept, stored quantized (MiKV)
-                rest = Policy(name + ".rest", sto["rest"], 0, 0, sto["group"], sto.get("feature_group", 32),
-                              sto.get("key_axis", "channel"))
+                rest = _storage_of(name + ".rest", sto, sto["rest"], 0)
             sel["keep"] = budget_keep(entry["budget"], mode=sel.get("mode", "online"),
                                       where=f"{where} ({name}).budget", **budget, store=store, rest=rest,
                                       **({"pyramid_beta": beta, "pyramid_window": window_of} if pyramid else {}))
@@ -386,6 +383,16 @@ def declared(entry: dict, *, window: int, group: int, evict_window: int, where: 
         return compose(name, Selection(**sel), Storage(**sto), description, layer_keep=layer_keep)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where} ({name}): {e}") from None
+
+
+def _storage_of(name: str, sto: dict, middle: str, window: int) -> Policy:
+    """The uniform storage (no sink) that a declared storage's fields give a scored selection's stored
+    kept set, quantized rest or stored dense class: ``middle``, the float32 ``window``, and the groups
+    and key axis as :class:`Storage` fills them (the policy's own ``storage_policy``, ``rest_policy``
+    and ``dense_policy`` once composed)."""
+    d = Storage()
+    return Policy(name, middle, 0, window, sto.get("group", d.group), sto.get("feature_group", d.feature_group),
+                  sto.get("key_axis", d.key_axis))
 
 
 def policies_from(entries, *, window: int, group: int, evict_window: int, sink: int,

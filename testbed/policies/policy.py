@@ -708,6 +708,8 @@ class Policy:
             return math.inf
         if self.store is not None:  # a stored kept set flushes at held counts the prefill's length sets: one token
             return math.inf if self.store == "float32" else 1  # per forward (a float32 storage never changes)
+        if self.dense is not None:  # the dense pairs' storage holds every token: it flushes as a uniform cache would
+            return self.dense_policy().next_change(n)
         if self.scored:  # online: the append that makes the cache exceed keep evicts, after its own attention
             return math.inf if self.scorer_mode == "prefill" else max(1, self.keep + 1 - n)
         if self.evicts:  # the append that makes the cache exceed S + W evicts (without a mask)

@@ -431,7 +431,8 @@ class ScoredLayer(DynamicLayer):
 
     def batch_bytes(self) -> int:
         """Bytes for the whole batch, header not counted: float32 K and V, int32 indices, float32 scores
-        of every held token (an adaptive layer's empty slots are not held)."""
+        of every held token (an adaptive layer's empty slots are not held); a selective layer's dense
+        pairs without index or score, and stored by their storage when ``Policy.dense`` is set."""
         if not self.is_initialized:
             return 0
         if self.uncut is not None:
@@ -503,8 +504,8 @@ class ScoredLayer(DynamicLayer):
             if self.policy.selective:
                 out["kept.sparse"] = self.sparse[0].to(torch.uint8)
                 out["select.score"] = self.class_score[0]
-            if self.dense_store is not None:  # a stored dense pair's tokens are its dense.* arrays, not float32
-                dense = torch.nonzero(~self.sparse[0]).flatten()
+            dense = torch.nonzero(~self.sparse[0]).flatten()
+            if self.dense_store is not None and dense.numel():  # a stored dense pair's tokens: its dense.* arrays
                 for key in ("float.k", "float.v"):
                     out[key] = out[key].clone()
                     out[key][dense] = 0

@@ -45,7 +45,9 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
     observation metrics' definition) of a causal pass's attention rows, over its queries and the
     KV head's query heads; low is concentrated, 1 is uniform (``total``: the sum instead of the
     mean). ``query [B, H_q, t, D]`` are the last t of the ``key [B, H_kv, n, D]`` positions (the
-    pass's keys in order, a cache's history first); float32 scores, queries in blocks."""
+    pass's keys in order, a cache's history first); float32 scores over the keys each query sees
+    (:func:`~testbed.policies.causal.causal_softmax_rows`), the float64 supports summed per ``block``
+    of queries."""
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     support = torch.empty(b, hkv, hq // hkv, t, dtype=torch.float64, device=query.device)
@@ -63,11 +65,12 @@ def concentration(query: torch.Tensor, key: torch.Tensor, scale: float, block: i
 
 
 def _effective_support(p: torch.Tensor, visible_keys: torch.Tensor, work: tuple) -> torch.Tensor:
-    """:func:`testbed.metrics.effective_support` of ``p``'s rows, the same numbers, its entropy's
-    float64 temporaries written into ``work`` (a float64 and a bool buffer of at least ``p.numel()``)."""
+    """:func:`testbed.metrics.effective_support` of ``p``'s rows (each row's entropy summed over the
+    keys it sees, so equal to it up to float64 rounding), its entropy's float64 temporaries written
+    into ``work`` (a float64 and a bool buffer of at least ``p.numel()``)."""
     plogp = work[0][:p.numel()].view(p.shape).copy_(p)
     zero = work[1][:p.numel()].view(p.shape)
-    torch.logical_not(plogp > 0, out=zero)
+    torch.gt(plogp, 0, out=zero).logical_not_()
     plogp.masked_fill_(zero, 1.0).log_().masked_fill_(zero, 0.0).mul_(p)
     return torch.exp(-plogp.sum(dim=-1)) / visible_keys.to(torch.float64)
 
