@@ -504,8 +504,8 @@ class ScoredLayer(DynamicLayer):
             if self.policy.selective:
                 out["kept.sparse"] = self.sparse[0].to(torch.uint8)
                 out["select.score"] = self.class_score[0]
-            dense = torch.nonzero(~self.sparse[0]).flatten()
-            if self.dense_store is not None and dense.numel():  # a stored dense pair's tokens: its dense.* arrays
+            dense = torch.nonzero(~self.sparse[0]).flatten() if self.dense_store is not None else None
+            if dense is not None and dense.numel():  # a stored dense pair's tokens: its dense.* arrays, not float32
                 for key in ("float.k", "float.v"):
                     out[key] = out[key].clone()
                     out[key][dense] = 0
